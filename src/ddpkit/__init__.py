@@ -1,0 +1,29 @@
+"""ddpkit: PyTorch training on one CPU, one GPU, all GPUs of a machine or many machines, with the
+number of processes as a launch flag and results that do not depend on it.
+
+    import ddpkit
+    ddpkit.launch(main, nproc=2)          # main() builds a ddpkit.Runtime inside each worker
+
+Heavy imports (torch) happen on first use of `Runtime` / `launch`, so `import ddpkit` is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["Runtime", "launch", "UsageError", "WorkerFailed", "__version__"]
+
+from .errors import UsageError, WorkerFailed
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Runtime":
+        from .runtime import Runtime
+
+        return Runtime
+    if name == "launch":
+        from .launch import launch
+
+        return launch
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

@@ -1,0 +1,50 @@
+"""Checkpoint files: written atomically, read without unpickling code.
+
+A write goes to a temp file in the same directory, is flushed to disk, and renamed over the
+target, so a crash mid-write leaves the previous file intact. Reads use
+`torch.load(weights_only=True)`: tensors, numbers, strings and containers only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+
+
+def save_file(path: str | os.PathLike, obj: Any) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """Load a file written by `save_file` or `torch.save`. A missing, truncated, corrupted or
+    code-carrying file raises UsageError with one line naming the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise UsageError(f"checkpoint {path}: no such file")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"checkpoint {path}: refused, it holds more than weights ({first})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None

@@ -1,0 +1,161 @@
+"""The `ddpkit` command: parse into a typed config, call one function, map errors to exit codes.
+
+Exit codes: 0 success; 2 bad usage or input (one line on stderr naming the flag or file, no
+traceback); 1 a failure during the run (the failing rank, its host and its error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import traceback
+import typing
+from typing import Any, Callable, NoReturn, Sequence
+
+from . import __version__
+from .errors import UsageError, WorkerFailed
+
+USAGE = f"""ddpkit {__version__}: PyTorch training on 1 CPU, 1 GPU, all GPUs or many machines.
+
+usage: ddpkit <command> [options]     (ddpkit <command> --help for its options)
+
+commands:
+  train    train a built-in model on a built-in dataset over all local devices
+  env      what this machine offers: PyTorch build, GPUs, backends, ddpkit's defaults
+"""
+
+
+class _OneLineParser:
+    """Mixin: argparse errors become one line and exit code 2 (argparse prints the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class _ArgParser(_OneLineParser, argparse.ArgumentParser):
+    pass
+
+
+def _train_parser(defaults: Any) -> Any:
+    import simple_parsing
+
+    class Parser(_OneLineParser, simple_parsing.ArgumentParser):
+        pass
+
+    from .config import TrainConfig
+
+    parser = Parser(prog="ddpkit train", description=TrainConfig.__doc__,
+                    add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file of options (keys as the flags without '--'); flags on the command line override it")
+    parser.add_arguments(TrainConfig, dest="cfg", default=defaults)
+    return parser
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Options from a YAML file, keys with '-' or '_', values checked against TrainConfig's types."""
+    import yaml
+
+    from .config import FIELDS, TrainConfig
+
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as err:
+        raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise UsageError(f"--config {path}: not valid YAML{at}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(raw).__name__}")
+    types = typing.get_type_hints(TrainConfig)
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise UsageError(f"--config {path}: unknown option {key!r}")
+        values[name] = _coerce(path, key, value, types[name])
+    return values
+
+
+def _coerce(path: str, key: str, value: Any, kind: Any) -> Any:
+    allowed = typing.get_args(kind) or (kind,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+    wanted = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise UsageError(f"--config {path}: {key} should be {wanted}, got {value!r}")
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from .config import TrainConfig
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    defaults = TrainConfig(**(load_config_file(known.config) if known.config else {}))
+    cfg = _train_parser(defaults).parse_args(argv).cfg
+    from .trainer import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_env(argv: Sequence[str]) -> int:
+    parser = _ArgParser(prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    from .env import render, report
+
+    r = report()
+    print(json.dumps(r, indent=2) if args.json else render(r))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "env": cmd_env}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"ddpkit {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ddpkit: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name](rest)
+    except UsageError as err:
+        print(f"ddpkit {name}: error: {err}", file=sys.stderr)
+        return 2
+    except WorkerFailed as err:
+        if err.traceback:
+            print(err.traceback.rstrip(), file=sys.stderr)
+        print(f"ddpkit {name}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"ddpkit {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a failure inside a single-process run: same shape as WorkerFailed
+        traceback.print_exc()
+        print(f"ddpkit {name}: rank 0 on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1

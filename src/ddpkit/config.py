@@ -1,0 +1,92 @@
+"""Typed configuration for `ddpkit train`. Each field is a command-line flag (`batch_size` is
+`--batch-size`) and a key of `--config FILE.yaml`; each check names the flag at fault."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .data import DATASETS
+from .errors import UsageError
+from .models import MODELS
+from .precision import PRECISIONS
+from .runtime import DEVICES
+from .strategy import STRATEGIES
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        raise UsageError(f"{flag}: unknown value {value!r}; choose from {', '.join(choices)}")
+
+
+def _positive(flag: str, value: float | int) -> None:
+    if value <= 0:
+        raise UsageError(f"{flag} must be positive, got {value}")
+
+
+@dataclass
+class TrainConfig:
+    """Train a built-in model on a built-in dataset over all local devices."""
+
+    data: str = "digits"  # dataset: digits (offline default) or synthetic
+    data_dir: Optional[str] = None  # where dataset files live (datasets that need files)
+    model: str = "cnn"  # cnn, simple-cnn, lenet or mlp
+    nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
+    device: str = "auto"  # auto, cpu or cuda
+    strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single
+    epochs: int = 10  # passes over the training set
+    batch_size: int = 64  # GLOBAL batch: samples per optimizer step over all processes together
+    lr: float = 0.05  # peak learning rate (cosine decay to zero over the run)
+    optimizer: str = "sgd"  # sgd (Nesterov momentum 0.9) or adamw
+    weight_decay: float = 5e-4  # L2 penalty
+    precision: str = "fp32"  # fp32, bf16 or fp16 (fp16 uses a GradScaler)
+    seed: int = 0  # seeds model init, shuffling and synthetic data
+    out: Optional[str] = None  # output directory (default: runs/<date>-<time>)
+    resume: Optional[str] = None  # auto (newest checkpoint in --out) or a checkpoint file
+    eval_batch_size: int = 512  # global batch for evaluation
+    num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
+    log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps
+    timeout: float = 600.0  # seconds a collective may wait for the slowest rank
+    synthetic_shape: str = "3,32,32"  # synthetic data: C,H,W of one sample
+    synthetic_size: int = 4096  # synthetic data: training samples (test gets a fifth as many)
+    num_classes: int = 10  # synthetic data: number of classes
+    progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
+
+    def __post_init__(self) -> None:
+        _choice("--data", self.data, DATASETS)
+        _choice("--model", self.model, list(MODELS))
+        _choice("--device", self.device, DEVICES)
+        _choice("--strategy", self.strategy, STRATEGIES)
+        _choice("--precision", self.precision, PRECISIONS)
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        if not (self.nproc == "auto" or str(self.nproc).isdigit()) or str(self.nproc) == "0":
+            raise UsageError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
+        for flag in ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout",
+                     "synthetic_size", "num_classes"):
+            _positive("--" + flag.replace("_", "-"), getattr(self, flag))
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
+        self.shape()  # validates --synthetic-shape
+        if self.out is None:
+            self.out = time.strftime("runs/%Y%m%d-%H%M%S")
+
+    def shape(self) -> tuple[int, ...]:
+        try:
+            dims = tuple(int(d) for d in self.synthetic_shape.split(","))
+        except ValueError:
+            dims = ()
+        if not dims or min(dims) <= 0:
+            raise UsageError(f"--synthetic-shape must be positive integers like 3,32,32, got {self.synthetic_shape!r}")
+        return dims
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

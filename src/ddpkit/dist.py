@@ -1,0 +1,188 @@
+"""Process-group setup and teardown, rank facts, and the collectives a training loop needs.
+
+This is the only module that calls `torch.distributed.init_process_group`. Everything here
+also works with a single process and no process group, so user code need not branch on it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, and who told us (torchrun, slurm or single)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    source: str = "single"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[07-09,12],cpu1' -> 'gpu07'.
+
+    Saves a call to `scontrol show hostnames`, which is not on every compute node's PATH.
+    """
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = head.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_env() -> DistEnv:
+    """Read rank and world size from torchrun's variables, else SLURM's, else a single process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return DistEnv(
+            rank=_int_env("RANK", 0),
+            local_rank=_int_env("LOCAL_RANK", 0),
+            world_size=_int_env("WORLD_SIZE", 1),
+            local_world_size=_int_env("LOCAL_WORLD_SIZE", 1),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int_env("MASTER_PORT", 0),
+            source="torchrun",
+        )
+    if _int_env("SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        # Inside `srun`: one task per process. The port is derived from the job id so every task
+        # agrees on it without talking, the way Lightning does it.
+        job_id = _int_env("SLURM_JOB_ID", 0)
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        ntasks = _int_env("SLURM_NTASKS", 1)
+        return DistEnv(
+            rank=_int_env("SLURM_PROCID", 0),
+            local_rank=_int_env("SLURM_LOCALID", 0),
+            world_size=ntasks,
+            local_world_size=ntasks // max(1, _int_env("SLURM_NNODES", 1)),
+            master_addr=os.environ.get("MASTER_ADDR") or first_slurm_host(nodelist),
+            master_port=_int_env("MASTER_PORT", 15000 + job_id % 20000),
+            source="slurm",
+        )
+    return DistEnv()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago. Prefer letting the rendezvous bind port 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Create the default process group for `env` unless one exists. True if this call made it.
+
+    Does nothing for a single process: every helper below works without a group.
+    """
+    if not env.is_distributed or tdist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        # Binding the group to the device lets NCCL set up eagerly and avoids the
+        # "guessing device id" warning on the first barrier.
+        kwargs["device_id"] = device
+    tdist.init_process_group(
+        backend=backend_for(device),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return True
+
+
+def teardown() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def world_size() -> int:
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def rank() -> int:
+    return tdist.get_rank() if tdist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """True on the process that writes files and prints: global rank 0."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        tdist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce with op 'sum', 'mean', 'max' or 'min'; returns the tensor."""
+    if world_size() == 1:
+        return tensor
+    if op == "mean":
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
+        return tensor.div_(world_size())
+    ops = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+    tdist.all_reduce(tensor, op=ops[op])
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's tensor, in rank order. Sizes may differ between ranks along any dimension
+    as long as the number of dimensions agrees: shapes are exchanged first, then padded data."""
+    if world_size() == 1:
+        return [tensor]
+    n = world_size()
+    shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
+    shapes = [torch.empty_like(shape) for _ in range(n)]
+    tdist.all_gather(shapes, shape)
+    max_shape = torch.stack(shapes).max(dim=0).values.tolist()
+    padded = tensor.new_zeros(max_shape)
+    padded[tuple(slice(0, s) for s in tensor.shape)] = tensor
+    gathered = [torch.empty_like(padded) for _ in range(n)]
+    tdist.all_gather(gathered, padded)
+    return [g[tuple(slice(0, s) for s in sh.tolist())] for g, sh in zip(gathered, shapes)]
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """The `src` rank's Python object, on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's Python object, in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,89 @@
+"""`ddpkit env`: what this machine offers for training, and what `ddpkit train` would pick."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from . import __version__, dist
+from .launch import auto_nproc, cpu_count
+
+
+def _gpus() -> list[dict[str, Any]]:
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
+                    "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+    return out
+
+
+def report() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    backends = {name: bool(getattr(tdist, f"is_{name}_available", lambda: False)())
+                for name in ("gloo", "nccl", "mpi", "ucc")}
+    nccl = None
+    if cuda and backends["nccl"]:
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    device = "cuda" if cuda else "cpu"
+    denv = dist.detect_env()
+    return {
+        "ddpkit_version": __version__,
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": {
+            "version": torch.__version__,
+            "git_version": getattr(torch.version, "git_version", None),
+            "debug_build": bool(torch.version.debug),
+            "cuda_build": torch.version.cuda,
+            "hip_build": getattr(torch.version, "hip", None),
+        },
+        "cuda": {
+            "available": cuda,
+            "device_count": torch.cuda.device_count() if cuda else 0,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "nccl": nccl,
+            "bf16_supported": bool(cuda and torch.cuda.is_bf16_supported()),
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
+        "gpus": _gpus() if cuda else [],
+        "cpu": {"logical_cores": os.cpu_count(), "usable_cores": cpu_count(),
+                "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "distributed_backends": backends,
+        "launch_environment": {"source": denv.source, "rank": denv.rank, "world_size": denv.world_size},
+        "train_defaults": {"device": device, "nproc": auto_nproc(device), "backend": dist.backend_for(torch.device(device)),
+                           "strategy": "ddp" if auto_nproc(device) > 1 else "single (ddp on one process)",
+                           "precision": "fp32"},
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    t, c = r["torch"], r["cuda"]
+    lines = [
+        f"ddpkit {r['ddpkit_version']} on {r['host']} (Python {r['python']}, {r['platform']})",
+        f"PyTorch {t['version']}  build: {'CUDA ' + t['cuda_build'] if t['cuda_build'] else 'CPU-only'}"
+        f"{'  (debug)' if t['debug_build'] else ''}",
+        f"CUDA available: {'yes' if c['available'] else 'no'}"
+        + (f"  cuDNN {c['cudnn']}  NCCL {c['nccl']}  bf16 {'yes' if c['bf16_supported'] else 'no'}" if c["available"] else ""),
+    ]
+    if c["CUDA_VISIBLE_DEVICES"] is not None:
+        lines.append(f"CUDA_VISIBLE_DEVICES={c['CUDA_VISIBLE_DEVICES']}")
+    for g in r["gpus"]:
+        lines.append(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, compute capability "
+                     f"{g['compute_capability']}, {g['multiprocessors']} SMs")
+    cpu = r["cpu"]
+    lines.append(f"CPU cores: {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process")
+    lines.append("distributed backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["distributed_backends"].items()))
+    le = r["launch_environment"]
+    if le["source"] != "single":
+        lines.append(f"launched by {le['source']}: rank {le['rank']} of {le['world_size']}")
+    d = r["train_defaults"]
+    lines.append(f"ddpkit train defaults here: --device {d['device']} --nproc {d['nproc']} "
+                 f"(backend {d['backend']}, strategy {d['strategy']}, precision {d['precision']})")
+    return "\n".join(lines)

@@ -1,0 +1,21 @@
+"""Exceptions that carry meaning for the command line.
+
+`UsageError` is bad input (a flag, a file): the CLI prints its message on one line and exits 2.
+`WorkerFailed` is a failure during the run: the CLI names the failing rank and exits 1.
+"""
+
+from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """Bad usage or bad input; the message names the flag or file at fault."""
+
+
+class WorkerFailed(RuntimeError):
+    """One or more worker processes failed; `rank` is the first one that did."""
+
+    def __init__(
+        self, rank: int, host: str, message: str, exitcode: int | None = None, traceback: str = ""
+    ):
+        self.rank, self.host, self.exitcode, self.traceback = rank, host, exitcode, traceback
+        super().__init__(f"rank {rank} on {host} failed: {message}")

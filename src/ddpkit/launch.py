@@ -1,0 +1,161 @@
+"""Start N local workers through torch's elastic launcher, and report the first failure by rank.
+
+ddpkit manages no processes itself: `torch.distributed.launcher.api.elastic_launch` starts the
+workers, runs the rendezvous, watches them, and stops the others when one fails. This module
+adds what the tutorials get wrong by hand:
+
+- no fixed MASTER_PORT: the rendezvous binds port 0 on the loopback address and the OS picks;
+- functions from a notebook or from `python -` on stdin work: the function is pickled by value
+  (cloudpickle), so the `spawn`-ed children need not re-import a `__main__` that has no file;
+- a failure becomes one `WorkerFailed` naming the rank, the host and the worker's exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import uuid
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+
+from .errors import UsageError, WorkerFailed
+
+
+def cpu_count() -> int:
+    """Cores this process may use (respects taskset / cgroup affinity where the OS reports it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS / Windows
+        return os.cpu_count() or 1
+
+
+def auto_nproc(device_type: str) -> int:
+    """`--nproc auto`: one process per visible GPU; on CPU one process per 4 cores, at least 1.
+
+    CPU processes each run several intra-op threads; small models gain little from more than
+    about four threads per process, while every extra process costs start-up and all-reduce
+    time. On a 2-core machine this gives a single process with both cores.
+    """
+    if device_type == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return max(1, cpu_count() // 4)
+
+
+def parse_nproc(value: str | int, device_type: str) -> int:
+    if isinstance(value, int) or str(value).isdigit():
+        n = int(value)
+        if n < 1:
+            raise UsageError(f"--nproc must be a positive integer or 'auto', got {value}")
+        return n
+    if value == "auto":
+        return auto_nproc(device_type)
+    raise UsageError(f"--nproc must be a positive integer or 'auto', got {value!r}")
+
+
+def threads_per_process(nproc: int) -> int:
+    return max(1, cpu_count() // nproc)
+
+
+def _entrypoint(payload: bytes) -> Any:
+    # Runs in each worker; the agent wraps it in `record`, which writes the traceback to the
+    # error file it reads, so the parent learns *why* a rank failed, not only its exit code.
+    import pickle
+
+    fn, args, kwargs = pickle.loads(payload)
+    return fn(*args, **kwargs)
+
+
+def _quiet_elastic_logs() -> None:
+    # The agent logs its every step, and a worker's traceback once per layer. WorkerFailed
+    # carries the failing rank's traceback instead, printed once by whoever catches it.
+    # torch gives each module its own logger with its own level, so setting the parent's
+    # level is not enough.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int | str = "auto",
+    device: str = "cpu",
+    max_restarts: int = 0,
+    **kwargs: Any,
+) -> dict[int, Any]:
+    """Run `fn(*args, **kwargs)` in `nproc` local worker processes; return {rank: return value}.
+
+    Works for functions defined in scripts, modules, notebooks and programs read from stdin.
+    Raises `WorkerFailed` naming the first failing rank; the other workers are stopped by the
+    elastic agent. `device` ('cpu' or 'cuda') only matters for `nproc='auto'`.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    n = parse_nproc(nproc, device)
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=f"ddpkit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        # Port 0: the OS picks a free port when the store binds, so two jobs never collide.
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"is_host": True},
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # Each process gets its share of the cores instead of all of them (oversubscription makes
+    # CPU DDP several times slower). A value the user set is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(n)))
+    _quiet_elastic_logs()
+    try:
+        with _main_without_phantom_file():
+            return elastic_launch(config, _entrypoint)(payload)
+    except ChildFailedError as err:
+        raise _as_worker_failed(err) from None
+
+
+@contextlib.contextmanager
+def _main_without_phantom_file() -> Iterator[None]:
+    """Hide a `__main__.__file__` that is not a file (`python -` sets '<stdin>').
+
+    `spawn` re-runs the parent's main file in every child; with no file that fails before our
+    code runs. The function travels by value, so the children do not need `__main__` at all.
+    Notebooks have no `__main__.__file__` and need nothing here.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    phantom = path is not None and not os.path.isfile(path)
+    if phantom:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if phantom:
+            main.__file__ = path
+
+
+def _as_worker_failed(err: Any) -> WorkerFailed:
+    # The first failure in time is the cause; later ones are usually ranks stopped because of it.
+    rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp)
+    data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+    traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
+    if traceback:
+        # The exception line ("ValueError: boom") is the message; the traceback goes along.
+        message = traceback.strip().splitlines()[-1]
+    elif failure.exitcode < 0:
+        message = f"killed by {failure.signal_name()}"
+    else:
+        message = f"exited with code {failure.exitcode}"
+    return WorkerFailed(rank, socket.gethostname(), message, failure.exitcode, traceback)

@@ -1,0 +1,29 @@
+"""PNG plots. matplotlib is imported here only, with the file-only Agg backend (no display)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Loss and accuracy per epoch, train and test, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_acc, "accuracy", "accuracy")):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], "o-", label="train")
+        ax.plot(epochs, [h[f"test_{key}"] for h in history], "s-", label="test")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_loss.set_yscale("log")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

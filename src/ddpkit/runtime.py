@@ -1,0 +1,266 @@
+"""`Runtime`: the object a user's own training loop talks to, one per worker process.
+
+    with ddpkit.Runtime(precision="bf16", seed=0) as rt:
+        model, opt = rt.setup(model, opt)
+        for epoch in range(epochs):
+            for x, y in rt.loader(train_set, batch_size=256):   # GLOBAL batch
+                rt.backward(loss_fn(model(x), y))
+                rt.step(opt)
+            rt.print(rt.evaluate(model, test_set))               # exact, rank 0 prints
+        rt.save("ckpt.pt", model=model, optimizer=opt)
+
+The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun or srun.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from typing import Any, ContextManager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import dist, strategy as strategies
+from .data import DistributedLoader, ShardSampler, eval_loader, train_loader
+from .errors import UsageError
+from .log import print0
+from .precision import Precision, outputs_to_fp32
+from .checkpoint import load_file, save_file
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else CPU. Each process binds to GPU `local_rank`
+    among those CUDA_VISIBLE_DEVICES shows."""
+    if name not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UsageError(f"local rank {local_rank} has no GPU: only {count} visible; lower --nproc")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, NumPy and `random` identically on every rank, so models start identical."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Runtime:
+    """Process group, device, strategy and precision for one worker; see the module docstring.
+
+    Args:
+        strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'dp'
+            (nn.DataParallel over the visible GPUs, one process) or 'single'.
+        precision: 'fp32', 'bf16' or 'fp16' (autocast; fp16 adds a GradScaler).
+        device: 'auto', 'cpu' or 'cuda'.
+        seed: seeds torch, NumPy and `random` on every rank before you build the model.
+        timeout_s: how long a collective may wait for the slowest rank before failing.
+    """
+
+    def __init__(self, strategy: str = "ddp", precision: str = "fp32", device: str = "auto",
+                 seed: int | None = None, timeout_s: float = 600.0):
+        self.env = dist.detect_env()
+        self.device = resolve_device(device, self.env.local_rank)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Without this every process starts one thread per core and they fight over them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.env.local_world_size))
+        self._owns_group = dist.init(self.env, self.device, timeout_s)
+        try:
+            self.strategy = strategies.resolve(strategy, self.world_size, self.device)
+            self.precision = Precision(precision, self.device)
+        except ValueError as err:
+            self.close()
+            raise UsageError(str(err)) from None
+        if seed is not None:
+            seed_everything(seed)
+
+    # -- where we are -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return dist.rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.world_size()
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return dist.is_main()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the process group if this runtime created it. Safe to call twice."""
+        if self._owns_group:
+            dist.teardown()
+            self._owns_group = False
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- model and optimizer ------------------------------------------------------------------
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Move `model` to the device and wrap it for the strategy; returns the wrapped model,
+        or (model, *optimizers) when optimizers are given.
+
+        Parameters are moved in place, so an optimizer built on the bare model before this call
+        keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
+        in autocast and returns fp32 outputs, so the loss is computed in full precision.
+        """
+        wrapped = strategies.wrap(model, self.strategy, self.device)
+        if self.precision.name != "fp32":
+            wrapped.forward = self._autocast_forward(wrapped.forward)
+        return (wrapped, *optimizers) if optimizers else wrapped
+
+    def _autocast_forward(self, forward: Any) -> Any:
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self.precision.autocast():
+                out = forward(*args, **kwargs)
+            return outputs_to_fp32(out)
+
+        return run
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The bare model under DDP / DataParallel / torch.compile."""
+        return strategies.unwrap(model)
+
+    def autocast(self) -> ContextManager[Any]:
+        """The precision's autocast context, for code outside the model's forward."""
+        return self.precision.autocast()
+
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        """Skip the gradient all-reduce for backward passes inside (gradient accumulation)."""
+        return strategies.no_sync(model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None) -> None:
+        """Optimizer step (through the GradScaler under fp16), then zero the gradients.
+        With `max_grad_norm`, gradients are unscaled and clipped first."""
+        if max_grad_norm is not None:
+            self.precision.unscale(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- data ---------------------------------------------------------------------------------
+    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, drop_last: bool = False,
+               seed: int = 0, num_workers: int | None = None) -> DistributedLoader:
+        """Training batches for this rank. `batch_size` is the GLOBAL batch: each of the N
+        ranks gets batch_size / N samples per step. Reshuffles every epoch by itself."""
+        try:
+            return train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
+                                device=self.device, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                num_workers=num_workers, local_world_size=self.env.local_world_size)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    def eval_loader(self, dataset: Any, batch_size: int = 512, num_workers: int | None = None) -> DistributedLoader:
+        """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""
+        return eval_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
+                           device=self.device, num_workers=num_workers,
+                           local_world_size=self.env.local_world_size)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int = 512) -> dict[str, float]:
+        """Accuracy and mean per-sample loss of a classifier over ALL of `data`, on every rank.
+
+        `data` is a Dataset or a loader from `eval_loader()`. Each sample is seen by exactly
+        one rank and the sums are all-reduced, so `samples` equals len(dataset) for any world
+        size. `loss_fn(output, target)` must return a batch mean (default: cross-entropy).
+        """
+        loader = data if isinstance(data, DistributedLoader) else self.eval_loader(data, batch_size)
+        if not isinstance(loader.sampler, ShardSampler):
+            raise TypeError("evaluate() needs a Dataset or a loader from Runtime.eval_loader()")
+        net = self.unwrap(model)  # the bare module: no DDP collectives, ranks may differ in batches
+        was_training = net.training
+        net.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss, count
+        for x, y in loader:
+            with self.precision.autocast():
+                out = outputs_to_fp32(net(x))
+            loss = loss_fn(out, y) if loss_fn else F.cross_entropy(out, y)
+            sums += torch.stack([(out.argmax(1) == y).sum().double(), loss.double() * y.numel(),
+                                 torch.tensor(y.numel(), dtype=torch.float64, device=self.device)])
+        net.train(was_training)
+        dist.all_reduce(sums)
+        count = int(sums[2].item())
+        return {"accuracy": sums[0].item() / max(1, count), "loss": sums[1].item() / max(1, count),
+                "samples": count}
+
+    # -- output and collectives -----------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on rank 0 only."""
+        print0(*args, **kwargs)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """Reduce a tensor (in place) or a Python number over ranks; op sum/mean/max/min."""
+        if isinstance(value, torch.Tensor):
+            return dist.all_reduce(value, op)
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        return dist.all_reduce(t, op).item()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor (sizes may differ per rank), in rank order."""
+        return dist.all_gather(tensor)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return dist.broadcast_object(obj, src)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return dist.gather_objects(obj)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, **state: Any) -> None:
+        """Write a checkpoint of `state` (modules, optimizers, anything with state_dict(), or
+        plain values). Rank 0 writes a temp file and renames it; all ranks wait for it.
+        Modules are unwrapped first: no `module.` prefixes in the file."""
+        if self.is_main:
+            save_file(path, {k: _state_of(v) for k, v in state.items()})
+        self.barrier()
+
+    def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
+        """Load a checkpoint written by `save()` (with `weights_only=True`: no code runs).
+        Each target's entry is loaded into it; returns the whole loaded dict."""
+        state = load_file(path, map_location=self.device)
+        for key, target in targets.items():
+            if key not in state:
+                raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
+            target = self.unwrap(target) if isinstance(target, nn.Module) else target
+            target.load_state_dict(state[key])
+        return state
+
+
+def _state_of(value: Any) -> Any:
+    if isinstance(value, nn.Module):
+        return strategies.unwrap(value).state_dict()
+    if hasattr(value, "state_dict"):
+        return value.state_dict()
+    return value
+
