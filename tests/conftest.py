@@ -1,0 +1,39 @@
+"""Shared fixtures. Every test starts with no launcher/SLURM variables and no process group,
+so one test's distributed state never leaks into the next."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def clean_dist_env(monkeypatch):
+    for name in list(os.environ):
+        if name in LAUNCH_VARS or name.startswith("SLURM_"):
+            monkeypatch.delenv(name, raising=False)
+    yield
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def run_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None,
+            stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m ddpkit ARGS...` as a real subprocess; returns the completed process."""
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd, input=stdin)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
