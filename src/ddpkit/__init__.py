@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return Runtime
     if name == "launch":
-        from .launch import launch
+        from .launcher import launch
 
         return launch
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

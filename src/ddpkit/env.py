@@ -11,7 +11,7 @@ import torch
 import torch.distributed as tdist
 
 from . import __version__, dist
-from .launch import auto_nproc, cpu_count
+from .launcher import auto_nproc, cpu_count
 
 
 def _gpus() -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from . import __version__, data as datasets, dist, models
 from .checkpoint import load_file
 from .config import TrainConfig
 from .errors import UsageError
-from .launch import launch, parse_nproc
+from .launcher import launch, parse_nproc
 from .runtime import Runtime, resolve_device
 
 KEEP_CHECKPOINTS = 2

@@ -13,10 +13,15 @@ adds what the tutorials get wrong by hand:
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
 import logging
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -96,12 +101,17 @@ def launch(
     Raises `WorkerFailed` naming the first failing rank; the other workers are stopped by the
     elastic agent. `device` ('cpu' or 'cuda') only matters for `nproc='auto'`.
     """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = parse_nproc(nproc, device)
     payload = cloudpickle.dumps((fn, args, kwargs))
+    logs = tempfile.mkdtemp(prefix="ddpkit-launch-")
     config = LaunchConfig(
+        # Our own directory for the workers' error files: the agent reports only the first
+        # failure it notices, which may be a rank that died *because* another one did.
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=n,
@@ -123,7 +133,9 @@ def launch(
         with _main_without_phantom_file():
             return elastic_launch(config, _entrypoint)(payload)
     except ChildFailedError as err:
-        raise _as_worker_failed(err) from None
+        raise _as_worker_failed(err, logs) from None
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -146,16 +158,53 @@ def _main_without_phantom_file() -> Iterator[None]:
             main.__file__ = path
 
 
-def _as_worker_failed(err: Any) -> WorkerFailed:
-    # The first failure in time is the cause; later ones are usually ranks stopped because of it.
-    rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp)
-    data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
-    traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-    if traceback:
-        # The exception line ("ValueError: boom") is the message; the traceback goes along.
-        message = traceback.strip().splitlines()[-1]
-    elif failure.exitcode < 0:
-        message = f"killed by {failure.signal_name()}"
+# Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
+_PEER_LOSS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+              "DistBackendError", "NCCL communicator was aborted", "remote process exited")
+
+
+def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
+    """The root cause among all ranks that failed: a rank's own exception beats a peer-loss
+    error or a kill by the agent; then the earliest; then the lowest rank."""
+    found: dict[int, tuple[int, float, str]] = {}  # rank -> (exitcode, timestamp, traceback)
+    for rank, failure in err.failures.items():
+        found[rank] = (failure.exitcode, failure.timestamp, _traceback_of(failure.error_file_data))
+    attempts = sorted(glob.glob(os.path.join(logs, "*", "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+    for path in glob.glob(os.path.join(attempts[-1], "*", "error.json")) if attempts else []:
+        rank = int(os.path.basename(os.path.dirname(path)))  # local rank == global rank on one node
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        tb = _traceback_of(data)
+        if tb and not found.get(rank, (0, 0, ""))[2]:
+            stamp = float(data.get("message", {}).get("extraInfo", {}).get("timestamp", 0) or 0)
+            found[rank] = (found.get(rank, (1, 0, ""))[0], stamp, tb)
+
+    def cause_first(item: tuple[int, tuple[int, float, str]]) -> tuple[bool, bool, float, int]:
+        rank, (exitcode, stamp, tb) = item
+        consequence = any(marker in tb for marker in _PEER_LOSS)
+        stopped_by_agent = exitcode < 0 and not tb  # SIGTERM/SIGKILL after another rank failed
+        return (consequence, stopped_by_agent, stamp, rank)
+
+    rank, (exitcode, _, tb) = min(found.items(), key=cause_first)
+    if tb:
+        message = tb.strip().splitlines()[-1]  # "ValueError: boom"; the traceback goes along
+    elif exitcode < 0:
+        message = f"killed by {_signal_name(-exitcode)}"
     else:
-        message = f"exited with code {failure.exitcode}"
-    return WorkerFailed(rank, socket.gethostname(), message, failure.exitcode, traceback)
+        message = f"exited with code {exitcode}"
+    return WorkerFailed(rank, socket.gethostname(), message, exitcode, tb)
+
+
+def _traceback_of(error_file_data: Any) -> str:
+    data = error_file_data.get("message", {}) if isinstance(error_file_data, dict) else {}
+    return data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

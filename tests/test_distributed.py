@@ -1,0 +1,161 @@
+"""Real multi-process DDP over gloo on CPU, through ddpkit's launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.errors import WorkerFailed
+from tests import workers
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_ddp_ranks_hold_identical_weights(nproc):
+    out = ddpkit.launch(workers.train_steps, steps=4, global_batch=12, nproc=nproc)
+    assert sorted(out) == list(range(nproc))
+    assert {r["world"] for r in out.values()} == {nproc}
+    assert {r["strategy"] for r in out.values()} == {"ddp"}
+    assert {r["batch"] for r in out.values()} == {12 // nproc}  # the global batch is split
+    # Ranks built different initial weights; DDP broadcast rank 0's, then kept them in step.
+    for r in range(1, nproc):
+        assert torch.equal(out[r]["start"], out[0]["start"])
+        assert torch.equal(out[r]["end"], out[0]["end"])
+    assert not torch.equal(out[0]["start"], out[0]["end"])  # training did move them
+
+
+def test_single_process_matches_two_processes():
+    # Same global batch and data order: 1 and 2 processes take the same steps, up to float32
+    # summation order inside the all-reduce.
+    one = workers.train_steps(steps=4, global_batch=12)
+    two = ddpkit.launch(workers.train_steps, steps=4, global_batch=12, nproc=2)
+    assert one["strategy"] == "single"
+    torch.testing.assert_close(two[0]["end"], one["end"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc,n", [(2, 37), (3, 37), (3, 1)])
+def test_odd_test_set_counted_exactly_once(nproc, n):
+    out = ddpkit.launch(workers.evaluate_odd, n, nproc=nproc)
+    reference = workers.evaluate_odd(n)  # one process, no sharding
+    assert reference["samples"] == n
+    assert sum(r["shard"] for r in out.values()) == n  # shards partition the set: no padding
+    for r in out.values():
+        assert r["samples"] == n
+        assert r["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-12)
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+def test_collectives_across_three_ranks():
+    out = ddpkit.launch(workers.collectives, nproc=3)
+    for r in out.values():
+        assert r["sum"] == 6.0 and r["mean"] == 1.0 and r["max"] == 2.0
+        assert r["shapes"] == [(1, 2), (2, 2), (3, 2)]  # different sizes per rank survive
+        assert r["values"] == [[0.0], [1.0], [2.0]]
+        assert r["obj"] == {"from": 0, "list": [1, 2]}
+        assert r["objs"] == ["rank0", "rank1", "rank2"]
+
+
+def test_collectives_with_one_process():
+    r = workers.collectives()
+    assert r["sum"] == 1.0 and r["mean"] == 0.0 and r["max"] == 0.0
+    assert r["shapes"] == [(1, 2)] and r["obj"] == {"from": 0, "list": [1, 2]} and r["objs"] == ["rank0"]
+
+
+def test_checkpoint_from_ddp_loads_into_plain_model_and_back(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    saved = ddpkit.launch(workers.save_under_ddp, path, nproc=2)
+    assert saved[0]["wrapped"] == "DistributedDataParallel"
+    state = torch.load(path, weights_only=True)
+    assert not any(k.startswith("module.") for k in state["model"])
+    plain = workers.toy_model(seed=123)
+    plain.load_state_dict(state["model"])  # strict: the bare model's own keys
+    torch.testing.assert_close(workers.flat_params(plain), saved[0]["params"], rtol=0, atol=0)
+    assert "state" in state["optimizer"] and state["note"] == "ddp"
+    # ...and back: a plain checkpoint loaded into a DDP-wrapped model on 2 ranks.
+    back = ddpkit.launch(workers.load_under_ddp, path, nproc=2)
+    for r in back.values():
+        assert r["wrapped"] == "DistributedDataParallel" and r["note"] == "ddp"
+        torch.testing.assert_close(r["params"], saved[0]["params"], rtol=0, atol=0)
+
+
+def test_failing_worker_stops_the_run_and_names_its_rank():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.fail_on_rank, 1, nproc=3)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 1
+    assert "rank 1" in str(info.value) and "deliberate failure on rank 1" in str(info.value)
+    assert "ValueError" in str(info.value) and "deliberate failure" in info.value.traceback
+    # The other ranks were blocked in a barrier; the agent must stop them, not wait 10 minutes.
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_launcher_sets_rank_env_and_thread_share():
+    out = ddpkit.launch(workers.env_facts, nproc=2)
+    assert [out[r]["RANK"] for r in (0, 1)] == ["0", "1"]
+    assert {out[r]["WORLD_SIZE"] for r in (0, 1)} == {"2"}
+    assert {out[r]["MASTER_ADDR"] for r in (0, 1)} == {"127.0.0.1"}  # loopback only on one machine
+    assert {out[r]["OMP_NUM_THREADS"] for r in (0, 1)} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
+
+
+def _python(program: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-"], input=textwrap.dedent(program), capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_launch_function_defined_in_stdin_program():
+    # `python -` has no main file for spawn to re-import: the classic "DDP can't run here" case.
+    proc = _python("""
+        import ddpkit, torch
+        OFFSET = 100
+
+        def main(scale):
+            with ddpkit.Runtime(device="cpu") as rt:
+                total = rt.all_reduce(torch.tensor([float(rt.rank + OFFSET)]))
+                rt.print("total", total.item())
+                return rt.rank * scale
+
+        print("results", ddpkit.launch(main, 10, nproc=2))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "results {0: 0, 1: 10}" in proc.stdout
+    assert proc.stdout.count("total 201.0") == 1  # rank 0 only
+
+
+def test_program_whose_worker_raises_exits_nonzero_quickly():
+    t0 = time.monotonic()
+    proc = _python("""
+        import sys, ddpkit
+
+        def main():
+            with ddpkit.Runtime(device="cpu") as rt:
+                if rt.rank == 1:
+                    raise RuntimeError("rank one broke")
+                rt.barrier()
+
+        try:
+            ddpkit.launch(main, nproc=2)
+        except ddpkit.WorkerFailed as err:
+            print(err, file=sys.stderr)
+            sys.exit(1)
+    """)
+    assert proc.returncode == 1
+    assert "rank 1" in proc.stderr and "RuntimeError: rank one broke" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_precision_bf16_and_fp16_train_on_cpu():
+    for precision in ("bf16", "fp16"):
+        out = workers.train_steps(steps=6, global_batch=12, precision=precision)
+        assert torch.isfinite(out["end"]).all()
+        assert not torch.equal(out["start"], out["end"])

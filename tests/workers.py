@@ -1,0 +1,103 @@
+"""Functions run inside launched workers by the tests (importable, so `spawn` finds them)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+
+def toy_data(n: int, seed: int = 0, features: int = 6, classes: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return TensorDataset(x, y % classes)
+
+
+def toy_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in ddpkit.Runtime.unwrap(model).parameters()])
+
+
+def train_steps(steps: int = 5, global_batch: int = 12, precision: str = "fp32") -> dict:
+    """A few optimizer steps of DDP; returns this rank's weights before and after, and rank facts."""
+    with ddpkit.Runtime(precision=precision, device="cpu", seed=1) as rt:
+        model = toy_model(seed=100 + rt.rank)  # different init per rank: DDP must broadcast rank 0's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = rt.setup(model, opt)
+        start = flat_params(model)
+        loader = rt.loader(toy_data(96), batch_size=global_batch)
+        done = 0
+        while done < steps:
+            for x, y in loader:
+                rt.backward(F.cross_entropy(model(x), y))
+                rt.step(opt)
+                done += 1
+                if done == steps:
+                    break
+        return {"rank": rt.rank, "world": rt.world_size, "strategy": rt.strategy,
+                "start": start, "end": flat_params(model), "batch": x.shape[0]}
+
+
+def evaluate_odd(n: int) -> dict:
+    """Evaluate a fixed model on a dataset of odd size `n`."""
+    with ddpkit.Runtime(device="cpu") as rt:
+        model = rt.setup(toy_model(seed=7))
+        result = rt.evaluate(model, toy_data(n, seed=3), batch_size=4)
+        shard = len(rt.eval_loader(toy_data(n, seed=3), batch_size=4).sampler)
+        return {**result, "shard": shard}
+
+
+def collectives() -> dict:
+    with ddpkit.Runtime(device="cpu") as rt:
+        r = rt.rank
+        summed = rt.all_reduce(torch.tensor([r + 1.0]))
+        mean = rt.all_reduce(float(r), op="mean")
+        biggest = rt.all_reduce(torch.tensor([float(r)]), op="max")
+        gathered = rt.all_gather(torch.full((r + 1, 2), float(r)))
+        obj = rt.broadcast_object({"from": r, "list": [1, 2]} if r == 0 else None)
+        objs = rt.gather_objects(f"rank{r}")
+        return {"sum": summed.item(), "mean": mean, "max": biggest.item(),
+                "shapes": [tuple(t.shape) for t in gathered], "values": [t.unique().tolist() for t in gathered],
+                "obj": obj, "objs": objs}
+
+
+def save_under_ddp(path: str) -> dict:
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model = toy_model(seed=5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = rt.setup(model, opt)
+        for x, y in rt.loader(toy_data(48), batch_size=12):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(opt)
+        rt.save(path, model=model, optimizer=opt, note="ddp")
+        return {"wrapped": type(model).__name__, "params": flat_params(model)}
+
+
+def load_under_ddp(path: str) -> dict:
+    with ddpkit.Runtime(device="cpu") as rt:
+        model = rt.setup(toy_model(seed=99))
+        state = rt.load(path, model=model)
+        return {"wrapped": type(model).__name__, "params": flat_params(model), "note": state.get("note")}
+
+
+def fail_on_rank(bad_rank: int, after_barrier: bool = True) -> int:
+    with ddpkit.Runtime(device="cpu") as rt:
+        if rt.rank == bad_rank:
+            raise ValueError(f"deliberate failure on rank {rt.rank}")
+        if after_barrier:
+            rt.barrier()  # the healthy ranks wait here for the one that died
+        return rt.rank
+
+
+def env_facts() -> dict:
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
