@@ -159,3 +159,18 @@ def test_precision_bf16_and_fp16_train_on_cpu():
         out = workers.train_steps(steps=6, global_batch=12, precision=precision)
         assert torch.isfinite(out["end"]).all()
         assert not torch.equal(out["start"], out["end"])
+
+
+def test_ddpkit_train_under_torchrun(tmp_path):
+    # torchrun already made the workers: ddpkit must join them, not launch its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "ddpkit", "train", "--epochs", "1", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2 and results["test_samples"] == 359
+    assert proc.stdout.count("done:") == 1

@@ -34,9 +34,10 @@ from .checkpoint import load_file, save_file
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0, bind: bool = True) -> torch.device:
     """`auto` is CUDA when a GPU is visible, else CPU. Each process binds to GPU `local_rank`
-    among those CUDA_VISIBLE_DEVICES shows."""
+    among those CUDA_VISIBLE_DEVICES shows; `bind=False` only checks (a launching parent
+    should not create a CUDA context it will never use)."""
     if name not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -47,7 +48,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if local_rank >= count:
         raise UsageError(f"local rank {local_rank} has no GPU: only {count} visible; lower --nproc")
     device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
+    if bind:
+        torch.cuda.set_device(device)
     return device
 
 

@@ -31,7 +31,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Validate, then run `fit` on this process or on `--nproc` local workers."""
     t0 = time.time()
     env = dist.detect_env()
-    device = resolve_device(cfg.device)  # raises UsageError for --device cuda without a GPU
+    device = resolve_device(cfg.device, bind=False)  # raises UsageError for --device cuda without a GPU
     if env.is_distributed:  # already under torchrun / srun: this process is one worker
         return fit(cfg, t0)
     nproc = 1 if cfg.strategy in ("dp", "single") and cfg.nproc == "auto" else parse_nproc(cfg.nproc, device.type)
