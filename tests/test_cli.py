@@ -289,6 +289,10 @@ def _make_input(kind: str, tmp_path, run1) -> str:
         out, proc = run1
         _ok(proc)
         shutil.copy(out / "model.pt", tmp_path / kind)
+    elif kind == "cnn-checkpoint.pt":  # a real training checkpoint, of another model
+        out, proc = run1
+        _ok(proc)
+        shutil.copy(out / "checkpoints" / "epoch-0002.pt", tmp_path / kind)
     else:
         raise AssertionError(kind)
     return str(tmp_path / kind)
@@ -312,8 +316,7 @@ BAD_INPUT = [
     case("batch-size-0", ["train", "--batch-size", "0"], None, "--batch-size"),
     case("batch-size-negative", ["train", "--batch-size", "-3"], None, "--batch-size"),
     case("lr-0", ["train", "--lr", "0"], None, "--lr"),
-    # BUG (src/ddpkit/config.py, _positive): `value <= 0` is False for NaN, so --lr nan is accepted
-    # and the run trains to a NaN loss and chance accuracy with exit 0.
+    # NaN passes a naive `value <= 0` check; it must be refused, not trained to chance accuracy.
     case("lr-nan", ["train", "--lr", "nan", "--epochs", "1", "--nproc", "1", "--device", "cpu"], None, "--lr"),
     case("nproc-0", ["train", "--nproc", "0"], None, "--nproc"),
     case("nproc-abc", ["train", "--nproc", "abc"], None, "--nproc"),
@@ -331,20 +334,17 @@ BAD_INPUT = [
     case("resume-missing", ["train", "--resume", "{FILE}", "--device", "cpu"], "missing.pt", "{FILE}"),
     case("resume-truncated", ["train", "--resume", "{FILE}", "--device", "cpu"], "truncated.pt", "{FILE}"),
     case("resume-random-bytes-seed0", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-0.pt", "{FILE}"),
-    # BUG (src/ddpkit/checkpoint.py, load_file): torch's weights-only unpickler raises IndexError
-    # ("pop from empty list") on these bytes (the first byte is pickle's SETITEM on an empty
-    # stack); load_file only maps UnpicklingError/RuntimeError/EOFError/BadZipFile/ValueError
-    # to UsageError, so the CLI prints a traceback and exits 1.
+    # Garbage that makes torch's weights-only unpickler raise IndexError ("pop from empty list").
     case("resume-random-bytes-seed2", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-2.pt", "{FILE}"),
-    # BUG (same place): these bytes make the weights-only unpickler raise KeyError (a memo
-    # lookup, BINGET, of an entry never stored): traceback and exit 1 instead of exit 2.
+    # ...and KeyError (a memo lookup of an entry never stored).
     case("resume-random-bytes-seed20", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-20.pt", "{FILE}"),
-    # BUG (src/ddpkit/trainer.py, resume_path/fit): --resume on a readable weights file that is not
-    # a training checkpoint (here the run's own model.pt) passes the up-front check, then fit()
-    # fails in Runtime.load with KeyError "has no entry 'model'": traceback and exit 1 after
-    # the data and model are built, instead of one line and exit 2 before anything starts.
+    # A readable weights file that is not a training checkpoint (the run's own model.pt) must be
+    # refused before anything starts, not fail inside fit().
     case("resume-not-a-checkpoint", ["train", "--resume", "{FILE}", "--nproc", "1", "--epochs", "1", "--device", "cpu"],
      "model.pt", "{FILE}"),
+    # A cnn checkpoint resumed as an mlp: refused up front, naming the model flag.
+    case("resume-model-mismatch", ["train", "--resume", "{FILE}", "--model", "mlp", "--nproc", "2", "--device", "cpu"],
+         "cnn-checkpoint.pt", ("{FILE}", "--model mlp")),
     case("unknown-command", ["nosuch"], None, "nosuch"),
 ]
 
@@ -352,7 +352,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args, kind, needles", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line(args, kind, needles, tmp_path, request):
     if kind is not None:
-        run1 = request.getfixturevalue("run1") if kind in ("truncated.pt", "model.pt") else None
+        run1 = request.getfixturevalue("run1") if kind in ("truncated.pt", "model.pt", "cnn-checkpoint.pt") else None
         path = _make_input(kind, tmp_path, run1)
         args = [a.replace("{FILE}", path) for a in args]
         needles = tuple(n.replace("{FILE}", path) for n in needles)

@@ -48,8 +48,7 @@ def _train_parser(defaults: Any) -> Any:
     from .config import TrainConfig
 
     parser = Parser(prog="ddpkit train", description=TrainConfig.__doc__,
-                    add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    add_option_string_dash_variants=simple_parsing.DashVariant.DASH)
     parser.add_argument("--config", metavar="FILE.yaml",
                         help="YAML file of options (keys as the flags without '--'); flags on the command line override it")
     parser.add_arguments(TrainConfig, dest="cfg", default=defaults)

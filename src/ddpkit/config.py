@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,7 @@ def _choice(flag: str, value: str, choices: tuple[str, ...] | list[str]) -> None
 
 
 def _positive(flag: str, value: float | int) -> None:
-    if value <= 0:
+    if not value > 0 or not math.isfinite(value):  # `not >` also catches NaN
         raise UsageError(f"{flag} must be positive, got {value}")
 
 

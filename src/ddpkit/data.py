@@ -77,6 +77,11 @@ def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0
     )
 
 
+def shape_of(name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10) -> tuple[tuple[int, ...], int]:
+    """(input shape, number of classes) of a dataset without loading it."""
+    return ((1, 8, 8), 10) if name == "digits" else (tuple(synthetic_shape), num_classes)
+
+
 def load(name: str, *, synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_size: int = 4096,
          num_classes: int = 10, seed: int = 0) -> Splits:
     if name == "digits":

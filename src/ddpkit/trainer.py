@@ -53,7 +53,10 @@ def resume_path(cfg: TrainConfig) -> str | None:
     if cfg.resume is None:
         return None
     if cfg.resume != "auto":
-        load_file(cfg.resume)  # UsageError for missing, corrupt or code-carrying files
+        try:
+            check_resumable(cfg.resume, cfg)
+        except UsageError as err:
+            raise UsageError(f"--resume: {err}") from None
         return cfg.resume
     folder = os.path.join(cfg.out, "checkpoints")
     names = sorted(n for n in os.listdir(folder) if n.startswith("epoch-") and n.endswith(".pt")) \
@@ -61,11 +64,26 @@ def resume_path(cfg: TrainConfig) -> str | None:
     for name in reversed(names):  # newest first; temp files of an interrupted write never match
         path = os.path.join(folder, name)
         try:
-            load_file(path)
+            check_resumable(path, cfg)
             return path
         except UsageError:
             continue
     return None
+
+
+def check_resumable(path: str, cfg: TrainConfig) -> None:
+    """Raise UsageError unless `path` is a readable training checkpoint whose weights fit the
+    configured model. Checked in the parent, so a bad file never reaches the workers."""
+    state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
+    missing = [k for k in ("model", "optimizer", "scheduler", "loader", "run") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise UsageError(f"checkpoint {path}: not a ddpkit training checkpoint (no {', '.join(missing)})")
+    model = models.build(cfg.model, *datasets.shape_of(cfg.data, cfg.shape(), cfg.num_classes))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0]
+        raise UsageError(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})") from None
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
