@@ -23,6 +23,10 @@ def save_file(path: str | os.PathLike, obj: Any) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
     try:
+        # mkstemp makes the file owner-only; give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -43,7 +47,10 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"checkpoint {path}: refused, it holds more than weights ({first})") from None
+        # torch names the global it refused to import; anything else is garbage, not a threat.
+        refused = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        if refused:
+            raise UsageError(f"checkpoint {path}: refused, loading it would run code ({refused[0]})") from None
+        raise UsageError(f"checkpoint {path}: not a readable PyTorch file (corrupt or not a checkpoint)") from None
     except Exception as err:  # noqa: BLE001 - garbage bytes can fail anywhere inside the unpickler
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import traceback
@@ -154,7 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ddpkit {name}: interrupted", file=sys.stderr)
         return 130
-    except Exception as err:  # a failure inside a single-process run: same shape as WorkerFailed
+    except BrokenPipeError:  # `ddpkit env --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as err:  # a failure in this process (one process, or a torchrun/srun worker)
+        from .dist import detect_env
+
         traceback.print_exc()
-        print(f"ddpkit {name}: rank 0 on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        rank = detect_env().rank
+        print(f"ddpkit {name}: rank {rank} on {socket.gethostname()} failed: {type(err).__name__}: {err}",
+              file=sys.stderr)
         return 1

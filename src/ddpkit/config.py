@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .data import DATASETS
+from . import models
+from .data import DATASETS, shape_of
 from .errors import UsageError
 from .models import MODELS
 from .precision import PRECISIONS
@@ -34,7 +35,7 @@ class TrainConfig:
     """Train a built-in model on a built-in dataset over all local devices."""
 
     data: str = "digits"  # dataset: digits (offline default) or synthetic
-    data_dir: Optional[str] = None  # where dataset files live (datasets that need files)
+    data_dir: Optional[str] = None  # where dataset files live (digits and synthetic need none)
     model: str = "cnn"  # cnn, simple-cnn, lenet or mlp
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
@@ -73,7 +74,12 @@ class TrainConfig:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.num_workers is not None and self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
-        self.shape()  # validates --synthetic-shape
+        try:
+            models.check(self.model, shape_of(self.data, self.shape(), self.num_classes)[0])
+        except ValueError as err:
+            raise UsageError(f"--model {self.model}: {err}") from None
+        if self.resume == "auto" and self.out is None:
+            raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
         if self.out is None:
             self.out = time.strftime("runs/%Y%m%d-%H%M%S")
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from .launcher import cpu_count
+
 DATASETS = ("digits", "synthetic")
 DIGITS_TEST_SIZE = 359
 
@@ -138,8 +140,8 @@ def move(batch: Any, device: torch.device) -> Any:
 class DistributedLoader:
     """A DataLoader that moves batches to the device and sets the sampler's epoch itself.
 
-    Iterating it once is one epoch; the next iteration reshuffles. `state_dict()` holds the
-    epoch, so a resumed run continues the same shuffle sequence.
+    Iterating it once is one epoch; the next iteration reshuffles. `epoch` counts the epochs
+    started; `state_dict()` holds it, so a resumed run continues the same shuffle sequence.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, epoch: int = 0):
@@ -157,11 +159,12 @@ class DistributedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        # Count the epoch when it starts, so leaving the loop early still moves the shuffle on.
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
         for batch in self.loader:
             yield move(batch, self.device)
-        self.epoch += 1
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch}
@@ -170,12 +173,14 @@ class DistributedLoader:
         self.epoch = int(state["epoch"])
 
 
-def loader_options(device: torch.device, num_workers: int | None, local_world_size: int) -> dict[str, Any]:
-    """DataLoader options for the device: on CUDA, pinned memory and worker processes that
-    persist across epochs; on CPU, no workers unless asked (in-memory data needs none)."""
+def loader_options(dataset: Dataset, device: torch.device, num_workers: int | None,
+                   local_world_size: int) -> dict[str, Any]:
+    """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
+    only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
     if num_workers is None:
-        cores = os.cpu_count() or 1
-        num_workers = min(4, max(1, cores // max(1, local_world_size) - 1)) if device.type == "cuda" else 0
+        in_memory = isinstance(dataset, TensorDataset)
+        cores = cpu_count() // max(1, local_world_size)
+        num_workers = 0 if in_memory or device.type != "cuda" else min(4, max(1, cores - 1))
     return {
         "num_workers": num_workers,
         "pin_memory": device.type == "cuda",
@@ -189,7 +194,7 @@ def train_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: 
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
     loader = DataLoader(dataset, batch_size=per_rank_batch(global_batch, world_size), sampler=sampler,
-                        drop_last=drop_last, **loader_options(device, num_workers, local_world_size))
+                        drop_last=drop_last, **loader_options(dataset, device, num_workers, local_world_size))
     return DistributedLoader(loader, device)
 
 
@@ -198,5 +203,5 @@ def eval_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: i
     sampler = ShardSampler(len(dataset), world_size, rank)
     batch = max(1, math.ceil(global_batch / world_size))
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler,
-                        **loader_options(device, num_workers, local_world_size))
+                        **loader_options(dataset, device, num_workers, local_world_size))
     return DistributedLoader(loader, device)

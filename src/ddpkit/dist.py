@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,13 +80,6 @@ def detect_env() -> DistEnv:
             source="slurm",
         )
     return DistEnv()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago. Prefer letting the rendezvous bind port 0."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device) -> str:

@@ -76,22 +76,44 @@ def _entrypoint(payload: bytes) -> Any:
     return fn(*args, **kwargs)
 
 
-def _quiet_elastic_logs() -> None:
-    # The agent logs its every step, and a worker's traceback once per layer. WorkerFailed
-    # carries the failing rank's traceback instead, printed once by whoever catches it.
-    # torch gives each module its own logger with its own level, so setting the parent's
-    # level is not enough.
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """Silence the agent for the duration of a launch, then restore the caller's levels.
+
+    The agent logs its every step, and a worker's traceback once per layer. WorkerFailed
+    carries the failing rank's traceback instead, printed once by whoever catches it.
+    torch gives each module its own logger with its own level, so the parent's is not enough.
+    """
     prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(prefixes):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """Set an environment variable for the workers unless the user set it; restore afterwards."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 def launch(
     fn: Callable[..., Any],
     *args: Any,
     nproc: int | str = "auto",
-    device: str = "cpu",
+    device: str = "auto",
     max_restarts: int = 0,
     **kwargs: Any,
 ) -> dict[int, Any]:
@@ -99,12 +121,17 @@ def launch(
 
     Works for functions defined in scripts, modules, notebooks and programs read from stdin.
     Raises `WorkerFailed` naming the first failing rank; the other workers are stopped by the
-    elastic agent. `device` ('cpu' or 'cuda') only matters for `nproc='auto'`.
+    elastic agent. `device` ('auto', 'cpu' or 'cuda') only matters for `nproc='auto'`:
+    one process per visible GPU, or on CPU one per 4 cores.
     """
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     n = parse_nproc(nproc, device)
     payload = cloudpickle.dumps((fn, args, kwargs))
     logs = tempfile.mkdtemp(prefix="ddpkit-launch-")
@@ -125,12 +152,10 @@ def launch(
         monitor_interval=0.1,
         start_method="spawn",
     )
-    # Each process gets its share of the cores instead of all of them (oversubscription makes
-    # CPU DDP several times slower). A value the user set is kept.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(n)))
-    _quiet_elastic_logs()
     try:
-        with _main_without_phantom_file():
+        # Each process gets its share of the cores instead of all of them (oversubscription
+        # makes CPU DDP several times slower). A value the user set is kept.
+        with _env("OMP_NUM_THREADS", str(threads_per_process(n))), _quiet_elastic_logs(), _main_hidden():
             return elastic_launch(config, _entrypoint)(payload)
     except ChildFailedError as err:
         raise _as_worker_failed(err, logs) from None
@@ -139,23 +164,25 @@ def launch(
 
 
 @contextlib.contextmanager
-def _main_without_phantom_file() -> Iterator[None]:
-    """Hide a `__main__.__file__` that is not a file (`python -` sets '<stdin>').
+def _main_hidden() -> Iterator[None]:
+    """Hide `__main__`'s file and module name from `spawn` while the workers start.
 
-    `spawn` re-runs the parent's main file in every child; with no file that fails before our
-    code runs. The function travels by value, so the children do not need `__main__` at all.
-    Notebooks have no `__main__.__file__` and need nothing here.
+    `spawn` re-runs the parent's main script (or module) in every child. That fails where there
+    is no file (`python -` sets '<stdin>') and re-runs unguarded top-level code (a script with
+    no `if __name__ == "__main__":`). The function and its arguments travel by value, so the
+    children need nothing from `__main__`. Notebooks have neither attribute to hide.
     """
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    phantom = path is not None and not os.path.isfile(path)
-    if phantom:
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if main is not None and hasattr(main, k)}
+    if "__file__" in saved:
         del main.__file__
+    if "__spec__" in saved:
+        main.__spec__ = None
     try:
         yield
     finally:
-        if phantom:
-            main.__file__ = path
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
@@ -166,9 +193,12 @@ _PEER_LOSS = ("Connection closed by peer", "remote worker crashing", "Connection
 def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
     """The root cause among all ranks that failed: a rank's own exception beats a peer-loss
     error or a kill by the agent; then the earliest; then the lowest rank."""
-    found: dict[int, tuple[int, float, str]] = {}  # rank -> (exitcode, timestamp, traceback)
+    # rank -> (exitcode, when, traceback). The error files' own timestamps are whole seconds,
+    # so when is the file's modification time, which has sub-second resolution.
+    found: dict[int, tuple[int, float, str]] = {}
     for rank, failure in err.failures.items():
-        found[rank] = (failure.exitcode, failure.timestamp, _traceback_of(failure.error_file_data))
+        when = os.path.getmtime(failure.error_file) if os.path.isfile(failure.error_file) else float("inf")
+        found[rank] = (failure.exitcode, when, _traceback_of(failure.error_file_data))
     attempts = sorted(glob.glob(os.path.join(logs, "*", "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
     for path in glob.glob(os.path.join(attempts[-1], "*", "error.json")) if attempts else []:
         rank = int(os.path.basename(os.path.dirname(path)))  # local rank == global rank on one node
@@ -178,9 +208,8 @@ def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
         except (OSError, ValueError):
             continue
         tb = _traceback_of(data)
-        if tb and not found.get(rank, (0, 0, ""))[2]:
-            stamp = float(data.get("message", {}).get("extraInfo", {}).get("timestamp", 0) or 0)
-            found[rank] = (found.get(rank, (1, 0, ""))[0], stamp, tb)
+        if tb and not found.get(rank, (0, 0.0, ""))[2]:
+            found[rank] = (found.get(rank, (1, 0.0, ""))[0], os.path.getmtime(path), tb)
 
     def cause_first(item: tuple[int, tuple[int, float, str]]) -> tuple[bool, bool, float, int]:
         rank, (exitcode, stamp, tb) = item

@@ -65,9 +65,17 @@ def mlp(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 MODELS: dict[str, Builder] = {"cnn": small_cnn, "simple-cnn": simple_cnn, "lenet": lenet, "mlp": mlp}
 
 
-def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def check(name: str, in_shape: tuple[int, ...]) -> None:
+    """Raise ValueError if model `name` cannot take inputs of `in_shape` (C, H, W)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    if name == "lenet" and (len(in_shape) != 3 or min(in_shape[1:]) < 4):
-        raise ValueError(f"model 'lenet' needs images of at least 4x4, got shape {in_shape}")
+    if name != "mlp" and len(in_shape) != 3:
+        raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
+    smallest = {"lenet": 4, "cnn": 2}.get(name, 1)
+    if name != "mlp" and min(in_shape[1:]) < smallest:
+        raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
+
+
+def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    check(name, in_shape)
     return MODELS[name](in_shape, num_classes)

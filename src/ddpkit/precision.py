@@ -7,9 +7,11 @@ the same whatever the precision.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, ContextManager
 
 import torch
+from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,11 +56,37 @@ class Precision:
 
 def outputs_to_fp32(out: Any) -> Any:
     """Cast floating outputs of an autocast forward back to fp32, so a loss computed outside
-    the autocast block is computed in full precision."""
+    the autocast block is computed in full precision. Keeps container types (namedtuples,
+    dict subclasses such as HuggingFace's ModelOutput)."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # namedtuple
+        return type(out)(*(outputs_to_fp32(o) for o in out))
     if isinstance(out, (list, tuple)):
         return type(out)(outputs_to_fp32(o) for o in out)
-    if isinstance(out, dict):
-        return {k: outputs_to_fp32(v) for k, v in out.items()}
+    if isinstance(out, Mapping):
+        cast = {k: outputs_to_fp32(v) for k, v in out.items()}
+        try:
+            return type(out)(cast)
+        except TypeError:
+            return cast
     return out
+
+
+class AutocastModule(nn.Module):
+    """Runs the wrapped module's forward under the precision's autocast and returns fp32 outputs.
+
+    A module (not a patched `forward`) so the model still deep-copies and pickles, and so that
+    it can sit *inside* DataParallel: autocast state is per thread, and DataParallel runs each
+    replica's forward in a thread of its own. `strategy.unwrap` removes it before saving.
+    """
+
+    def __init__(self, module: nn.Module, precision: Precision):
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = precision.device.type, _DTYPES[precision.name]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            out = self.module(*args, **kwargs)
+        return outputs_to_fp32(out)

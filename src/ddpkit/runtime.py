@@ -14,7 +14,6 @@ The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 from typing import Any, ContextManager
@@ -27,6 +26,7 @@ from torch import nn
 from . import dist, strategy as strategies
 from .data import DistributedLoader, ShardSampler, eval_loader, train_loader
 from .errors import UsageError
+from .launcher import cpu_count
 from .log import print0
 from .precision import Precision, outputs_to_fp32
 from .checkpoint import load_file, save_file
@@ -45,9 +45,13 @@ def resolve_device(name: str, local_rank: int = 0, bind: bool = True) -> torch.d
     if not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False)")
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    if count == 1:
+        index = 0  # one GPU per process (SLURM --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)
+    elif local_rank < count:
+        index = local_rank
+    else:
         raise UsageError(f"local rank {local_rank} has no GPU: only {count} visible; lower --nproc")
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", index)
     if bind:
         torch.cuda.set_device(device)
     return device
@@ -78,7 +82,7 @@ class Runtime:
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Without this every process starts one thread per core and they fight over them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.env.local_world_size))
+            torch.set_num_threads(max(1, cpu_count() // self.env.local_world_size))
         self._owns_group = dist.init(self.env, self.device, timeout_s)
         try:
             self.strategy = strategies.resolve(strategy, self.world_size, self.device)
@@ -86,6 +90,7 @@ class Runtime:
         except ValueError as err:
             self.close()
             raise UsageError(str(err)) from None
+        self.seed = seed
         if seed is not None:
             seed_everything(seed)
 
@@ -128,19 +133,8 @@ class Runtime:
         keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
-        wrapped = strategies.wrap(model, self.strategy, self.device)
-        if self.precision.name != "fp32":
-            wrapped.forward = self._autocast_forward(wrapped.forward)
+        wrapped = strategies.wrap(model, self.strategy, self.device, self.precision)
         return (wrapped, *optimizers) if optimizers else wrapped
-
-    def _autocast_forward(self, forward: Any) -> Any:
-        @functools.wraps(forward)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with self.precision.autocast():
-                out = forward(*args, **kwargs)
-            return outputs_to_fp32(out)
-
-        return run
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -170,9 +164,11 @@ class Runtime:
 
     # -- data ---------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-               seed: int = 0, num_workers: int | None = None) -> DistributedLoader:
+               seed: int | None = None, num_workers: int | None = None) -> DistributedLoader:
         """Training batches for this rank. `batch_size` is the GLOBAL batch: each of the N
-        ranks gets batch_size / N samples per step. Reshuffles every epoch by itself."""
+        ranks gets batch_size / N samples per step. Reshuffles every epoch by itself, from
+        `seed` (default: the Runtime's seed, else 0)."""
+        seed = seed if seed is not None else (self.seed or 0)
         try:
             return train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                                 device=self.device, shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -197,21 +193,27 @@ class Runtime:
         loader = data if isinstance(data, DistributedLoader) else self.eval_loader(data, batch_size)
         if not isinstance(loader.sampler, ShardSampler):
             raise TypeError("evaluate() needs a Dataset or a loader from Runtime.eval_loader()")
-        net = self.unwrap(model)  # the bare module: no DDP collectives, ranks may differ in batches
+        # Below DDP there are no collectives, so ranks may run different numbers of batches.
+        # DataParallel stays: it spreads the evaluation over the GPUs.
+        net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         was_training = net.training
         net.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss, count
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0  # a Python int: a device tensor built per batch would stall the GPU each time
         for x, y in loader:
             with self.precision.autocast():
                 out = outputs_to_fp32(net(x))
             loss = loss_fn(out, y) if loss_fn else F.cross_entropy(out, y)
-            sums += torch.stack([(out.argmax(1) == y).sum().double(), loss.double() * y.numel(),
-                                 torch.tensor(y.numel(), dtype=torch.float64, device=self.device)])
+            correct += (out.argmax(1) == y).sum()
+            loss_sum += loss.double() * y.numel()
+            count += y.numel()
         net.train(was_training)
+        sums = torch.stack([correct, loss_sum, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
         dist.all_reduce(sums)
-        count = int(sums[2].item())
-        return {"accuracy": sums[0].item() / max(1, count), "loss": sums[1].item() / max(1, count),
-                "samples": count}
+        total = int(sums[2].item())
+        return {"accuracy": sums[0].item() / max(1, total), "loss": sums[1].item() / max(1, total),
+                "samples": total}
 
     # -- output and collectives -----------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:

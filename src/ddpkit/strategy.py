@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 STRATEGIES = ("ddp", "dp", "single")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model under any DDP / DataParallel / torch.compile wrappers."""
+    """The bare model under any DDP / DataParallel / autocast / torch.compile wrappers."""
+    from .precision import AutocastModule
+
     while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, AutocastModule)):
             model = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
             model = model._orig_mod
@@ -33,6 +38,9 @@ def resolve(name: str, world_size: int, device: torch.device) -> str:
         raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     if name == "ddp" and world_size == 1:
         return "single"
+    if name == "single" and world_size > 1:
+        raise ValueError(f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
+                         "copies; use --strategy ddp, or one process")
     if name == "dp":
         if world_size > 1:
             raise ValueError("--strategy dp runs in one process; use --nproc 1, or --strategy ddp")
@@ -41,9 +49,14 @@ def resolve(name: str, world_size: int, device: torch.device) -> str:
     return name
 
 
-def wrap(model: nn.Module, name: str, device: torch.device) -> nn.Module:
-    """Move `model` to `device` and wrap it for strategy `name` (already resolved)."""
+def wrap(model: nn.Module, name: str, device: torch.device, precision: "Precision | None" = None) -> nn.Module:
+    """Move `model` to `device` and wrap it for strategy `name` (already resolved), with the
+    precision's autocast innermost so every replica runs it."""
+    from .precision import AutocastModule
+
     model = model.to(device)
+    if precision is not None and precision.name != "fp32":
+        model = AutocastModule(model, precision)
     if name == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -58,9 +71,9 @@ def wrap(model: nn.Module, name: str, device: torch.device) -> nn.Module:
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module, active: bool = True) -> Iterator[None]:
+def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip DDP's gradient all-reduce inside the block (gradient accumulation); else no-op."""
-    if active and isinstance(model, nn.parallel.DistributedDataParallel):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
     else:
