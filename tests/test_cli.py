@@ -190,6 +190,30 @@ def test_resume_auto_continues_to_epoch_3(run1, tmp_path):
     assert sum(line.startswith("epoch   3/3") for line in proc.stdout.splitlines()) == 1
 
 
+def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
+    # A 3-epoch run, and the same run "crashed" during epoch 3: its last checkpoint and final
+    # outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
+    # restore model, optimizer, scheduler, loader position and RNG so the end is bit-identical.
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    _ok(run_cli("train", "--nproc", "2", "--epochs", "3", "--device", "cpu", "--out", str(full), cwd=str(tmp_path)))
+    shutil.copytree(full, crashed)
+    for name in ("checkpoints/epoch-0003.pt", "model.pt", "results.json"):
+        (crashed / name).unlink()
+    kept = [line for line in (crashed / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] <= 46 or json.loads(line)["type"] == "step"]
+    (crashed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    proc = run_cli("train", "--nproc", "2", "--epochs", "3", "--device", "cpu", "--resume", "auto",
+                   "--out", str(crashed), cwd=str(tmp_path))
+    _ok(proc)
+    a = torch.load(full / "model.pt", weights_only=True)
+    b = torch.load(crashed / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _results(crashed)["test_accuracy"] == _results(full)["test_accuracy"]
+    assert _results(crashed)["resumed_from_epoch"] == 2
+    steps = [(r["type"], r["step"]) for r in _metrics(crashed)]
+    assert steps == [(r["type"], r["step"]) for r in _metrics(full)]  # lost epoch's records not doubled
+
+
 def test_default_run_reaches_97_percent(tmp_path):
     out = tmp_path / "out"
     proc = run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path))
@@ -289,6 +313,8 @@ def _make_input(kind: str, tmp_path, run1) -> str:
         out, proc = run1
         _ok(proc)
         shutil.copy(out / "model.pt", tmp_path / kind)
+    elif kind == "a-file":
+        (tmp_path / kind).write_text("not a directory\n")
     elif kind == "cnn-checkpoint.pt":  # a real training checkpoint, of another model
         out, proc = run1
         _ok(proc)
@@ -345,6 +371,15 @@ BAD_INPUT = [
     # A cnn checkpoint resumed as an mlp: refused up front, naming the model flag.
     case("resume-model-mismatch", ["train", "--resume", "{FILE}", "--model", "mlp", "--nproc", "2", "--device", "cpu"],
          "cnn-checkpoint.pt", ("{FILE}", "--model mlp")),
+    case("resume-other-optimizer", ["train", "--resume", "{FILE}", "--optimizer", "adamw", "--device", "cpu"],
+         "cnn-checkpoint.pt", ("{FILE}", "--optimizer adamw")),
+    case("resume-nothing-left", ["train", "--resume", "{FILE}", "--epochs", "2", "--device", "cpu"],
+         "cnn-checkpoint.pt", ("{FILE}", "--epochs")),
+    case("resume-auto-without-out", ["train", "--resume", "auto"], None, "--out", marks=pytest.mark.no_out),
+    case("out-is-a-file", ["train", "--device", "cpu", "--out", "{FILE}"], "a-file", "--out",
+         marks=pytest.mark.no_out),
+    case("lenet-on-tiny-images", ["train", "--data", "synthetic", "--synthetic-shape", "3,2,2", "--model", "lenet"],
+         None, "--model"),
     case("unknown-command", ["nosuch"], None, "nosuch"),
 ]
 
@@ -356,8 +391,11 @@ def test_bad_input_exits_2_with_one_line(args, kind, needles, tmp_path, request)
         path = _make_input(kind, tmp_path, run1)
         args = [a.replace("{FILE}", path) for a in args]
         needles = tuple(n.replace("{FILE}", path) for n in needles)
-    out = tmp_path / "out"
-    proc = run_cli(*args, "--out", str(out), cwd=str(tmp_path))
+    # Cases marked no_out bring their own --out (or must go without): then nothing may appear
+    # in the working directory, where the default runs/ folder would go.
+    own_out = request.node.get_closest_marker("no_out") is not None
+    out = tmp_path / ("runs" if own_out else "out")
+    proc = run_cli(*args, *([] if own_out else ["--out", str(out)]), cwd=str(tmp_path))
     assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     lines = proc.stderr.strip().splitlines()

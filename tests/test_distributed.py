@@ -106,6 +106,40 @@ def test_launcher_sets_rank_env_and_thread_share():
     assert {out[r]["OMP_NUM_THREADS"] for r in (0, 1)} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
 
 
+def test_launch_leaves_the_callers_environment_as_it_was():
+    import logging
+
+    assert "OMP_NUM_THREADS" not in os.environ
+    ddpkit.launch(workers.env_facts, nproc=2)
+    assert "OMP_NUM_THREADS" not in os.environ
+    # torch sets its agent's log level when the module is first imported (by the launch above);
+    # ddpkit silences it only during a launch and must hand it back afterwards.
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent_log.setLevel(logging.INFO)
+    level = agent_log.level
+    ddpkit.launch(workers.env_facts, nproc=2)
+    assert "OMP_NUM_THREADS" not in os.environ  # a later launch with another nproc starts clean
+    assert agent_log.level == level
+
+
+def test_launch_from_a_script_without_main_guard(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import os, ddpkit
+        print("top level", flush=True)
+
+        def work():
+            return int(os.environ["RANK"])
+
+        print("results", ddpkit.launch(work, nproc=2))
+    """))
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("top level") == 1  # the workers did not re-run the script
+    assert "results {0: 0, 1: 1}" in proc.stdout
+
+
 def _python(program: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")

@@ -143,3 +143,71 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path):
 def test_config_errors_name_the_flag(field, value, flag):
     with pytest.raises(UsageError, match=flag):
         TrainConfig(**{field: value})
+
+
+def test_autocast_module_runs_inner_layers_in_bf16_and_returns_fp32():
+    import copy
+    import pickle as pk
+    from collections import namedtuple
+
+    import ddpkit
+
+    Out = namedtuple("Out", "logits aux")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return Out(self.lin(x), {"h": self.lin(x)})
+
+    seen = []
+    with ddpkit.Runtime(precision="bf16", device="cpu") as rt:
+        net = Net()
+        net.lin.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        model = rt.setup(net)
+        out = model(torch.randn(2, 4))
+    assert seen == [torch.bfloat16, torch.bfloat16]  # autocast really ran inside
+    assert isinstance(out, Out) and out.logits.dtype == torch.float32 and out.aux["h"].dtype == torch.float32
+    assert unwrap(model) is net and list(unwrap(model).state_dict()) == ["lin.weight", "lin.bias"]
+    twin = copy.deepcopy(model)  # a copy (EMA, teacher) must be its own model, not a view of this one
+    with torch.no_grad():
+        unwrap(twin).lin.weight.zero_()
+        unwrap(twin).lin.bias.zero_()
+    assert torch.count_nonzero(twin(torch.randn(2, 4)).logits) == 0
+    assert torch.count_nonzero(model(torch.randn(2, 4)).logits) > 0
+    with ddpkit.Runtime(precision="bf16", device="cpu") as rt:
+        plain = rt.setup(nn.Linear(4, 3))
+    assert torch.equal(pk.loads(pk.dumps(plain)).module.weight, plain.module.weight)  # still pickles
+
+
+def test_single_strategy_on_several_processes_is_refused():
+    from ddpkit.strategy import resolve
+
+    assert resolve("single", 1, torch.device("cpu")) == "single"
+    with pytest.raises(ValueError, match="unsynchronized"):
+        resolve("single", 2, torch.device("cpu"))
+
+
+def test_loader_moves_to_next_epoch_even_when_left_early():
+    loader = data.train_loader(data.TensorDataset(torch.arange(64)), 8, world_size=1, rank=0,
+                               device=torch.device("cpu"), seed=0)
+    firsts = []
+    for _ in range(3):
+        for (batch,) in loader:
+            firsts.append(batch.tolist())
+            break
+    assert loader.epoch == 3
+    assert firsts[0] != firsts[1] != firsts[2]  # a new shuffle each time
+
+
+@pytest.mark.parametrize("name,shape", [("lenet", (3, 2, 2)), ("cnn", (1, 1, 1)), ("cnn", (10,))])
+def test_model_input_checks(name, shape):
+    with pytest.raises(ValueError, match=name):
+        models.check(name, shape)
+
+
+def test_resume_auto_needs_out():
+    with pytest.raises(UsageError, match="--resume auto needs --out"):
+        TrainConfig(resume="auto")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -80,8 +79,6 @@ class TrainConfig:
             raise UsageError(f"--model {self.model}: {err}") from None
         if self.resume == "auto" and self.out is None:
             raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
-        if self.out is None:
-            self.out = time.strftime("runs/%Y%m%d-%H%M%S")
 
     def shape(self) -> tuple[int, ...]:
         try:

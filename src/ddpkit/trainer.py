@@ -8,6 +8,7 @@ checkpoint, outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,8 @@ KEEP_CHECKPOINTS = 2
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Validate, then run `fit` on this process or on `--nproc` local workers."""
     t0 = time.time()
+    # Filled here, not in the config: there None means "not given", which --resume auto checks.
+    cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
     device = resolve_device(cfg.device, bind=False)  # UsageError for --device cuda without a GPU
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
@@ -117,6 +120,8 @@ def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
 def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any]:
     """One worker's whole run. Every rank returns the same results dict."""
     with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout) as rt:
+        # Under torchrun each rank ran train() and its own clock: rank 0's defaults win.
+        cfg, resume = rt.broadcast_object((cfg, resume))
         splits = datasets.load(cfg.data, synthetic_shape=cfg.shape(), synthetic_size=cfg.synthetic_size,
                                num_classes=cfg.num_classes, seed=cfg.seed)
         model = models.build(cfg.model, splits.in_shape, splits.num_classes)
@@ -126,7 +131,6 @@ def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any
         total_steps = cfg.epochs * len(train_loader)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + math.cos(math.pi * k / total_steps)))
         run = RunState(cfg)
-        resume = rt.broadcast_object(resume)  # rank 0's choice, should the ranks' disks differ
         if resume is not None:
             run.restore(rt.load(resume, model=model, optimizer=opt, scheduler=sched, precision=rt.precision,
                                 loader=train_loader))
