@@ -54,12 +54,44 @@ def test_shard_sampler_partitions_exactly(n, world):
     assert sum(len(data.ShardSampler(n, world, r)) for r in range(world)) == n
 
 
-def test_per_rank_batch_rules():
-    assert data.per_rank_batch(12, 3) == 4
+def test_global_batch_shares():
     with pytest.raises(ValueError, match="smaller than the 4 processes"):
-        data.per_rank_batch(3, 4)
-    with pytest.raises(ValueError, match="such as 62 or 64"):
-        data.per_rank_batch(63, 2)
+        data.check_global_batch(3, 4)
+    assert [data.share(64, 3, r) for r in range(3)] == [(0, 22), (22, 21), (43, 21)]
+    assert [data.share(2, 3, r) for r in range(3)] == [(0, 1), (1, 1), (2, 0)]  # an empty share is allowed
+
+
+@pytest.mark.parametrize("n,batch,micro", [(50, 8, None), (50, 7, 2), (10, 4, 3), (5, 5, None), (11, 10, 1)])
+def test_global_order_does_not_depend_on_world_size(n, batch, micro):
+    """Step k's samples, over all ranks and micro-batches, are the same for 1, 2 and 3 ranks."""
+    def steps(world):
+        out = {}
+        for rank in range(world):
+            s = data.GlobalBatchSampler(n, batch, world, rank, seed=3, micro_batch_size=micro)
+            s.set_epoch(1)
+            step = 0
+            for indices, info in s.plan():
+                out.setdefault(step, []).extend(indices)
+                assert info.step_size == len(out[step]) or not info.last or world > 1
+                if micro:
+                    assert len(indices) <= micro
+                step += info.last
+        return {k: sorted(v) for k, v in out.items()}
+
+    one = steps(1)
+    assert sorted(i for v in one.values() for i in v) == list(range(n))  # each sample once per epoch
+    assert steps(2) == one and steps(3) == one
+
+
+def test_resuming_mid_epoch_yields_exactly_the_rest():
+    full = data.GlobalBatchSampler(30, 4, 2, 1, seed=0)
+    full.set_epoch(2)
+    rest = data.GlobalBatchSampler(30, 4, 3, 1, seed=0)  # resumed on another world size
+    rest.set_epoch(2, start_step=5)
+    one = data.GlobalBatchSampler(30, 4, 1, 0, seed=0)
+    one.set_epoch(2, start_step=5)
+    assert sum((idx for idx, _ in one.plan()), []) == full.order()[20:].tolist()
+    assert len(list(rest.plan())) == full.steps_per_epoch - 5
 
 
 def test_digits_split_is_fixed_and_matches_scikit_learn():
@@ -190,16 +222,20 @@ def test_single_strategy_on_several_processes_is_refused():
         resolve("single", 2, torch.device("cpu"))
 
 
-def test_loader_moves_to_next_epoch_even_when_left_early():
+def test_loader_left_early_continues_where_it_stopped():
     loader = data.train_loader(data.TensorDataset(torch.arange(64)), 8, world_size=1, rank=0,
                                device=torch.device("cpu"), seed=0)
+    order = loader.sampler.order().tolist()
     firsts = []
     for _ in range(3):
         for (batch,) in loader:
             firsts.append(batch.tolist())
             break
-    assert loader.epoch == 3
-    assert firsts[0] != firsts[1] != firsts[2]  # a new shuffle each time
+    assert firsts == [order[0:8], order[8:16], order[16:24]]  # neither replayed nor skipped
+    assert (loader.epoch, loader.position) == (0, 3)
+    assert len(loader) == 5 and len(list(loader)) == 5  # the rest of the epoch
+    assert (loader.epoch, loader.position) == (1, 0)
+    assert next(iter(loader))[0].tolist() != order[0:8]  # epoch 1 reshuffles
 
 
 @pytest.mark.parametrize("name,shape", [("lenet", (3, 2, 2)), ("cnn", (1, 1, 1)), ("cnn", (10,))])

@@ -17,6 +17,7 @@ from .runtime import DEVICES
 from .strategy import STRATEGIES
 
 OPTIMIZERS = ("sgd", "adamw")
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
@@ -41,13 +42,21 @@ class TrainConfig:
     strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # GLOBAL batch: samples per optimizer step over all processes together
-    lr: float = 0.05  # peak learning rate (cosine decay to zero over the run)
+    micro_batch_size: Optional[int] = None  # most samples per forward on one process; more accumulate
+    lr: float = 0.05  # learning rate at --reference-batch-size (peak; cosine decay to zero)
+    lr_scaling: str = "none"  # none, linear or sqrt: scale --lr by (batch-size / reference-batch-size)
+    reference_batch_size: int = 64  # the global batch --lr was tuned for (used by --lr-scaling)
+    warmup_epochs: float = 0.0  # linear warmup: from the reference LR (or 0) up to the peak
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (CUDA only)
     optimizer: str = "sgd"  # sgd (Nesterov momentum 0.9) or adamw
     weight_decay: float = 5e-4  # L2 penalty
     precision: str = "fp32"  # fp32, bf16 or fp16 (fp16 uses a GradScaler)
     seed: int = 0  # seeds model init, shuffling and synthetic data
     out: Optional[str] = None  # output directory (default: runs/<date>-<time>)
     resume: Optional[str] = None  # auto (newest checkpoint in --out) or a checkpoint file
+    checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at epoch ends only)
+    keep_checkpoints: int = 2  # newest checkpoints kept in --out/checkpoints
+    max_steps: Optional[int] = None  # stop (with a checkpoint) after this many optimizer steps
     eval_batch_size: int = 512  # global batch for evaluation
     num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
     log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps
@@ -64,11 +73,18 @@ class TrainConfig:
         _choice("--strategy", self.strategy, STRATEGIES)
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         if not (self.nproc == "auto" or str(self.nproc).isdigit()) or str(self.nproc) == "0":
             raise UsageError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
         for flag in ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout",
-                     "synthetic_size", "num_classes"):
+                     "synthetic_size", "num_classes", "reference_batch_size", "keep_checkpoints"):
             _positive("--" + flag.replace("_", "-"), getattr(self, flag))
+        for flag in ("micro_batch_size", "max_steps"):
+            if getattr(self, flag) is not None:
+                _positive("--" + flag.replace("_", "-"), getattr(self, flag))
+        for flag in ("checkpoint_every", "warmup_epochs"):
+            if not getattr(self, flag) >= 0:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.num_workers is not None and self.num_workers < 0:
@@ -88,6 +104,11 @@ class TrainConfig:
         if not dims or min(dims) <= 0:
             raise UsageError(f"--synthetic-shape must be positive integers like 3,32,32, got {self.synthetic_shape!r}")
         return dims
+
+    def peak_lr(self) -> float:
+        """--lr scaled for the global batch by --lr-scaling (the tutorials' "N x batch, N x LR")."""
+        ratio = self.batch_size / self.reference_batch_size
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

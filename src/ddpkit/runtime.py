@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dist, strategy as strategies
-from .data import DistributedLoader, ShardSampler, eval_loader, train_loader
+from .data import DistributedLoader, MicroBatch, ShardSampler, eval_loader, train_loader
 from .errors import UsageError
 from .launcher import cpu_count
 from .log import print0
@@ -64,6 +64,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_rank(seed: int, rank: int, step: int = 0) -> None:
+    """Give each rank its own torch / NumPy / `random` stream (dropout, augmentation) derived
+    from the run's seed, the rank and the optimizer step the stream starts at."""
+    seed_everything(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+
+
 class Runtime:
     """Process group, device, strategy and precision for one worker; see the module docstring.
 
@@ -91,6 +97,9 @@ class Runtime:
             self.close()
             raise UsageError(str(err)) from None
         self.seed = seed
+        self._model: nn.Module | None = None
+        self._micro: MicroBatch | None = None  # the training micro-batch last handed out
+        self._no_sync: Any = None  # DDP's no_sync context while inside a global batch
         if seed is not None:
             seed_everything(seed)
 
@@ -114,6 +123,7 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group if this runtime created it. Safe to call twice."""
+        self._leave_no_sync()
         if self._owns_group:
             dist.teardown()
             self._owns_group = False
@@ -134,6 +144,7 @@ class Runtime:
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
         wrapped = strategies.wrap(model, self.strategy, self.device, self.precision)
+        self._model = wrapped  # backward() skips its all-reduce between micro-batches
         return (wrapped, *optimizers) if optimizers else wrapped
 
     @staticmethod
@@ -150,31 +161,84 @@ class Runtime:
         return strategies.no_sync(model)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.backward(loss)
+        """Backward of a micro-batch's MEAN loss, weighted so the optimizer sees the mean over
+        the whole global batch, however it was split over ranks and micro-batches.
 
-    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None) -> None:
-        """Optimizer step (through the GradScaler under fp16), then zero the gradients.
+        For batches from `loader()`: a rank's micro-batch of n samples, out of a global batch
+        of B, counts n * world_size / B (DDP then averages over ranks), and DDP's gradient
+        all-reduce runs only on the rank's last micro-batch of the step (`no_sync` before).
+        """
+        micro = self._micro
+        if micro is None:  # a batch from elsewhere: plain backward
+            self.precision.backward(loss)
+            return
+        if micro.size == 0:  # an empty share: zero gradients, but DDP still all-reduces them
+            loss = loss.nan_to_num(0.0) * 0.0
+        else:
+            loss = loss * (micro.size * self.world_size / micro.step_size)
+        try:
+            self.precision.backward(loss)
+        finally:
+            self._leave_no_sync()
+
+    @property
+    def step_ready(self) -> bool:
+        """True when the gradients of a whole global batch are in: the next step() steps."""
+        return self._micro is None or self._micro.last
+
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None) -> bool:
+        """Optimizer step (through the GradScaler under fp16), then zero the gradients; returns
+        True. Between micro-batches of one global batch it does nothing and returns False, so
+        `if rt.step(opt): scheduler.step()` keeps a per-step schedule right under accumulation.
         With `max_grad_norm`, gradients are unscaled and clipped first."""
+        if not self.step_ready:
+            return False
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        return True
 
     # -- data ---------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-               seed: int | None = None, num_workers: int | None = None) -> DistributedLoader:
-        """Training batches for this rank. `batch_size` is the GLOBAL batch: each of the N
-        ranks gets batch_size / N samples per step. Reshuffles every epoch by itself, from
-        `seed` (default: the Runtime's seed, else 0)."""
+               seed: int | None = None, num_workers: int | None = None,
+               micro_batch_size: int | None = None) -> DistributedLoader:
+        """Training micro-batches for this rank. `batch_size` is the GLOBAL batch: the samples
+        of one optimizer step over all ranks, whatever their number. Each rank takes its share
+        (shares differ by at most one sample), in micro-batches of at most `micro_batch_size`.
+        Which samples form step k depends on `seed` (default: the Runtime's, else 0) and the
+        epoch only; the loader reshuffles every epoch and resumes mid-epoch from its state."""
         seed = seed if seed is not None else (self.seed or 0)
         try:
-            return train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
-                                device=self.device, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                num_workers=num_workers, local_world_size=self.env.local_world_size)
+            loader = train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
+                                  device=self.device, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                  micro_batch_size=micro_batch_size, num_workers=num_workers,
+                                  local_world_size=self.env.local_world_size)
         except ValueError as err:
             raise UsageError(str(err)) from None
+        loader.on_batch = self._on_batch
+        return loader
+
+    def _on_batch(self, loader: DistributedLoader) -> None:
+        """Called as the loader hands out a training micro-batch, before the user's forward.
+
+        DDP arms its gradient all-reduce in the forward pass, so `no_sync()` must already be on
+        then, not only around backward(): it is entered here for every micro-batch but a
+        rank's last of the step, and left at the end of backward(). Ranks may so run different
+        numbers of micro-batches; each still all-reduces exactly once per step.
+        """
+        self._leave_no_sync()
+        self._micro = loader.current
+        if not self._micro.last and isinstance(self._model, nn.parallel.DistributedDataParallel):
+            self._no_sync = self._model.no_sync()
+            self._no_sync.__enter__()
+
+    def _leave_no_sync(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
 
     def eval_loader(self, dataset: Any, batch_size: int = 512, num_workers: int | None = None) -> DistributedLoader:
         """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""

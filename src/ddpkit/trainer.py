@@ -27,11 +27,8 @@ from .config import TrainConfig
 from .errors import UsageError
 from .launcher import launch, parse_nproc
 from .plots import plot_curves
-from .runtime import Runtime, resolve_device
+from .runtime import Runtime, resolve_device, seed_rank
 from .strategy import unwrap
-
-KEEP_CHECKPOINTS = 2
-
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Validate, then run `fit` on this process or on `--nproc` local workers."""
@@ -41,6 +38,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device, bind=False)  # UsageError for --device cuda without a GPU
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
+    if cfg.sync_batchnorm and device.type != "cuda":
+        raise UsageError("--sync-batchnorm needs --device cuda: torch's SyncBatchNorm runs on GPUs only")
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
     if dist.detect_env().source != "single":  # under torchrun / srun: this process is one worker
         return fit(cfg, t0, resume)
@@ -58,7 +57,7 @@ def _nproc(cfg: TrainConfig, device_type: str) -> int:
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} visible GPUs")
     try:
-        datasets.per_rank_batch(cfg.batch_size, nproc)
+        datasets.check_global_batch(cfg.batch_size, nproc)
     except ValueError as err:
         raise UsageError(str(err)) from None
     return nproc
@@ -76,9 +75,7 @@ def resume_path(cfg: TrainConfig) -> str | None:
             raise UsageError(f"--resume: {err}") from None
         return cfg.resume
     folder = os.path.join(cfg.out, "checkpoints")
-    names = sorted(n for n in os.listdir(folder) if n.startswith("epoch-") and n.endswith(".pt")) \
-        if os.path.isdir(folder) else []
-    for name in reversed(names):  # newest first; temp files of an interrupted write never match
+    for name in reversed(checkpoint_names(folder)):  # newest first; temp files of an interrupted write never match
         path = os.path.join(folder, name)
         try:
             check_resumable(path, cfg)
@@ -112,143 +109,220 @@ def check_resumable(path: str, cfg: TrainConfig) -> None:
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    lr = cfg.peak_lr()
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+
+
+def schedule(cfg: TrainConfig, steps_per_epoch: int) -> Any:
+    """LR factor per optimizer step: linear warmup over --warmup-epochs, then cosine to zero.
+
+    As in Goyal et al., "Accurate, Large Minibatch SGD": warmup starts from the reference LR
+    (the peak divided by the scaling factor) and climbs to the scaled peak; without scaling it
+    starts from zero. Depends on steps, not processes, like everything else in the run.
+    """
+    total = cfg.epochs * steps_per_epoch
+    warmup = min(total, round(cfg.warmup_epochs * steps_per_epoch))
+    scale = cfg.peak_lr() / cfg.lr
+    start = 1.0 / scale if scale > 1 else 0.0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return start + (1.0 - start) * step / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    return factor
 
 
 def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any]:
     """One worker's whole run. Every rank returns the same results dict."""
     with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout) as rt:
-        # Under torchrun each rank ran train() and its own clock: rank 0's defaults win.
+        # Under torchrun each rank ran train() and its own clock: rank 0's choices win.
         cfg, resume = rt.broadcast_object((cfg, resume))
-        splits = datasets.load(cfg.data, synthetic_shape=cfg.shape(), synthetic_size=cfg.synthetic_size,
-                               num_classes=cfg.num_classes, seed=cfg.seed)
-        model = models.build(cfg.model, splits.in_shape, splits.num_classes)
-        model, opt = rt.setup(model, _optimizer(cfg, model.parameters()))
-        train_loader = rt.loader(splits.train, cfg.batch_size, num_workers=cfg.num_workers)
-        test_loader = rt.eval_loader(splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers)
-        total_steps = cfg.epochs * len(train_loader)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + math.cos(math.pi * k / total_steps)))
-        run = RunState(cfg)
+        loop = Loop(rt, cfg)
         if resume is not None:
-            run.restore(rt.load(resume, model=model, optimizer=opt, scheduler=sched, precision=rt.precision,
-                                loader=train_loader))
-            rt.print(f"resumed from {resume} at epoch {run.epoch}")
-        rt.print(f"ddpkit train: {cfg.model} on {cfg.data} ({len(splits.train)} train / {len(splits.test)} test), "
-                 f"{rt.world_size} x {rt.device.type} {rt.strategy}, global batch {cfg.batch_size}, {cfg.precision}")
-        with Outputs(cfg, rt.is_main, resumed_step=run.step if resume else None) as out:
-            train_time = 0.0
-            for epoch in range(run.epoch, cfg.epochs):
-                t_epoch = time.perf_counter()
-                loss, acc = _train_epoch(rt, cfg, model, opt, sched, train_loader, run, out, epoch)
-                train_time += time.perf_counter() - t_epoch
-                _end_epoch(rt, cfg, model, test_loader, run, out, epoch, time.perf_counter() - t_epoch, loss, acc)
-                rt.save(out.checkpoint_path(run.epoch), model=model, optimizer=opt, scheduler=sched,
-                        precision=rt.precision, loader=train_loader, run=run.state_dict())
-                out.prune_checkpoints()
-            samples = (cfg.epochs - run.start_epoch) * len(splits.train)
-            results = _results(cfg, rt, run, len(splits.train), samples / train_time, time.time() - t0)
-            out.finish(results, model, run.history)
+            loop.restore(resume)
+        else:
+            seed_rank(cfg.seed, rt.rank, 0)
+        rt.print(f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
+                 f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
+                 f"global batch {cfg.batch_size}, {cfg.precision}")
+        with Outputs(cfg, rt.is_main, resumed_step=loop.run.step if resume else None) as out:
+            results = loop.run_all(out, t0)
         rt.print(out.summary(results))
         rt.barrier()
         return results
 
 
-def _train_epoch(rt: Runtime, cfg: TrainConfig, model: Any, opt: Any, sched: Any, loader: Any,
-                 run: "RunState", out: "Outputs", epoch: int) -> tuple[float, float]:
-    """One pass over the training set; returns the loss and accuracy averaged per sample over
-    all ranks. Per-step values stay on the device: one all-reduce at the end, not one per step."""
-    model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
-    correct = torch.zeros((), dtype=torch.float64, device=rt.device)
-    count = 0
-    batches = out.progress(loader, epoch)
-    t_log = time.perf_counter()
-    for x, y in batches:
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        rt.backward(loss)
-        rt.step(opt)
-        sched.step()
-        run.step += 1
-        loss_sum += loss.detach().double() * y.numel()
-        correct += (logits.argmax(1) == y).sum()
-        count += y.numel()
-        if run.step % cfg.log_every == 0:  # every rank: the loss is averaged over them
-            now = time.perf_counter()
-            step_loss = rt.all_reduce(loss.detach().double(), op="mean").item()
-            rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
-            t_log = now
-            out.log({"type": "step", "epoch": epoch + 1, "step": run.step, "loss": step_loss,
-                     "lr": sched.get_last_lr()[0], "samples_per_second": rate})
-            if hasattr(batches, "set_postfix"):
-                batches.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{rate:,.0f}")
-    sums = rt.all_reduce(torch.stack([loss_sum, correct, torch.tensor(float(count), dtype=torch.float64,
-                                                                       device=rt.device)]))
-    return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item()
+class Loop:
+    """The built-in loop's parts, built once per worker: data, model, optimizer, schedule."""
 
+    def __init__(self, rt: Runtime, cfg: TrainConfig):
+        self.rt, self.cfg = rt, cfg
+        self.splits = datasets.load(cfg.data, synthetic_shape=cfg.shape(), synthetic_size=cfg.synthetic_size,
+                                    num_classes=cfg.num_classes, seed=cfg.seed)
+        model = models.build(cfg.model, self.splits.in_shape, self.splits.num_classes)
+        if cfg.sync_batchnorm and rt.world_size > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model, self.opt = rt.setup(model, _optimizer(cfg, model.parameters()))
+        self.train_loader = rt.loader(self.splits.train, cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+                                      num_workers=cfg.num_workers)
+        self.test_loader = rt.eval_loader(self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule(cfg, self.train_loader.steps_per_epoch))
+        self.run = RunState(cfg, rt.device)
+        self.samples = 0  # trained on by this process's run, all ranks together
 
-def _end_epoch(rt: Runtime, cfg: TrainConfig, model: Any, test_loader: Any, run: "RunState", out: "Outputs",
-               epoch: int, seconds: float, loss: float, acc: float) -> None:
-    ev = rt.evaluate(model, test_loader)
-    record = {"type": "epoch", "epoch": epoch + 1, "step": run.step, "train_loss": loss,
-              "train_accuracy": acc, "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
-              "test_samples": ev["samples"], "epoch_seconds": seconds}
-    run.history.append(record)
-    run.epoch = epoch + 1
-    out.log(record)
-    rt.print(f"epoch {epoch + 1:>3}/{cfg.epochs}  train loss {loss:.4f}  acc {acc:.4f}  |  "
-             f"test loss {ev['loss']:.4f}  acc {ev['accuracy']:.4f}  ({ev['samples']} samples)")
+    def restore(self, path: str) -> None:
+        state = self.rt.load(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
+                             precision=self.rt.precision, loader=self.train_loader)
+        self.run.restore(state, self.rt)
+        self.rt.print(f"resumed from {path} at step {self.run.step} (epoch {self.run.epoch + 1}, "
+                      f"step {self.train_loader.position} of {self.train_loader.steps_per_epoch})")
 
+    def stopped(self) -> bool:
+        return self.cfg.max_steps is not None and self.run.step >= self.cfg.max_steps
 
-def _results(cfg: TrainConfig, rt: Runtime, run: "RunState", train_samples: int, rate: float,
-             wall: float) -> dict[str, Any]:
-    last = run.history[-1]
-    return {
-        "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
-        "test_samples": last["test_samples"], "train_samples": train_samples,
-        "world_size": rt.world_size, "global_batch_size": cfg.batch_size, "epochs": cfg.epochs,
-        "steps": run.step, "final_train_loss": last["train_loss"], "final_train_accuracy": last["train_accuracy"],
-        "samples_per_second": rate, "wall_seconds": wall,
-        "device": rt.device.type, "strategy": rt.strategy, "precision": cfg.precision, "seed": cfg.seed,
-        "model": cfg.model, "data": cfg.data, "resumed_from_epoch": run.start_epoch,
-        "ddpkit_version": __version__, "torch_version": torch.__version__,
-    }
+    def run_all(self, out: "Outputs", t0: float) -> dict[str, Any]:
+        train_time = 0.0
+        while self.run.epoch < self.cfg.epochs and not self.stopped():
+            t_epoch = time.perf_counter()
+            done = self.train_epoch(out)
+            train_time += time.perf_counter() - t_epoch
+            if done:
+                self.end_epoch(out, time.perf_counter() - t_epoch)
+            self.save(out)
+        ev = self.rt.evaluate(self.model, self.test_loader)
+        results = self.results(ev, self.samples / max(train_time, 1e-9), time.time() - t0)
+        out.finish(results, self.model, self.run.history)
+        return results
+
+    def train_epoch(self, out: "Outputs") -> bool:
+        """Train until the epoch ends (True) or --max-steps is reached (False). The epoch's
+        loss and accuracy sums stay on the device, summed per sample; one all-reduce at its end."""
+        rt, cfg, run = self.rt, self.cfg, self.run
+        self.model.train()
+        step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
+        batches = out.progress(self.train_loader, run.epoch)
+        t_log = time.perf_counter()
+        for x, y in batches:
+            n = self.train_loader.current.size
+            logits = self.model(x)
+            loss = F.cross_entropy(logits, y)
+            rt.backward(loss)
+            if n:
+                run.sums[0] += loss.detach().double() * n
+                run.sums[1] += (logits.argmax(1) == y).sum()
+                run.sums[2] += n
+                step_loss += loss.detach().double() * n
+            if not rt.step(self.opt):
+                continue  # more micro-batches of this global batch to come
+            self.sched.step()
+            run.step += 1
+            self.samples += self.train_loader.current.step_size
+            if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
+                now = time.perf_counter()
+                value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_size
+                rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
+                t_log = now
+                out.log({"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": value,
+                         "lr": self.sched.get_last_lr()[0], "samples_per_second": rate})
+                if hasattr(batches, "set_postfix"):
+                    batches.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
+            step_loss.zero_()
+            if self.stopped():
+                return False
+            if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
+                self.save(out)
+        return True
+
+    def end_epoch(self, out: "Outputs", seconds: float) -> None:
+        rt, run = self.rt, self.run
+        loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
+        run.sums.zero_()
+        ev = rt.evaluate(self.model, self.test_loader)
+        record = {"type": "epoch", "epoch": run.epoch + 1, "step": run.step, "train_loss": loss / count,
+                  "train_accuracy": correct / count, "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
+                  "test_samples": ev["samples"], "epoch_seconds": seconds}
+        run.history.append(record)
+        run.epoch += 1
+        out.log(record)
+        rt.print(f"epoch {run.epoch:>3}/{self.cfg.epochs}  train loss {loss / count:.4f}  acc {correct / count:.4f}"
+                 f"  |  test loss {ev['loss']:.4f}  acc {ev['accuracy']:.4f}  ({ev['samples']} samples)")
+
+    def save(self, out: "Outputs") -> None:
+        """A checkpoint of everything the run needs to continue, on any number of processes.
+        Collective: every rank calls it at the same step."""
+        run_state = self.run.state_dict(self.rt)
+        self.rt.save(out.checkpoint_path(self.run.step), model=self.model, optimizer=self.opt, scheduler=self.sched,
+                     precision=self.rt.precision, loader=self.train_loader, run=run_state)
+        out.prune_checkpoints()
+
+    def results(self, ev: dict[str, Any], rate: float, wall: float) -> dict[str, Any]:
+        cfg, run, rt = self.cfg, self.run, self.rt
+        last = run.history[-1] if run.history else {}
+        return {
+            "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_samples": ev["samples"],
+            "train_samples": len(self.splits.train), "world_size": rt.world_size,
+            "global_batch_size": cfg.batch_size, "micro_batch_size": cfg.micro_batch_size, "epochs": cfg.epochs,
+            "epochs_completed": run.epoch, "steps": run.step, "stopped_early": self.stopped() and run.epoch < cfg.epochs,
+            "final_train_loss": last.get("train_loss"), "final_train_accuracy": last.get("train_accuracy"),
+            "samples_per_second": rate, "wall_seconds": wall, "device": rt.device.type, "strategy": rt.strategy,
+            "precision": cfg.precision, "seed": cfg.seed, "lr": cfg.lr, "peak_lr": cfg.peak_lr(),
+            "model": cfg.model, "data": cfg.data, "resumed_from_step": run.start_step,
+            "ddpkit_version": __version__, "torch_version": torch.__version__,
+        }
 
 
 class RunState:
-    """Loop counters, history and random states: what a checkpoint holds besides the model,
-    optimizer, scheduler, scaler and loader. Also records what it was trained with."""
+    """Loop counters, history, the epoch's running sums and every rank's random streams: what a
+    checkpoint holds besides model, optimizer, scheduler, scaler and loader position. Also
+    records what the run was trained with, so a resume with other settings is refused."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.cfg = cfg
-        self.epoch = self.step = self.start_epoch = 0
+        self.epoch = self.step = self.start_step = 0
         self.history: list[dict[str, Any]] = []
+        # This epoch so far, on the device (no sync per step): loss * n, correct, n.
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
 
-    def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+    def state_dict(self, rt: Runtime) -> dict[str, Any]:
+        """Collective (all-reduces the sums, gathers the random states); rank 0 keeps the result."""
         return {
             "epoch": self.epoch, "step": self.step, "history": self.history,
             "model": self.cfg.model, "optimizer": self.cfg.optimizer, "data": self.cfg.data,
-            # weights_only loading accepts tensors and plain containers, not NumPy arrays
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "sums": rt.all_reduce(self.sums.clone()).cpu(), "world_size": rt.world_size,
+            "rng": rt.gather_objects(_rng_state()),
         }
 
-    def restore(self, checkpoint: dict[str, Any]) -> None:
+    def restore(self, checkpoint: dict[str, Any], rt: Runtime) -> None:
         state = checkpoint["run"]
-        self.epoch = self.start_epoch = int(state["epoch"])
-        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.step = self.start_step = int(state["step"])
         self.history = list(state["history"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
-        random.setstate(_as_tuples(rng["python"]))
-        kind, keys, *rest = rng["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
-        if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+        # The epoch's sums so far were summed over all ranks: one rank carries them on.
+        self.sums = state["sums"].to(rt.device) if rt.is_main else torch.zeros_like(self.sums)
+        if int(state["world_size"]) == rt.world_size:
+            _set_rng_state(state["rng"][rt.rank])  # the very streams an uninterrupted run would have
+        else:
+            seed_rank(self.cfg.seed, rt.rank, self.step)  # no such rank before: a fresh stream, reproducibly
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    # weights_only loading accepts tensors and plain containers, not NumPy arrays
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"].cpu())
+    random.setstate(_as_tuples(rng["python"]))
+    kind, keys, *rest = rng["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
 
 
 def _as_tuples(value: Any) -> Any:
@@ -284,21 +358,22 @@ class Outputs:
             self._metrics.write(json.dumps(record) + "\n")
 
     def progress(self, loader: Any, epoch: int) -> Any:
+        """The loader, wrapped in a progress bar on rank 0 when stderr is a terminal."""
         if not (self.is_main and self.cfg.progress and sys.stderr.isatty()):
             return loader
         from tqdm.auto import tqdm
 
         return tqdm(loader, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch", leave=False)
 
-    def checkpoint_path(self, epoch: int) -> str:
-        return os.path.join(self.dir, "checkpoints", f"epoch-{epoch:04d}.pt")
+    def checkpoint_path(self, step: int) -> str:
+        return os.path.join(self.dir, "checkpoints", f"step-{step:08d}.pt")
 
     def prune_checkpoints(self) -> None:
+        """Keep the newest --keep-checkpoints; older ones go only after the new one is complete."""
         if not self.is_main:
             return
         folder = os.path.join(self.dir, "checkpoints")
-        names = sorted(n for n in os.listdir(folder) if n.startswith("epoch-") and n.endswith(".pt"))
-        for name in names[:-KEEP_CHECKPOINTS]:
+        for name in checkpoint_names(folder)[:-self.cfg.keep_checkpoints]:
             os.unlink(os.path.join(folder, name))
 
     def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
@@ -313,6 +388,14 @@ class Outputs:
         return (f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
                 f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
                 f"{r['wall_seconds']:.1f} s | outputs in {self.dir}")
+
+
+def checkpoint_names(folder: str) -> list[str]:
+    """Complete checkpoints in `folder`, oldest first. Writes go to '.tmp-*' files renamed
+    only when complete, so a half-written file never has a checkpoint's name."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(".pt"))
 
 
 def _records_until(path: str, step: int) -> list[str]:
