@@ -378,6 +378,9 @@ BAD_INPUT = [
          marks=pytest.mark.no_out),
     case("lenet-on-tiny-images", ["train", "--data", "synthetic", "--synthetic-shape", "3,2,2", "--model", "lenet"],
          None, "--model"),
+    case("sync-batchnorm-on-cpu", ["train", "--sync-batchnorm", "true", "--device", "cpu"], None, "--sync-batchnorm"),
+    case("micro-batch-size-0", ["train", "--micro-batch-size", "0"], None, "--micro-batch-size"),
+    case("lr-scaling-unknown", ["train", "--lr-scaling", "cubic"], None, "--lr-scaling"),
     case("unknown-command", ["nosuch"], None, "nosuch"),
 ]
 

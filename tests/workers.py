@@ -101,3 +101,54 @@ def fail_on_rank(bad_rank: int, after_barrier: bool = True) -> int:
 
 def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
+
+
+def invariant_steps(steps: int, global_batch: int, micro: int | None = None, n: int = 90) -> dict:
+    """`steps` SGD steps of a fixed model on a fixed set: what 1, 2 and 3 ranks must agree on."""
+    with ddpkit.Runtime(device="cpu", seed=5) as rt:
+        model = toy_model(seed=5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        model, opt = rt.setup(model, opt)
+        loader = rt.loader(toy_data(n, seed=2), batch_size=global_batch, micro_batch_size=micro)
+        done = 0
+        while done < steps:
+            for x, y in loader:
+                rt.backward(F.cross_entropy(model(x), y))
+                done += rt.step(opt)
+                if done == steps and rt.step_ready:
+                    break
+        return {"params": flat_params(model), "position": (loader.epoch, loader.position)}
+
+
+def rank_streams() -> dict:
+    import random
+
+    import numpy as np
+
+    with ddpkit.Runtime(device="cpu", seed=11) as rt:
+        init = torch.rand(3)  # drawn before setup: the same on every rank, like model init
+        rt.setup(toy_model())
+        return {"init": init, "torch": torch.rand(3), "numpy": float(np.random.rand()), "python": random.random()}
+
+
+def plain_reference(steps: int, global_batch: int, n: int = 90) -> torch.Tensor:
+    """The same training as `invariant_steps` written in plain PyTorch on one process: mean loss
+    over each whole global batch, in the order of epoch 0, 1, ... of the sampler's permutation."""
+    from ddpkit.data import GlobalBatchSampler
+
+    torch.manual_seed(5)
+    model = toy_model(seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    x_all, y_all = toy_data(n, seed=2).tensors
+    sampler, done, epoch = GlobalBatchSampler(n, global_batch, 1, 0, seed=5), 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        for indices, _ in sampler.plan():
+            F.cross_entropy(model(x_all[indices]), y_all[indices]).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                break
+        epoch += 1
+    return flat_params(model)

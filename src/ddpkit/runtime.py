@@ -139,12 +139,18 @@ class Runtime:
         """Move `model` to the device and wrap it for the strategy; returns the wrapped model,
         or (model, *optimizers) when optimizers are given.
 
+        With a Runtime seed, each rank switches to its own random stream here (derived from the
+        seed and the rank): build the model before, so its initial weights agree everywhere.
         Parameters are moved in place, so an optimizer built on the bare model before this call
         keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
         wrapped = strategies.wrap(model, self.strategy, self.device, self.precision)
         self._model = wrapped  # backward() skips its all-reduce between micro-batches
+        if self.seed is not None:
+            # The model was built from the same seed on every rank; from here on (dropout,
+            # augmentation, sampling) each rank draws from its own stream.
+            seed_rank(self.seed, self.rank)
         return (wrapped, *optimizers) if optimizers else wrapped
 
     @staticmethod

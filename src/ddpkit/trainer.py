@@ -140,11 +140,9 @@ def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any
     with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout) as rt:
         # Under torchrun each rank ran train() and its own clock: rank 0's choices win.
         cfg, resume = rt.broadcast_object((cfg, resume))
-        loop = Loop(rt, cfg)
+        loop = Loop(rt, cfg)  # rt.setup() inside gives each rank its own random stream
         if resume is not None:
             loop.restore(resume)
-        else:
-            seed_rank(cfg.seed, rt.rank, 0)
         rt.print(f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
                  f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
                  f"global batch {cfg.batch_size}, {cfg.precision}")
