@@ -152,3 +152,14 @@ def plain_reference(steps: int, global_batch: int, n: int = 90) -> torch.Tensor:
                 break
         epoch += 1
     return flat_params(model)
+
+
+def stall_on_rank(bad_rank: int, timeout_s: float) -> int:
+    """`bad_rank` stops reaching collectives; the others wait in a barrier for at most timeout_s."""
+    import time
+
+    with ddpkit.Runtime(device="cpu", timeout_s=timeout_s) as rt:
+        if rt.rank == bad_rank:
+            time.sleep(600)
+        rt.barrier()
+        return rt.rank

@@ -57,6 +57,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at epoch ends only)
     keep_checkpoints: int = 2  # newest checkpoints kept in --out/checkpoints
     max_steps: Optional[int] = None  # stop (with a checkpoint) after this many optimizer steps
+    max_restarts: int = 0  # when a worker dies, restart all of them (up to N times) from the newest checkpoint
     eval_batch_size: int = 512  # global batch for evaluation
     num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
     log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps
@@ -82,7 +83,7 @@ class TrainConfig:
         for flag in ("micro_batch_size", "max_steps"):
             if getattr(self, flag) is not None:
                 _positive("--" + flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("checkpoint_every", "warmup_epochs"):
+        for flag in ("checkpoint_every", "warmup_epochs", "max_restarts"):
             if not getattr(self, flag) >= 0:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if self.weight_decay < 0:

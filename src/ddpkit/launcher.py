@@ -155,7 +155,11 @@ def launch(
     try:
         # Each process gets its share of the cores instead of all of them (oversubscription
         # makes CPU DDP several times slower). A value the user set is kept.
-        with _env("OMP_NUM_THREADS", str(threads_per_process(n))), _quiet_elastic_logs(), _main_hidden():
+        # A store shared between rendezvous and workers keeps the previous attempt's keys, so
+        # restarted workers can read stale peer addresses (pytorch/pytorch#135712): let each
+        # attempt's workers have a store of their own.
+        with _env("OMP_NUM_THREADS", str(threads_per_process(n))), _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"), \
+                _quiet_elastic_logs(), _main_hidden():
             return elastic_launch(config, _entrypoint)(payload)
     except ChildFailedError as err:
         raise _as_worker_failed(err, logs) from None

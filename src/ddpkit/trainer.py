@@ -44,9 +44,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if dist.detect_env().source != "single":  # under torchrun / srun: this process is one worker
         return fit(cfg, t0, resume)
     nproc = _nproc(cfg, device.type)
-    if nproc == 1:
-        return fit(cfg, t0, resume)
-    return launch(fit, cfg, t0, resume, nproc=nproc, device=device.type)[0]
+    if nproc == 1 and cfg.max_restarts == 0:
+        return fit(cfg, t0, resume)  # no agent needed: nothing to restart, no one to coordinate
+    return launch(fit, cfg, t0, resume, nproc=nproc, device=device.type, max_restarts=cfg.max_restarts)[0]
 
 
 def _nproc(cfg: TrainConfig, device_type: str) -> int:
@@ -63,9 +63,10 @@ def _nproc(cfg: TrainConfig, device_type: str) -> int:
     return nproc
 
 
-def resume_path(cfg: TrainConfig) -> str | None:
+def resume_path(cfg: TrainConfig, allow_finished: bool = False) -> str | None:
     """The checkpoint to resume from: `--resume PATH` (checked), or with `--resume auto` the
-    newest usable one in `--out`/checkpoints (None when there is none yet)."""
+    newest usable one in `--out`/checkpoints (None when there is none yet). `allow_finished`
+    accepts a checkpoint of the last epoch (a restart after training, before the outputs)."""
     if cfg.resume is None:
         return None
     if cfg.resume != "auto":
@@ -78,14 +79,14 @@ def resume_path(cfg: TrainConfig) -> str | None:
     for name in reversed(checkpoint_names(folder)):  # newest first; temp files of an interrupted write never match
         path = os.path.join(folder, name)
         try:
-            check_resumable(path, cfg)
+            check_resumable(path, cfg, allow_finished)
             return path
         except UsageError:
             continue
     return None
 
 
-def check_resumable(path: str, cfg: TrainConfig) -> None:
+def check_resumable(path: str, cfg: TrainConfig, allow_finished: bool = False) -> None:
     """Raise UsageError unless `path` is a readable training checkpoint that this config can
     continue: same model, optimizer and dataset, and epochs left to run."""
     state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
@@ -98,7 +99,7 @@ def check_resumable(path: str, cfg: TrainConfig) -> None:
         if run.get(key) != getattr(cfg, key):
             raise UsageError(f"checkpoint {path}: was trained with --{key} {run.get(key)}; "
                              f"this run has --{key} {getattr(cfg, key)}")
-    if run["epoch"] >= cfg.epochs:
+    if run["epoch"] >= cfg.epochs and not (allow_finished and run["epoch"] == cfg.epochs):
         raise UsageError(f"checkpoint {path}: already at epoch {run['epoch']}; raise --epochs above it to continue")
     model = models.build(cfg.model, *datasets.shape_of(cfg.data, cfg.shape(), cfg.num_classes))
     try:
@@ -138,6 +139,10 @@ def schedule(cfg: TrainConfig, steps_per_epoch: int) -> Any:
 def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any]:
     """One worker's whole run. Every rank returns the same results dict."""
     with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout) as rt:
+        if restarted() and rt.is_main:
+            # The elastic agent restarted us after a worker died: carry on from the newest
+            # complete checkpoint, whatever the command line said.
+            resume = resume_path(dataclasses.replace(cfg, resume="auto"), allow_finished=True) or resume
         # Under torchrun each rank ran train() and its own clock: rank 0's choices win.
         cfg, resume = rt.broadcast_object((cfg, resume))
         loop = Loop(rt, cfg)  # rt.setup() inside gives each rank its own random stream
@@ -151,6 +156,11 @@ def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any
         rt.print(out.summary(results))
         rt.barrier()
         return results
+
+
+def restarted() -> int:
+    """How many times the elastic agent has restarted this job's workers (0 on the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 class Loop:
