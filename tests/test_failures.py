@@ -73,3 +73,14 @@ def test_two_jobs_started_together_do_not_collide(tmp_path):
         assert p.returncode == 0, err[-2000:]
     for i in range(2):
         assert json.loads((tmp_path / f"job{i}" / "results.json").read_text())["world_size"] == 2
+
+
+def test_non_finite_loss_stops_the_run_naming_step_and_rank(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--lr", "1e6", "--epochs", "2", "--nproc", "2",
+                           "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite training loss at step" in last and "on rank" in last and "--lr" in last
+    assert not list((out / "checkpoints").iterdir())  # nothing trained on NaN was saved
+    assert not (out / "model.pt").exists()

@@ -180,11 +180,16 @@ class Loop:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule(cfg, self.train_loader.steps_per_epoch))
         self.run = RunState(cfg, rt.device)
         self.samples = 0  # trained on by this process's run, all ranks together
+        # First step whose loss was not finite, on this rank (-1: none). Kept on the device and
+        # compared there, so watching for NaN costs no synchronization per step.
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
+        self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
 
     def restore(self, path: str) -> None:
         state = self.rt.load(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
                              precision=self.rt.precision, loader=self.train_loader)
         self.run.restore(state, self.rt)
+        self.step_t.fill_(self.run.step)
         self.rt.print(f"resumed from {path} at step {self.run.step} (epoch {self.run.epoch + 1}, "
                       f"step {self.train_loader.position} of {self.train_loader.steps_per_epoch})")
 
@@ -200,6 +205,7 @@ class Loop:
             if done:
                 self.end_epoch(out, time.perf_counter() - t_epoch)
             self.save(out)
+        self.check_finite()
         ev = self.rt.evaluate(self.model, self.test_loader)
         results = self.results(ev, self.samples / max(train_time, 1e-9), time.time() - t0)
         out.finish(results, self.model, self.run.history)
@@ -217,6 +223,9 @@ class Loop:
             n = self.train_loader.current.size
             logits = self.model(x)
             loss = F.cross_entropy(logits, y)
+            if n:
+                bad = ~torch.isfinite(loss.detach())
+                self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
             rt.backward(loss)
             if n:
                 run.sums[0] += loss.detach().double() * n
@@ -227,8 +236,10 @@ class Loop:
                 continue  # more micro-batches of this global batch to come
             self.sched.step()
             run.step += 1
+            self.step_t += 1
             self.samples += self.train_loader.current.step_size
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
+                self.check_finite()
                 now = time.perf_counter()
                 value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_size
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
@@ -243,6 +254,18 @@ class Loop:
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
+
+    def check_finite(self) -> None:
+        """Stop the run, on every rank alike, if any rank has seen a non-finite loss; name the
+        first step and the rank(s) it happened on. Collective."""
+        firsts = [int(t) for t in self.rt.all_gather(self.first_bad.view(1))]
+        seen = [f for f in firsts if f >= 0]
+        if seen:
+            step = min(seen)
+            ranks = ", ".join(str(r) for r, f in enumerate(firsts) if f == step)
+            hint = "a lower --lr or --warmup-epochs" + (", or --precision fp32" if self.cfg.precision != "fp32" else "")
+            raise FloatingPointError(f"non-finite training loss at step {step} on rank {ranks} (peak lr "
+                                     f"{self.cfg.peak_lr():g}); stopped before saving it. Try {hint}")
 
     def end_epoch(self, out: "Outputs", seconds: float) -> None:
         rt, run = self.rt, self.run
@@ -260,7 +283,8 @@ class Loop:
 
     def save(self, out: "Outputs") -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
-        Collective: every rank calls it at the same step."""
+        Collective: every rank calls it at the same step. Never saves weights trained on NaN."""
+        self.check_finite()
         run_state = self.run.state_dict(self.rt)
         self.rt.save(out.checkpoint_path(self.run.step), model=self.model, optimizer=self.opt, scheduler=self.sched,
                      precision=self.rt.precision, loader=self.train_loader, run=run_state)
