@@ -24,6 +24,7 @@ usage: ddpkit <command> [options]     (ddpkit <command> --help for its options)
 
 commands:
   train    train a built-in model on a built-in dataset over all local devices
+  run      run your own script (written for torchrun or ddpkit.Runtime) on N processes
   env      what this machine offers: PyTorch build, GPUs, backends, ddpkit's defaults
 """
 
@@ -116,6 +117,34 @@ def cmd_train(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_run(argv: Sequence[str]) -> int:
+    parser = _ArgParser(prog="ddpkit run", description="Run a script written for torchrun (or ddpkit.Runtime) on N "
+                        "processes per node through torch's elastic agent. On one machine the rendezvous port is "
+                        "picked by the OS on the loopback address; on several, every node runs the same command.")
+    parser.add_argument("--nproc", default="auto", help="processes on this node: N, or auto (one per GPU; on CPU one per 4 cores)")
+    parser.add_argument("--nnodes", default="1", help="number of nodes, N or MIN:MAX (default 1)")
+    parser.add_argument("--node-rank", type=int, help="0 on the node that hosts the rendezvous (optional)")
+    parser.add_argument("--master-addr", help="address of the rendezvous host (needed when --nnodes > 1)")
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on that host (default 29500)")
+    parser.add_argument("--run-id", help="job id, the same on every node (default derived from address and port)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to N times when one dies")
+    parser.add_argument("--rank0-only", action="store_true", help="show local rank 0's output only (others: logs)")
+    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m")
+    parser.add_argument("script", metavar="SCRIPT")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    a = parser.parse_args(argv)
+    if not a.module and not os.path.isfile(a.script):
+        raise UsageError(f"script {a.script}: no such file")
+    if a.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    from .launcher import Nodes, run_script
+
+    nodes = Nodes(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.run_id)
+    run_script(a.script, a.args, nproc=a.nproc, max_restarts=a.max_restarts, nodes=nodes,
+               output="rank0" if a.rank0_only else "prefixed", module=a.module)
+    return 0
+
+
 def cmd_env(argv: Sequence[str]) -> int:
     parser = _ArgParser(prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -127,7 +156,7 @@ def cmd_env(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "env": cmd_env}
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "run": cmd_run, "env": cmd_env}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,6 +58,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept in --out/checkpoints
     max_steps: Optional[int] = None  # stop (with a checkpoint) after this many optimizer steps
     max_restarts: int = 0  # when a worker dies, restart all of them (up to N times) from the newest checkpoint
+    nnodes: str = "1"  # machines: N, or MIN:MAX; each runs the same command with --master-addr
+    node_rank: Optional[int] = None  # 0 on the machine that hosts the rendezvous
+    master_addr: Optional[str] = None  # address of that machine (needed with --nnodes > 1)
+    master_port: int = 29500  # rendezvous port on that machine
     eval_batch_size: int = 512  # global batch for evaluation
     num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
     log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps

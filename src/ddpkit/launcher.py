@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import cloudpickle
@@ -109,48 +110,109 @@ def _env(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Where the rendezvous is. One machine: loopback, a port the OS picks. Several: every node
+    runs the same command with the first node's address; torch's c10d rendezvous assigns ranks."""
+
+    nnodes: str = "1"  # N, or MIN:MAX for an elastic range
+    node_rank: int | None = None  # 0 marks the node that hosts the rendezvous
+    master_addr: str | None = None
+    master_port: int = 29500
+    run_id: str | None = None  # the same on every node; default derived from the endpoint
+
+    def range(self) -> tuple[int, int]:
+        try:
+            lo, _, hi = self.nnodes.partition(":")
+            low, high = int(lo), int(hi or lo)
+        except ValueError:
+            low = high = 0
+        if not 1 <= low <= high:
+            raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {self.nnodes!r}")
+        return low, high
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
     nproc: int | str = "auto",
     device: str = "auto",
     max_restarts: int = 0,
+    nodes: Nodes = Nodes(),
     **kwargs: Any,
 ) -> dict[int, Any]:
-    """Run `fn(*args, **kwargs)` in `nproc` local worker processes; return {rank: return value}.
+    """Run `fn(*args, **kwargs)` in `nproc` worker processes per node; return {rank: return
+    value} for this node's ranks, in rank order.
 
     Works for functions defined in scripts, modules, notebooks and programs read from stdin.
     Raises `WorkerFailed` naming the first failing rank; the other workers are stopped by the
     elastic agent. `device` ('auto', 'cpu' or 'cuda') only matters for `nproc='auto'`:
     one process per visible GPU, or on CPU one per 4 cores.
     """
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    n = parse_nproc(nproc, _device(device))
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    results = _elastic(n, nodes, max_restarts, _entrypoint, (payload,), output="inherit")
+    return dict(sorted(results.items()))  # the agent lists them in the order workers finished
+
+
+def run_script(script: str, args: list[str], *, nproc: int | str = "auto", max_restarts: int = 0,
+               nodes: Nodes = Nodes(), output: str = "prefixed", module: bool = False) -> None:
+    """Run a script written for torchrun (or for ddpkit's Runtime) on `nproc` processes per
+    node: `python -u SCRIPT ARGS...` (or `-m MODULE`) with RANK, WORLD_SIZE, MASTER_ADDR, ...
+    set. `output` is 'prefixed' ("[rank3]: ..." per line) or 'rank0' (other local ranks'
+    output goes to the log directory only)."""
+    import sys as _sys
+
+    n = parse_nproc(nproc, _device("auto"))
+    target = ["-m", script] if module else [script]
+    _elastic(n, nodes, max_restarts, _sys.executable, ("-u", *target, *args), output=output)
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _elastic(n: int, nodes: Nodes, max_restarts: int, entrypoint: Any, args: tuple, output: str) -> Any:
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    n = parse_nproc(nproc, device)
-    payload = cloudpickle.dumps((fn, args, kwargs))
+    low, high = nodes.range()
     logs = tempfile.mkdtemp(prefix="ddpkit-launch-")
+    if high == 1:
+        # Port 0 on loopback: the OS picks a free port when the store binds, so two jobs never
+        # collide, and nothing listens beyond this machine.
+        rdzv = {"rdzv_endpoint": "127.0.0.1:0", "rdzv_configs": {"is_host": True}, "local_addr": "127.0.0.1",
+                "run_id": f"ddpkit-{uuid.uuid4().hex[:12]}"}
+    else:
+        addr = nodes.master_addr or os.environ.get("MASTER_ADDR")
+        if not addr:
+            raise UsageError("--nnodes above 1 needs --master-addr: the address of the node that hosts the rendezvous")
+        configs = {} if nodes.node_rank is None else {"is_host": nodes.node_rank == 0}
+        rdzv = {"rdzv_endpoint": f"{addr}:{nodes.master_port}", "rdzv_configs": configs,
+                "run_id": nodes.run_id or f"ddpkit-{addr}-{nodes.master_port}"}
+    streams: dict[str, Any] = {}
+    if output == "prefixed":
+        streams = {"tee": Std.ALL}
+    elif output == "rank0":
+        streams = {"redirects": {r: Std.ALL for r in range(1, n)}, "tee": {0: Std.ALL}}
     config = LaunchConfig(
         # Our own directory for the workers' error files: the agent reports only the first
         # failure it notices, which may be a rank that died *because* another one did.
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
-        min_nodes=1,
-        max_nodes=1,
+        logs_specs=DefaultLogsSpecs(log_dir=logs, **streams),
+        min_nodes=low,
+        max_nodes=high,
         nproc_per_node=n,
-        run_id=f"ddpkit-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        # Port 0: the OS picks a free port when the store binds, so two jobs never collide.
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"is_host": True},
-        local_addr="127.0.0.1",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        log_line_prefix_template="[rank${rank}]: " if output != "inherit" else None,
+        **rdzv,
     )
     try:
         # Each process gets its share of the cores instead of all of them (oversubscription
@@ -160,7 +222,7 @@ def launch(
         # attempt's workers have a store of their own.
         with _env("OMP_NUM_THREADS", str(threads_per_process(n))), _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"), \
                 _quiet_elastic_logs(), _main_hidden():
-            return elastic_launch(config, _entrypoint)(payload)
+            return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         raise _as_worker_failed(err, logs) from None
     finally:
@@ -200,12 +262,14 @@ def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
     # rank -> (exitcode, when, traceback). The error files' own timestamps are whole seconds,
     # so when is the file's modification time, which has sub-second resolution.
     found: dict[int, tuple[int, float, str]] = {}
+    # Error files are per local rank; the failures the agent reports give this node's offset.
+    offset = next((rank - f.local_rank for rank, f in err.failures.items()), 0)
     for rank, failure in err.failures.items():
         when = os.path.getmtime(failure.error_file) if os.path.isfile(failure.error_file) else float("inf")
         found[rank] = (failure.exitcode, when, _traceback_of(failure.error_file_data))
     attempts = sorted(glob.glob(os.path.join(logs, "*", "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
     for path in glob.glob(os.path.join(attempts[-1], "*", "error.json")) if attempts else []:
-        rank = int(os.path.basename(os.path.dirname(path)))  # local rank == global rank on one node
+        rank = offset + int(os.path.basename(os.path.dirname(path)))
         try:
             with open(path) as f:
                 data = json.load(f)

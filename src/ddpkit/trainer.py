@@ -25,7 +25,7 @@ from . import __version__, data as datasets, dist, models
 from .checkpoint import load_file, save_file
 from .config import TrainConfig
 from .errors import UsageError
-from .launcher import launch, parse_nproc
+from .launcher import Nodes, launch, parse_nproc
 from .plots import plot_curves
 from .runtime import Runtime, resolve_device, seed_rank
 from .strategy import unwrap
@@ -44,9 +44,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if dist.detect_env().source != "single":  # under torchrun / srun: this process is one worker
         return fit(cfg, t0, resume)
     nproc = _nproc(cfg, device.type)
-    if nproc == 1 and cfg.max_restarts == 0:
+    nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    if nproc == 1 and cfg.max_restarts == 0 and nodes.range()[1] == 1:
         return fit(cfg, t0, resume)  # no agent needed: nothing to restart, no one to coordinate
-    return launch(fit, cfg, t0, resume, nproc=nproc, device=device.type, max_restarts=cfg.max_restarts)[0]
+    results = launch(fit, cfg, t0, resume, nproc=nproc, device=device.type, max_restarts=cfg.max_restarts,
+                     nodes=nodes)
+    return next(iter(results.values()))  # every rank returns the same results
 
 
 def _nproc(cfg: TrainConfig, device_type: str) -> int:
