@@ -168,6 +168,21 @@ def run_script(script: str, args: list[str], *, nproc: int | str = "auto", max_r
     _elastic(n, nodes, max_restarts, _sys.executable, ("-u", *target, *args), output=output)
 
 
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to `host`: what the other nodes can reach us at.
+
+    The hostname is the usual guess, and a poor one: it may resolve to 127.0.1.1 or to an
+    interface the other nodes cannot reach. Connecting a UDP socket sends nothing; it only
+    asks the kernel which local address it would send from.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+        except OSError as err:
+            raise UsageError(f"--master-addr {host}: no route to it ({err.strerror})") from None
+        return s.getsockname()[0]
+
+
 def _device(device: str) -> str:
     if device != "auto":
         return device
@@ -194,7 +209,8 @@ def _elastic(n: int, nodes: Nodes, max_restarts: int, entrypoint: Any, args: tup
             raise UsageError("--nnodes above 1 needs --master-addr: the address of the node that hosts the rendezvous")
         configs = {} if nodes.node_rank is None else {"is_host": nodes.node_rank == 0}
         rdzv = {"rdzv_endpoint": f"{addr}:{nodes.master_port}", "rdzv_configs": configs,
-                "run_id": nodes.run_id or f"ddpkit-{addr}-{nodes.master_port}"}
+                "run_id": nodes.run_id or f"ddpkit-{addr}-{nodes.master_port}",
+                "local_addr": route_address(addr, nodes.master_port)}
     streams: dict[str, Any] = {}
     if output == "prefixed":
         streams = {"tee": Std.ALL}
