@@ -230,3 +230,10 @@ def test_ddpkit_train_under_torchrun(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_samples"] == 359
     assert proc.stdout.count("done:") == 1
+
+
+def test_slow_rank0_save_does_not_trip_the_others_timeout(tmp_path):
+    # timeout 2 s, a save taking 5 s: the others wait in the long-timeout group, not the default.
+    out = ddpkit.launch(workers.slow_save_on_main, str(tmp_path / "c.pt"), 2.0, 5.0, nproc=2)
+    assert out == {0: "saved", 1: "saved"}
+    assert "model" in torch.load(tmp_path / "c.pt", weights_only=True)

@@ -84,3 +84,41 @@ def test_non_finite_loss_stops_the_run_naming_step_and_rank(tmp_path):
     assert "non-finite training loss at step" in last and "on rank" in last and "--lr" in last
     assert not list((out / "checkpoints").iterdir())  # nothing trained on NaN was saved
     assert not (out / "model.pt").exists()
+
+
+def _slurm_env(rank: int, ntasks: int, port: int) -> dict:
+    env = _env()
+    env.update({"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": "1", "SLURM_STEP_NODELIST": "localhost",
+                "MASTER_PORT": str(port)})
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slurm_tasks_train_together(tmp_path):
+    # What `srun --ntasks=2 ddpkit train ...` does: two processes with SLURM's variables set.
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--epochs", "1", "--device", "cpu",
+                               "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_slurm_env(r, 2, port)) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["world_size"] == 2
+    assert sum(o[0].count("done:") for o in outs) == 1  # rank 0 reports, once
+
+
+def test_slurm_allocation_mismatch_is_an_immediate_error(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--nproc", "4", "--device", "cpu",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
+                          env=_slurm_env(0, 2, _free_port()))
+    assert proc.returncode == 2 and "under srun" in proc.stderr and "--nproc" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - t0 < 60  # no waiting for peers that will never come

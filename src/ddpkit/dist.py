@@ -86,6 +86,13 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# Waiting while rank 0 writes a checkpoint or the final outputs is not a stalled peer: those
+# waits use a gloo group of their own with at least this timeout, so a short --timeout can
+# still catch ranks that stop reaching collectives without failing every slow save.
+IO_TIMEOUT_S = 1800.0
+_io_group: Any = None
+
+
 def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> bool:
     """Create the default process group for `env` unless one exists. True if this call made it.
 
@@ -107,10 +114,14 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> bool:
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+    global _io_group
+    _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
     return True
 
 
 def teardown() -> None:
+    global _io_group
+    _io_group = None
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -131,6 +142,13 @@ def is_main() -> bool:
 def barrier() -> None:
     if world_size() > 1:
         tdist.barrier()
+
+
+def wait_for_main() -> None:
+    """Barrier for the other ranks while rank 0 does slow work alone (writing files): uses the
+    long-timeout group when ddpkit made the process group, else the default one."""
+    if world_size() > 1:
+        tdist.barrier(group=_io_group)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

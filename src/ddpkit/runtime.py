@@ -314,10 +314,11 @@ class Runtime:
     def save(self, path: str | os.PathLike, **state: Any) -> None:
         """Write a checkpoint of `state` (modules, optimizers, anything with state_dict(), or
         plain values). Rank 0 writes a temp file and renames it; all ranks wait for it.
-        Modules are unwrapped first: no `module.` prefixes in the file."""
+        Modules are unwrapped first: no `module.` prefixes in the file. The other ranks' wait
+        does not count against `timeout_s` (see dist.wait_for_main)."""
         if self.is_main:
             save_file(path, {k: _state_of(v) for k, v in state.items()})
-        self.barrier()
+        dist.wait_for_main()  # a slow disk is not a dead rank: this wait has a long timeout
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
         """Load a checkpoint written by `save()` (with `weights_only=True`: no code runs).

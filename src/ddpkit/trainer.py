@@ -41,7 +41,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.sync_batchnorm and device.type != "cuda":
         raise UsageError("--sync-batchnorm needs --device cuda: torch's SyncBatchNorm runs on GPUs only")
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
-    if dist.detect_env().source != "single":  # under torchrun / srun: this process is one worker
+    env = dist.detect_env()
+    if env.source != "single":  # under torchrun / srun: this process is one worker
+        _check_allocation(cfg, env, device)
         return fit(cfg, t0, resume)
     nproc = _nproc(cfg, device.type)
     nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
@@ -50,6 +52,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     results = launch(fit, cfg, t0, resume, nproc=nproc, device=device.type, max_restarts=cfg.max_restarts,
                      nodes=nodes)
     return next(iter(results.values()))  # every rank returns the same results
+
+
+def _check_allocation(cfg: TrainConfig, env: dist.DistEnv, device: torch.device) -> None:
+    """Under srun or torchrun the processes already exist: flags asking for others are a
+    mismatch, reported now rather than discovered as a hang at the first collective."""
+    launcher = "srun" if env.source == "slurm" else "torchrun"
+    if cfg.nproc not in ("auto", "1") or cfg.nnodes != "1" or cfg.max_restarts:
+        raise UsageError(f"under {launcher} each process is one worker ({env.world_size} in all): drop --nproc, "
+                         f"--nnodes and --max-restarts and size the job with {launcher}'s own options")
+    if device.type == "cuda" and torch.cuda.device_count() > 1 and env.local_world_size > torch.cuda.device_count():
+        raise UsageError(f"{launcher} started {env.local_world_size} processes on this node but only "
+                         f"{torch.cuda.device_count()} GPUs are visible")
+    try:
+        datasets.check_global_batch(cfg.batch_size, env.world_size)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _nproc(cfg: TrainConfig, device_type: str) -> int:
@@ -157,7 +175,7 @@ def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any
         with Outputs(cfg, rt.is_main, resumed_step=loop.run.step if resume else None) as out:
             results = loop.run_all(out, t0)
         rt.print(out.summary(results))
-        rt.barrier()
+        dist.wait_for_main()  # rank 0 wrote model.pt, results.json and the plot alone
         return results
 
 
