@@ -247,3 +247,22 @@ def test_model_input_checks(name, shape):
 def test_resume_auto_needs_out():
     with pytest.raises(UsageError, match="--resume auto needs --out"):
         TrainConfig(resume="auto")
+
+
+def test_out_of_memory_names_the_batch_and_what_to_try(tmp_path):
+    import ddpkit
+    from ddpkit.trainer import Loop, Outputs
+
+    cfg = TrainConfig(model="mlp", epochs=1, batch_size=32, device="cpu", out=str(tmp_path))
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        loop = Loop(rt, cfg)
+
+        def exhausted(*args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        loop.model.forward = exhausted
+        with Outputs(cfg, rt.is_main) as out, pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            loop.train_epoch(out)
+    message = str(info.value)
+    assert "rank 0" in message and "32 samples per forward" in message and "global batch 32" in message
+    assert "--micro-batch-size 16" in message

@@ -242,8 +242,11 @@ class Loop:
         t_log = time.perf_counter()
         for x, y in batches:
             n = self.train_loader.current.size
-            logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
+            try:
+                logits = self.model(x)
+                loss = F.cross_entropy(logits, y)
+            except torch.cuda.OutOfMemoryError:
+                raise torch.cuda.OutOfMemoryError(self._oom_advice(n)) from None
             if n:
                 bad = ~torch.isfinite(loss.detach())
                 self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
@@ -275,6 +278,13 @@ class Loop:
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
+
+    def _oom_advice(self, n: int) -> str:
+        micro = max(1, n // 2)
+        return (f"CUDA out of memory on rank {self.rt.rank} with {n} samples per forward (global batch "
+                f"{self.cfg.batch_size} over {self.rt.world_size} processes). The global batch can stay: add "
+                f"--micro-batch-size {micro} to accumulate gradients over smaller forwards (same result), "
+                f"or use --precision bf16")
 
     def check_finite(self) -> None:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss; name the
