@@ -266,3 +266,29 @@ def test_out_of_memory_names_the_batch_and_what_to_try(tmp_path):
     message = str(info.value)
     assert "rank 0" in message and "32 samples per forward" in message and "global batch 32" in message
     assert "--micro-batch-size 16" in message
+
+
+def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
+    import json
+
+    import ddpkit
+    from ddpkit.trainer import Loop, Outputs
+
+    cfg = TrainConfig(model="mlp", epochs=1, batch_size=64, device="cpu", out=str(tmp_path), on_nonfinite="skip")
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        loop = Loop(rt, cfg)
+        real, calls = loop.model.forward, []
+
+        def poisoned(x):
+            calls.append(1)
+            out = real(x)
+            return out * float("nan") if len(calls) == 3 else out  # the 3rd step's loss is NaN
+
+        loop.model.forward = poisoned
+        with Outputs(cfg, rt.is_main) as out:
+            assert loop.train_epoch(out)
+            loop.check_finite()  # would raise on NaN weights: the bad step never reached them
+    assert loop.run.skipped == 1 and loop.run.step == 23
+    skips = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["type"] == "skip"]
+    assert [r["step"] for r in skips] == [3]

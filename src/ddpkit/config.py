@@ -66,6 +66,7 @@ class TrainConfig:
     num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
     log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps
     timeout: float = 600.0  # seconds a collective may wait for the slowest rank
+    on_nonfinite: str = "stop"  # a NaN/inf loss: stop (naming step and rank), or skip that step on all ranks
     synthetic_shape: str = "3,32,32"  # synthetic data: C,H,W of one sample
     synthetic_size: int = 4096  # synthetic data: training samples (test gets a fifth as many)
     num_classes: int = 10  # synthetic data: number of classes
@@ -79,6 +80,7 @@ class TrainConfig:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("--on-nonfinite", self.on_nonfinite, ("stop", "skip"))
         if not (self.nproc == "auto" or str(self.nproc).isdigit()) or str(self.nproc) == "0":
             raise UsageError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
         for flag in ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout",

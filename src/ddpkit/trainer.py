@@ -205,6 +205,7 @@ class Loop:
         # compared there, so watching for NaN costs no synchronization per step.
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
+        self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
 
     def restore(self, path: str) -> None:
         state = self.rt.load(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
@@ -249,14 +250,19 @@ class Loop:
                 raise torch.cuda.OutOfMemoryError(self._oom_advice(n)) from None
             if n:
                 bad = ~torch.isfinite(loss.detach())
-                self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
+                if cfg.on_nonfinite == "skip":
+                    self.bad_now |= bad
+                else:
+                    self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
             rt.backward(loss)
             if n:
-                run.sums[0] += loss.detach().double() * n
+                run.sums[0] += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0) * n
                 run.sums[1] += (logits.argmax(1) == y).sum()
                 run.sums[2] += n
                 step_loss += loss.detach().double() * n
-            if not rt.step(self.opt):
+            if cfg.on_nonfinite == "skip" and rt.step_ready and self._skip_step(out):
+                pass  # no update on any rank: the step's data is spent, the schedule moves on
+            elif not rt.step(self.opt):
                 continue  # more micro-batches of this global batch to come
             self.sched.step()
             run.step += 1
@@ -279,6 +285,18 @@ class Loop:
                 self.save(out)
         return True
 
+    def _skip_step(self, out: "Outputs") -> bool:
+        """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
+        Collective: one scalar all-reduce per step, paid only with --on-nonfinite skip."""
+        bad = self.rt.all_reduce(self.bad_now.double(), op="max").item() > 0
+        self.bad_now.zero_()
+        if bad:
+            self.opt.zero_grad(set_to_none=True)
+            self.run.skipped += 1
+            out.log({"type": "skip", "epoch": self.run.epoch + 1, "step": self.run.step + 1,
+                     "reason": "non-finite loss"})
+        return bad
+
     def _oom_advice(self, n: int) -> str:
         micro = max(1, n // 2)
         return (f"CUDA out of memory on rank {self.rt.rank} with {n} samples per forward (global batch "
@@ -287,10 +305,16 @@ class Loop:
                 f"or use --precision bf16")
 
     def check_finite(self) -> None:
-        """Stop the run, on every rank alike, if any rank has seen a non-finite loss; name the
-        first step and the rank(s) it happened on. Collective."""
+        """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
+        first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
+        steps and before anything is saved, so no file ever holds weights trained on NaN."""
         firsts = [int(t) for t in self.rt.all_gather(self.first_bad.view(1))]
         seen = [f for f in firsts if f >= 0]
+        if not seen:
+            params_ok = torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()
+            if self.rt.all_reduce(params_ok.double(), op="min").item() < 1:
+                raise FloatingPointError(f"the weights hold NaN or inf after step {self.run.step}; stopped before "
+                                         f"saving them. Try a lower --lr or --warmup-epochs")
         if seen:
             step = min(seen)
             ranks = ", ".join(str(r) for r, f in enumerate(firsts) if f == step)
@@ -333,6 +357,7 @@ class Loop:
             "samples_per_second": rate, "wall_seconds": wall, "device": rt.device.type, "strategy": rt.strategy,
             "precision": cfg.precision, "seed": cfg.seed, "lr": cfg.lr, "peak_lr": cfg.peak_lr(),
             "model": cfg.model, "data": cfg.data, "resumed_from_step": run.start_step,
+            "skipped_steps": run.skipped,
             "ddpkit_version": __version__, "torch_version": torch.__version__,
         }
 
@@ -344,7 +369,7 @@ class RunState:
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.cfg = cfg
-        self.epoch = self.step = self.start_step = 0
+        self.epoch = self.step = self.start_step = self.skipped = 0
         self.history: list[dict[str, Any]] = []
         # This epoch so far, on the device (no sync per step): loss * n, correct, n.
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
