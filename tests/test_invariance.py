@@ -4,7 +4,6 @@ stopped at any step and resumed, on any number of processes, ends where an unint
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch

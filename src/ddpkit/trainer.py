@@ -30,6 +30,7 @@ from .plots import plot_curves
 from .runtime import Runtime, resolve_device, seed_rank
 from .strategy import unwrap
 
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Validate, then run `fit` on this process or on `--nproc` local workers."""
     t0 = time.time()
