@@ -103,3 +103,19 @@ def test_lr_scaling_and_warmup_recorded(tmp_path):
     assert lrs[0] == pytest.approx(0.05 + 0.05 / 6)
     assert max(lrs) == pytest.approx(0.1)
     assert lrs.index(max(lrs)) == 5 and lrs[-1] < lrs[6]
+
+
+@pytest.mark.parametrize("change", [("--model", "mlp"), ("--batch-size", "32"), ("--seed", "1"), ("--epochs", "1")],
+                         ids=["model", "batch-size", "seed", "already-finished"])
+def test_resume_auto_refuses_a_run_it_cannot_continue(tmp_path, change):
+    # Starting afresh would overwrite the run's metrics and checkpoints: refuse, lose nothing.
+    out = tmp_path / "out"
+    _train(out, "--nproc", "1", "--epochs", "1")
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    metrics = (out / "metrics.jsonl").read_bytes()
+    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", *change)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert "\n" not in line and "--resume auto" in line and (change[0] in line or "finished" in line)
+    assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
+    assert (out / "metrics.jsonl").read_bytes() == metrics

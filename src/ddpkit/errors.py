@@ -11,6 +11,11 @@ class UsageError(ValueError):
     """Bad usage or bad input; the message names the flag or file at fault."""
 
 
+class IncompatibleCheckpoint(UsageError):
+    """A readable checkpoint that this run's settings cannot continue (resuming it would
+    silently train something else): never skipped over by `--resume auto`."""
+
+
 class WorkerFailed(RuntimeError):
     """One or more worker processes failed; `rank` is the first one that did."""
 

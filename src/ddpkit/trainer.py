@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import __version__, data as datasets, dist, models
 from .checkpoint import load_file, save_file
 from .config import TrainConfig
-from .errors import UsageError
+from .errors import IncompatibleCheckpoint, UsageError
 from .launcher import Nodes, launch, parse_nproc
 from .plots import plot_curves
 from .runtime import Runtime, resolve_device, seed_rank
@@ -41,6 +41,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     if cfg.sync_batchnorm and device.type != "cuda":
         raise UsageError("--sync-batchnorm needs --device cuda: torch's SyncBatchNorm runs on GPUs only")
+    if cfg.sync_batchnorm and cfg.micro_batch_size:
+        # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
+        raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
     env = dist.detect_env()
     if env.source != "single":  # under torchrun / srun: this process is one worker
@@ -103,8 +106,11 @@ def resume_path(cfg: TrainConfig, allow_finished: bool = False) -> str | None:
         try:
             check_resumable(path, cfg, allow_finished)
             return path
+        except IncompatibleCheckpoint as err:
+            # Starting afresh here would overwrite the run's metrics and checkpoints.
+            raise UsageError(f"--resume auto: {err}") from None
         except UsageError:
-            continue
+            continue  # damaged (a crash mid-write, a full disk): fall back to an older one
     return None
 
 
@@ -117,18 +123,26 @@ def check_resumable(path: str, cfg: TrainConfig, allow_finished: bool = False) -
     if missing:
         raise UsageError(f"checkpoint {path}: not a ddpkit training checkpoint (no {', '.join(missing)})")
     run = state["run"]
-    for key in ("model", "optimizer", "data"):
-        if run.get(key) != getattr(cfg, key):
-            raise UsageError(f"checkpoint {path}: was trained with --{key} {run.get(key)}; "
-                             f"this run has --{key} {getattr(cfg, key)}")
+    # What decides the data order and the parameters: changing them mid-run trains something else.
+    # (--nproc, --micro-batch-size and --precision may change: they do not.)
+    for key in RESUME_MUST_MATCH:
+        if key in run and run[key] != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            raise IncompatibleCheckpoint(f"checkpoint {path}: was trained with {flag} {run[key]}; "
+                                         f"this run has {flag} {getattr(cfg, key)}")
     if run["epoch"] >= cfg.epochs and not (allow_finished and run["epoch"] == cfg.epochs):
-        raise UsageError(f"checkpoint {path}: already at epoch {run['epoch']}; raise --epochs above it to continue")
+        raise IncompatibleCheckpoint(f"checkpoint {path}: the run already finished its {run['epoch']} epochs; "
+                                     f"raise --epochs to continue it")
     model = models.build(cfg.model, *datasets.shape_of(cfg.data, cfg.shape(), cfg.num_classes))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0]
-        raise UsageError(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})") from None
+        raise IncompatibleCheckpoint(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})") from None
+
+
+RESUME_MUST_MATCH = ("model", "optimizer", "data", "batch_size", "seed", "num_classes", "synthetic_shape",
+                     "synthetic_size")
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -257,9 +271,11 @@ class Loop:
                     self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
             rt.backward(loss)
             if n:
-                run.sums[0] += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0) * n
+                # Per-sample sums; a skipped non-finite loss is left out of the epoch's mean.
+                finite = torch.isfinite(loss.detach())
+                run.sums[0] += torch.where(finite, loss.detach().double() * n, 0.0)
                 run.sums[1] += (logits.argmax(1) == y).sum()
-                run.sums[2] += n
+                run.sums[2] += finite * n
                 step_loss += loss.detach().double() * n
             if cfg.on_nonfinite == "skip" and rt.step_ready and self._skip_step(out):
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
@@ -327,6 +343,7 @@ class Loop:
         rt, run = self.rt, self.run
         loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
         run.sums.zero_()
+        count = count or float("nan")  # every step skipped: say so rather than divide by zero
         ev = rt.evaluate(self.model, self.test_loader)
         record = {"type": "epoch", "epoch": run.epoch + 1, "step": run.step, "train_loss": loss / count,
                   "train_accuracy": correct / count, "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
@@ -378,8 +395,8 @@ class RunState:
     def state_dict(self, rt: Runtime) -> dict[str, Any]:
         """Collective (all-reduces the sums, gathers the random states); rank 0 keeps the result."""
         return {
-            "epoch": self.epoch, "step": self.step, "history": self.history,
-            "model": self.cfg.model, "optimizer": self.cfg.optimizer, "data": self.cfg.data,
+            "epoch": self.epoch, "step": self.step, "history": self.history, "skipped": self.skipped,
+            **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
             "sums": rt.all_reduce(self.sums.clone()).cpu(), "world_size": rt.world_size,
             "rng": rt.gather_objects(_rng_state()),
         }
@@ -388,6 +405,7 @@ class RunState:
         state = checkpoint["run"]
         self.epoch = int(state["epoch"])
         self.step = self.start_step = int(state["step"])
+        self.skipped = int(state.get("skipped", 0))
         self.history = list(state["history"])
         # The epoch's sums so far were summed over all ranks: one rank carries them on.
         self.sums = state["sums"].to(rt.device) if rt.is_main else torch.zeros_like(self.sums)
