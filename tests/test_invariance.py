@@ -119,3 +119,25 @@ def test_resume_auto_refuses_a_run_it_cannot_continue(tmp_path, change):
     assert "\n" not in line and "--resume auto" in line and (change[0] in line or "finished" in line)
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
     assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(tmp_path):
+    out = tmp_path / "out"
+    _train(out, "--nproc", "1", "--epochs", "1")
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out))  # forgot --resume auto
+    assert proc.returncode == 2 and "--resume auto" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_max_steps_on_an_epoch_end_completes_that_epoch(tmp_path):
+    r = _train(tmp_path / "out", "--nproc", "1", "--max-steps", "46")  # = the whole 2-epoch run
+    assert r["results"]["epochs_completed"] == 2 and not r["results"]["stopped_early"]
+    assert r["results"]["final_train_loss"] is not None
+
+
+def test_resume_refuses_a_changed_learning_rate(tmp_path):
+    out = tmp_path / "out"
+    _train(out, "--nproc", "1", "--max-steps", "30")
+    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", "--lr", "0.01")
+    assert proc.returncode == 2 and "--lr" in proc.stderr  # the saved optimizer state would override it

@@ -292,3 +292,20 @@ def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
     skips = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["type"] == "skip"]
     assert [r["step"] for r in skips] == [3]
+
+
+def test_runtime_forgets_the_micro_batch_when_a_pass_ends():
+    import ddpkit
+
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model = rt.setup(nn.Linear(2, 1))
+        loader = rt.loader(data.TensorDataset(torch.randn(8, 2)), batch_size=8, micro_batch_size=4)
+        for (x,) in loader:
+            break  # left after the first of two micro-batches
+        assert rt.step_ready  # not stuck waiting for a micro-batch that will not come
+        x = torch.ones(1, 2)
+        model(x).sum().backward()
+        plain = model.weight.grad.clone()
+        model.zero_grad()
+        rt.backward(model(x).sum())  # a batch from elsewhere: no training-batch weighting
+        assert torch.equal(model.weight.grad, plain)

@@ -268,14 +268,20 @@ class DistributedLoader:
             return
         sampler.set_epoch(self.epoch, self.position)
         plan = (info for _, info in sampler.plan())
-        for batch, info in zip(self.loader, plan):
-            self.current = info
-            if info.last:
-                self.position += 1  # handed out, so a checkpoint after this step skips it
+        try:
+            for batch, info in zip(self.loader, plan):
+                self.current = info
+                if info.last:
+                    self.position += 1  # handed out, so a checkpoint after this step skips it
+                if self.on_batch is not None:
+                    self.on_batch(self)
+                yield move(batch, self.device)
+            self.epoch, self.position = self.epoch + 1, 0
+        finally:
+            # The pass ended, or was left early: no micro-batch is current any more.
+            self.current = None
             if self.on_batch is not None:
                 self.on_batch(self)
-            yield move(batch, self.device)
-        self.epoch, self.position, self.current = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

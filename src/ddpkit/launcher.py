@@ -269,7 +269,8 @@ def _main_hidden() -> Iterator[None]:
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
 _PEER_LOSS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-              "DistBackendError", "NCCL communicator was aborted", "remote process exited")
+              "DistBackendError", "DistNetworkError", "failed to recv", "NCCL communicator was aborted",
+              "remote process exited")
 
 
 def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
@@ -298,7 +299,9 @@ def _as_worker_failed(err: Any, logs: str) -> WorkerFailed:
     def cause_first(item: tuple[int, tuple[int, float, str]]) -> tuple[bool, bool, float, int]:
         rank, (exitcode, stamp, tb) = item
         consequence = any(marker in tb for marker in _PEER_LOSS)
-        stopped_by_agent = exitcode < 0 and not tb  # SIGTERM/SIGKILL after another rank failed
+        # The agent stops the others with SIGTERM; any other signal (SIGKILL from the OOM
+        # killer, SIGSEGV) is a cause in its own right.
+        stopped_by_agent = exitcode == -signal.SIGTERM and not tb
         return (consequence, stopped_by_agent, stamp, rank)
 
     rank, (exitcode, _, tb) = min(found.items(), key=cause_first)

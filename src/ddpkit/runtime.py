@@ -228,7 +228,8 @@ class Runtime:
         return loader
 
     def _on_batch(self, loader: DistributedLoader) -> None:
-        """Called as the loader hands out a training micro-batch, before the user's forward.
+        """Called as the loader hands out a training micro-batch, before the user's forward, and
+        when a pass ends or is left.
 
         DDP arms its gradient all-reduce in the forward pass, so `no_sync()` must already be on
         then, not only around backward(): it is entered here for every micro-batch but a
@@ -236,8 +237,9 @@ class Runtime:
         numbers of micro-batches; each still all-reduces exactly once per step.
         """
         self._leave_no_sync()
-        self._micro = loader.current
-        if not self._micro.last and isinstance(self._model, nn.parallel.DistributedDataParallel):
+        self._micro = loader.current  # None once a pass is over: later batches are plain
+        if self._micro is not None and not self._micro.last \
+                and isinstance(self._model, nn.parallel.DistributedDataParallel):
             self._no_sync = self._model.no_sync()
             self._no_sync.__enter__()
 

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -45,17 +46,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
         raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
+    if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
+        # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
+        raise UsageError(f"--out {cfg.out} already holds a run's checkpoints: continue it with --resume auto, "
+                         f"or choose another --out")
     env = dist.detect_env()
     if env.source != "single":  # under torchrun / srun: this process is one worker
         _check_allocation(cfg, env, device)
+        _check_out_dir(cfg.out)
         return fit(cfg, t0, resume)
-    nproc = _nproc(cfg, device.type)
     nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    nproc = _nproc(cfg, device.type, nodes.range()[0])
+    _check_out_dir(cfg.out)  # last: rejected input leaves no folder behind
     if nproc == 1 and cfg.max_restarts == 0 and nodes.range()[1] == 1:
         return fit(cfg, t0, resume)  # no agent needed: nothing to restart, no one to coordinate
     results = launch(fit, cfg, t0, resume, nproc=nproc, device=device.type, max_restarts=cfg.max_restarts,
                      nodes=nodes)
     return next(iter(results.values()))  # every rank returns the same results
+
+
+def _check_out_dir(path: str) -> None:
+    """Create --out now and prove it writable, rather than fail on rank 0 after the data and
+    the model are built."""
+    try:
+        os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
+        # A file of its own: under torchrun or srun every rank runs this check at once.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tmp-write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {path}: cannot write there ({err.strerror})") from None
 
 
 def _check_allocation(cfg: TrainConfig, env: dist.DistEnv, device: torch.device) -> None:
@@ -74,7 +93,7 @@ def _check_allocation(cfg: TrainConfig, env: dist.DistEnv, device: torch.device)
         raise UsageError(str(err)) from None
 
 
-def _nproc(cfg: TrainConfig, device_type: str) -> int:
+def _nproc(cfg: TrainConfig, device_type: str, min_nodes: int = 1) -> int:
     one_process = cfg.strategy in ("dp", "single")
     nproc = 1 if one_process and cfg.nproc == "auto" else parse_nproc(cfg.nproc, device_type)
     if one_process and nproc > 1:
@@ -82,7 +101,7 @@ def _nproc(cfg: TrainConfig, device_type: str) -> int:
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} visible GPUs")
     try:
-        datasets.check_global_batch(cfg.batch_size, nproc)
+        datasets.check_global_batch(cfg.batch_size, nproc * min_nodes)  # every node's processes
     except ValueError as err:
         raise UsageError(str(err)) from None
     return nproc
@@ -141,8 +160,11 @@ def check_resumable(path: str, cfg: TrainConfig, allow_finished: bool = False) -
         raise IncompatibleCheckpoint(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})") from None
 
 
+# The optimizer's and scheduler's saved state would silently override a changed --lr,
+# --weight-decay or scaling, so those must match too. --epochs may grow (that is how a finished
+# run continues); the cosine schedule then stretches over the new total.
 RESUME_MUST_MATCH = ("model", "optimizer", "data", "batch_size", "seed", "num_classes", "synthetic_shape",
-                     "synthetic_size")
+                     "synthetic_size", "lr", "weight_decay", "lr_scaling", "reference_batch_size", "warmup_epochs")
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -187,7 +209,7 @@ def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any
         rt.print(f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
                  f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
                  f"global batch {cfg.batch_size}, {cfg.precision}")
-        with Outputs(cfg, rt.is_main, resumed_step=loop.run.step if resume else None) as out:
+        with Outputs(cfg, rt.is_main, resumed_step=(loop.run.step, loop.run.epoch) if resume else None) as out:
             results = loop.run_all(out, t0)
         rt.print(out.summary(results))
         dist.wait_for_main()  # rank 0 wrote model.pt, results.json and the plot alone
@@ -214,7 +236,7 @@ class Loop:
                                       num_workers=cfg.num_workers)
         self.test_loader = rt.eval_loader(self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule(cfg, self.train_loader.steps_per_epoch))
-        self.run = RunState(cfg, rt.device)
+        self.run = RunState(cfg, rt.device, self.train_loader.loader.generator)
         self.samples = 0  # trained on by this process's run, all ranks together
         # First step whose loss was not finite, on this rank (-1: none). Kept on the device and
         # compared there, so watching for NaN costs no synchronization per step.
@@ -296,8 +318,8 @@ class Loop:
                 if hasattr(batches, "set_postfix"):
                     batches.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             step_loss.zero_()
-            if self.stopped():
-                return False
+            if self.stopped() and self.train_loader.position < self.train_loader.steps_per_epoch:
+                return False  # stopped inside the epoch; at its last step the loop ends it as usual
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
@@ -385,8 +407,8 @@ class RunState:
     checkpoint holds besides model, optimizer, scheduler, scaler and loader position. Also
     records what the run was trained with, so a resume with other settings is refused."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, device: torch.device, loader_generator: torch.Generator | None = None) -> None:
+        self.cfg, self.loader_generator = cfg, loader_generator  # the generator seeds DataLoader workers
         self.epoch = self.step = self.start_step = self.skipped = 0
         self.history: list[dict[str, Any]] = []
         # This epoch so far, on the device (no sync per step): loss * n, correct, n.
@@ -398,7 +420,7 @@ class RunState:
             "epoch": self.epoch, "step": self.step, "history": self.history, "skipped": self.skipped,
             **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
             "sums": rt.all_reduce(self.sums.clone()).cpu(), "world_size": rt.world_size,
-            "rng": rt.gather_objects(_rng_state()),
+            "rng": rt.gather_objects(_rng_state(rt.device, self.loader_generator)),
         }
 
     def restore(self, checkpoint: dict[str, Any], rt: Runtime) -> None:
@@ -410,26 +432,31 @@ class RunState:
         # The epoch's sums so far were summed over all ranks: one rank carries them on.
         self.sums = state["sums"].to(rt.device) if rt.is_main else torch.zeros_like(self.sums)
         if int(state["world_size"]) == rt.world_size:
-            _set_rng_state(state["rng"][rt.rank])  # the very streams an uninterrupted run would have
+            # the very streams an uninterrupted run would have
+            _set_rng_state(state["rng"][rt.rank], rt.device, self.loader_generator)
         else:
             seed_rank(self.cfg.seed, rt.rank, self.step)  # no such rank before: a fresh stream, reproducibly
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device, loader_generator: torch.Generator | None) -> dict[str, Any]:
     np_state = np.random.get_state()
     # weights_only loading accepts tensors and plain containers, not NumPy arrays
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "loader": loader_generator.get_state() if loader_generator is not None else None}
 
 
-def _set_rng_state(rng: dict[str, Any]) -> None:
+def _set_rng_state(rng: dict[str, Any], device: torch.device, loader_generator: torch.Generator | None) -> None:
+    # Runtime.load mapped every tensor to the run's device; random states live on the CPU.
     torch.set_rng_state(rng["torch"].cpu())
     random.setstate(_as_tuples(rng["python"]))
     kind, keys, *rest = rng["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), *rest))
+    if rng["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    if rng.get("loader") is not None and loader_generator is not None:
+        loader_generator.set_state(rng["loader"].cpu())
 
 
 def _as_tuples(value: Any) -> Any:
@@ -441,14 +468,14 @@ def _as_tuples(value: Any) -> Any:
 class Outputs:
     """Everything `ddpkit train --out DIR` leaves; written by rank 0 only."""
 
-    def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: int | None = None):
+    def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
         self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
         self._metrics = None
         if not is_main:
             return
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
         path = os.path.join(self.dir, "metrics.jsonl")
-        kept = _records_until(path, resumed_step) if resumed_step is not None else []
+        kept = _records_until(path, *resumed_step) if resumed_step is not None else []
         self._metrics = open(path, "w", buffering=1)
         self._metrics.writelines(kept)  # a resumed run drops what came after its checkpoint
         _write_yaml(os.path.join(self.dir, "config.yaml"), cfg.to_dict())
@@ -505,12 +532,21 @@ def checkpoint_names(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(".pt"))
 
 
-def _records_until(path: str, step: int) -> list[str]:
-    """Lines of an existing metrics.jsonl whose step is at most `step`."""
+def _records_until(path: str, step: int, epochs_done: int) -> list[str]:
+    """Lines of an existing metrics.jsonl up to a checkpoint: step at most `step`, and epoch
+    records only of epochs it completed. A torn last line (a full disk) is dropped."""
     if not os.path.exists(path):
         return []
+    kept = []
     with open(path) as f:
-        return [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step and (record.get("type") != "epoch" or record["epoch"] <= epochs_done):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def _write_yaml(path: str, mapping: dict[str, Any]) -> None:
