@@ -40,8 +40,9 @@ def test_ddp_ranks_hold_identical_weights(nproc):
 WORLD_SIZE_ATOL = 1e-6
 
 
-@pytest.mark.parametrize("global_batch,micro", [(12, None), (10, None), (12, 2), (7, 3)],
-                         ids=["even", "uneven-over-3", "accumulate", "uneven-and-accumulate"])
+@pytest.mark.parametrize("global_batch,micro", [(12, None), (10, None), (12, 2), (7, 3), (89, None)],
+                         ids=["even", "uneven-over-3", "accumulate", "uneven-and-accumulate",
+                              "empty-shares"])  # 90 samples: each epoch ends with a 1-sample batch
 def test_same_weights_on_1_2_and_3_processes(global_batch, micro):
     reference = workers.plain_reference(8, global_batch)  # plain PyTorch, one process, no ddpkit
     one = workers.invariant_steps(8, global_batch, micro)

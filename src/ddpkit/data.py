@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from .launcher import cpu_count
+from .tree import map_tensors
 
 DATASETS = ("digits", "synthetic")
 DIGITS_TEST_SIZE = 359
@@ -200,29 +201,12 @@ class _Collate:
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return default_collate(samples)
-        return _take(default_collate([self.dataset[0]]), 0)
-
-
-def _take(batch: Any, n: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_take(b, n) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
-    return batch
+        return map_tensors(lambda t: t[:0], default_collate([self.dataset[0]]))
 
 
 def move(batch: Any, device: torch.device) -> Any:
-    """Move tensors in (nested) tuples, lists and dicts to `device`, asynchronously from pinned
-    memory on CUDA."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move(v, device) for k, v in batch.items()}
-    return batch
+    """Move the tensors of a (nested) batch to `device`, asynchronously from pinned memory on CUDA."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 class DistributedLoader:

@@ -7,11 +7,12 @@ the same whatever the precision.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
+
+from .tree import map_tensors
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,21 +57,8 @@ class Precision:
 
 def outputs_to_fp32(out: Any) -> Any:
     """Cast floating outputs of an autocast forward back to fp32, so a loss computed outside
-    the autocast block is computed in full precision. Keeps container types (namedtuples,
-    dict subclasses such as HuggingFace's ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # namedtuple
-        return type(out)(*(outputs_to_fp32(o) for o in out))
-    if isinstance(out, (list, tuple)):
-        return type(out)(outputs_to_fp32(o) for o in out)
-    if isinstance(out, Mapping):
-        cast = {k: outputs_to_fp32(v) for k, v in out.items()}
-        try:
-            return type(out)(cast)
-        except TypeError:
-            return cast
-    return out
+    the autocast block is computed in full precision. Container types are kept."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
 
 
 class AutocastModule(nn.Module):

@@ -1,0 +1,26 @@
+"""One walk over nested batches and model outputs, shared by the loaders and the precision code."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """`obj` with `fn` applied to every tensor inside (nested) lists, tuples, namedtuples and
+    mappings, keeping the container types (dict subclasses such as HuggingFace's ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, o) for o in obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except TypeError:
+            return mapped
+    return obj
