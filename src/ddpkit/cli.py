@@ -26,6 +26,8 @@ commands:
   train    train a built-in model on a built-in dataset over all local devices
   run      run your own script (written for torchrun or ddpkit.Runtime) on N processes
   env      what this machine offers: PyTorch build, GPUs, backends, ddpkit's defaults
+  bench    measure: parity with hand-written DDP, loaders, precision, comm, scaling, start-up
+  find-batch-size  the largest per-device batch that fits, and the throughput at each size
 """
 
 
@@ -156,7 +158,62 @@ def cmd_env(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "run": cmd_run, "env": cmd_env}
+def cmd_bench(argv: Sequence[str]) -> int:
+    from .bench import BENCHES
+
+    names = [*BENCHES, "all"]
+    if not argv or argv[0] in ("-h", "--help"):
+        from .bench import module
+
+        print("usage: ddpkit bench NAME [--json FILE] [--plot FILE.png] [--device auto|cpu|cuda] [--repeats N] "
+              "[--quick] [NAME's options]\n\nbenchmarks:")
+        for name in BENCHES:
+            print(f"  {name:<12} {module(name).DESCRIPTION}")
+        print(f"  {'all':<12} every benchmark above, results in benchmarks/results/, then a summary table")
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in names:
+        raise UsageError(f"unknown benchmark {name!r}; choose from {', '.join(names)}")
+    parser = _ArgParser(prog=f"ddpkit bench {name}")
+    parser.add_argument("--json", metavar="FILE", help="where to write the result (default benchmarks/results/NAME-DEVICE.json)")
+    parser.add_argument("--plot", metavar="FILE.png", help="where to draw the plot (default next to the JSON)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: the benchmark's own)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes: a smoke run")
+    if name != "all":
+        from .bench import module
+
+        add = getattr(module(name), "add_arguments", None)
+        if add:
+            add(parser)
+    a = parser.parse_args(argv[1:])
+    if a.repeats < 0:
+        raise UsageError(f"--repeats must be >= 0, got {a.repeats}")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible")
+    from .bench.all import run_all, run_one
+
+    common = {"device": a.device, "repeats": a.repeats, "quick": a.quick}
+    if name == "all":
+        if a.json or a.plot:
+            raise UsageError("bench all writes one file per benchmark under benchmarks/results/; drop --json/--plot")
+        return run_all(common)
+    extra = {k: v for k, v in vars(a).items() if k not in ("json", "plot", "device", "repeats", "quick")}
+    run_one(name, dict(common, json_path=a.json, plot_path=a.plot, extra=extra))
+    return 0
+
+
+def cmd_find_batch_size(argv: Sequence[str]) -> int:
+    from .tune import cli_main
+
+    return cli_main(argv, _ArgParser)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "run": cmd_run, "env": cmd_env,
+                                                       "bench": cmd_bench, "find-batch-size": cmd_find_batch_size}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
