@@ -108,10 +108,20 @@ def _coerce(path: str, key: str, value: Any, kind: Any) -> Any:
 def cmd_train(argv: Sequence[str]) -> int:
     from .config import TrainConfig
 
+    from .config import recipe
+    from .runtime import resolve_device
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
+    pre.add_argument("--model")
+    pre.add_argument("--device")
     known, _ = pre.parse_known_args(argv)
-    defaults = TrainConfig(**(load_config_file(known.config) if known.config else {}))
+    from_file = load_config_file(known.config) if known.config else {}
+    # Precedence, lowest first: built-in defaults, the model's recipe, the YAML file, flags.
+    model = known.model or from_file.get("model", TrainConfig.model)
+    device = known.device or from_file.get("device", TrainConfig.device)
+    device_type = resolve_device(device, bind=False).type if device in ("auto", "cpu", "cuda") else "cpu"
+    defaults = TrainConfig(**{**recipe(model, device_type), **from_file})
     cfg = _train_parser(defaults).parse_args(argv).cfg
     from .trainer import train
 

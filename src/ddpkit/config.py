@@ -6,17 +6,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from . import models
-from .data import DATASETS, shape_of
+from .data import DATASETS, Augment, shape_of
 from .errors import UsageError
 from .models import MODELS
 from .precision import PRECISIONS
 from .runtime import DEVICES
-from .strategy import STRATEGIES
+from .strategy import COMM_HOOKS, STRATEGIES, DDPOptions
 
 OPTIMIZERS = ("sgd", "adamw")
+LOADERS = ("auto", "device", "dataloader")
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
@@ -71,6 +72,16 @@ class TrainConfig:
     synthetic_size: int = 4096  # synthetic data: training samples (test gets a fifth as many)
     num_classes: int = 10  # synthetic data: number of classes
     progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
+    loader: str = "auto"  # auto (device-resident for in-memory sets), device, or dataloader
+    augment: str = "none"  # training augmentation: none, crop, flip or crop-flip (images only)
+    crop_padding: int = 4  # --augment crop: zero-pad by this many pixels, then crop back
+    label_smoothing: float = 0.0  # cross-entropy label smoothing (0 to 1)
+    channels_last: bool = False  # NHWC model and batches (faster convolutions with bf16/fp16 on GPUs)
+    compile: bool = False  # torch.compile the model (compile time is reported apart from step times)
+    bucket_cap_mb: Optional[float] = None  # DDP gradient bucket size in MiB (torch default 25)
+    gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
+    static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
+    comm_hook: str = "none"  # DDP gradient compression for the all-reduce: none, fp16 or bf16
 
     def __post_init__(self) -> None:
         _choice("--data", self.data, DATASETS)
@@ -81,6 +92,17 @@ class TrainConfig:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         _choice("--on-nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _choice("--loader", self.loader, LOADERS)
+        _choice("--augment", self.augment, Augment.NAMES)
+        _choice("--comm-hook", self.comm_hook, COMM_HOOKS)
+        if self.bucket_cap_mb is not None:
+            _positive("--bucket-cap-mb", self.bucket_cap_mb)
+        if not 0 <= self.label_smoothing < 1:
+            raise UsageError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.crop_padding < 0:
+            raise UsageError(f"--crop-padding must be >= 0, got {self.crop_padding}")
+        if self.augment != "none" and len(shape_of(self.data, self.shape(), self.num_classes)[0]) != 3:
+            raise UsageError(f"--augment {self.augment} needs image data (C,H,W); --data {self.data} is not")
         if not (self.nproc == "auto" or str(self.nproc).isdigit()) or str(self.nproc) == "0":
             raise UsageError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
         for flag in ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout",
@@ -117,8 +139,34 @@ class TrainConfig:
         ratio = self.batch_size / self.reference_batch_size
         return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
 
+    def resident(self) -> bool | None:
+        """--loader as Runtime.loader's `resident` argument."""
+        return {"auto": None, "device": True, "dataloader": False}[self.loader]
+
+    def ddp_options(self) -> DDPOptions:
+        return DDPOptions(self.bucket_cap_mb, self.gradient_as_bucket_view, self.static_graph, self.comm_hook)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+# `--model NAME` recipes: defaults a model is meant to be trained with, applied under the
+# YAML file and the command line (both override them). "cuda" entries apply on GPUs only.
+RECIPES: dict[str, dict[str, Any]] = {
+    # In the spirit of the CIFAR-10 speed runs: a large batch with a short warmup and cosine
+    # decay, label smoothing, crop (2 px) + flip augmentation done on the device, and on GPUs
+    # bf16 with channels_last.
+    "fast-cifar": {"batch_size": 1024, "reference_batch_size": 1024, "lr": 0.4, "warmup_epochs": 1.0,
+                   "epochs": 10, "label_smoothing": 0.2, "augment": "crop-flip", "crop_padding": 2,
+                   "weight_decay": 5e-4, "eval_batch_size": 2048,
+                   "cuda": {"precision": "bf16", "channels_last": True}},
+}
+
+
+def recipe(model: str, device_type: str) -> dict[str, Any]:
+    """The defaults `--model` brings on `device_type` ('cpu' or 'cuda')."""
+    values = dict(RECIPES.get(model, {}))
+    gpu = values.pop("cuda", {})
+    return {**values, **(gpu if device_type == "cuda" else {})}

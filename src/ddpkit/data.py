@@ -9,6 +9,18 @@ Training batches come from `GlobalBatchSampler`: one global order per epoch, cut
 batches, each split over the ranks, so step k sees the same samples on any number of processes.
 Evaluation uses `ShardSampler`, which splits the test set over ranks without padding, so every
 test sample is counted exactly once whatever the world size.
+
+Two ways to turn indices into batches, with the same samples in the same order:
+
+- resident (the default for in-memory datasets): the whole dataset, as stored (uint8 images),
+  sits on the device once; a batch is one index gather, then batched augmentation and
+  normalization on the device. No per-sample Python, no collate, no host-to-device copy.
+- a DataLoader (for datasets that are not tensors in memory): per-sample `__getitem__` in
+  worker processes, pinned memory and non-blocking copies on CUDA.
+
+Random augmentation (crop with padding, horizontal flip) is drawn per sample from a hash of
+(seed, epoch, position of the sample in the epoch's global order), not from a random stream.
+So it is the same on both paths, on any number of processes, and after a resume mid-epoch.
 """
 
 from __future__ import annotations
@@ -39,6 +51,117 @@ class Splits:
     num_classes: int
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values below
+    2**32. Both multipliers are below 2**31, so no product overflows int64 on any device."""
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x6C8E9CF5) & _M32
+    return x ^ (x >> 16)
+
+
+def augment_keys(seed: int, epoch: int, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per sample from (seed, epoch, its position in the epoch's global order):
+    what decides the sample's random crop and flip, wherever and whenever it is read."""
+    base = _mix32(torch.tensor((seed * 1_000_003 + epoch) & _M32, dtype=torch.int64))
+    return _mix32(positions.to(torch.int64) ^ base.to(positions.device))
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Random crop after zero-padding by `crop_padding` pixels (0: no crop), and a random
+    horizontal flip: the standard CIFAR-10 training augmentation."""
+
+    crop_padding: int = 0
+    flip: bool = False
+
+    NAMES = ("none", "crop", "flip", "crop-flip")
+
+    @classmethod
+    def parse(cls, name: str, crop_padding: int = 4) -> "Augment | None":
+        if name not in cls.NAMES:
+            raise ValueError(f"--augment: unknown value {name!r}; choose from {', '.join(cls.NAMES)}")
+        if name == "none":
+            return None
+        return cls(crop_padding if "crop" in name else 0, "flip" in name)
+
+    def __call__(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Augment a batch (B, C, H, W) on its device; sample i uses keys[i] only."""
+        if self.crop_padding:
+            p = self.crop_padding
+            b, _, h, w = x.shape
+            padded = torch.nn.functional.pad(x, (p, p, p, p))
+            span = 2 * p + 1
+            dx, dy = (keys >> 1) % span, (keys >> 12) % span
+            rows = dy[:, None] + torch.arange(h, device=x.device)  # (B, H)
+            cols = dx[:, None] + torch.arange(w, device=x.device)  # (B, W)
+            picked = padded[torch.arange(b, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+            x = picked.permute(0, 3, 1, 2)  # advanced indexing put the channels last
+        if self.flip:
+            x = torch.where((keys & 1).bool()[:, None, None, None], x.flip(3), x)
+        return x
+
+
+class ImageSet(Dataset):
+    """Images as stored (uint8, or float), normalized per channel when read, and augmented
+    when an `augment` is given and the sampler passes keys.
+
+    `dataset[i]` is sample i normalized; `dataset[(i, key)]` is it augmented by `key` (what
+    the DataLoader path's batch sampler asks for). `batch(indices, keys)` does the same for a
+    whole batch at once on the device the images are on (the resident path).
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Any, std: Any,
+                 augment: Augment | None = None):
+        if images.dim() != 4:
+            raise ValueError(f"ImageSet wants images shaped (N, C, H, W), got {tuple(images.shape)}")
+        self.images, self.labels, self.augment = images, labels, augment
+        channels = images.shape[1]
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
+        self._resident: dict[str, "ImageSet"] = {}
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        index, aug_key = key if isinstance(key, tuple) else (key, None)
+        keys = None if aug_key is None else torch.tensor([aug_key], dtype=torch.int64)
+        x, _ = self._batch(torch.tensor([index]), keys)
+        return x[0], self.labels[index]
+
+    def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._batch(indices, keys)
+
+    def _batch(self, indices: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[indices]
+        if self.augment is not None and keys is not None:
+            x = self.augment(x, keys)
+        x = (x.float() - self.mean) / self.std
+        return x.contiguous(), self.labels[indices]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole set normalized, without augmentation: (images, labels)."""
+        return self._batch(torch.arange(len(self)), None)
+
+    def nbytes(self) -> int:
+        return self.images.numel() * self.images.element_size() + self.labels.numel() * self.labels.element_size()
+
+    def to(self, device: torch.device) -> "ImageSet":
+        """A copy living on `device` (made once, then reused)."""
+        if self.images.device == device:
+            return self
+        key = str(device)
+        if key not in self._resident:
+            self._resident[key] = ImageSet(self.images.to(device), self.labels.to(device), self.mean.to(device),
+                                           self.std.to(device), self.augment)
+        return self._resident[key]
+
+
 def _digits_array() -> np.ndarray:
     # Read scikit-learn's bundled CSV directly: importing sklearn.datasets takes over a second
     # (it pulls in SciPy), reading the file takes milliseconds. Same data as load_digits().
@@ -55,21 +178,24 @@ def _digits_array() -> np.ndarray:
 
 
 def digits() -> Splits:
+    """The 8x8 digits as stored (integers 0..16, kept as uint8), normalized with the training
+    set's mean and standard deviation."""
     table = _digits_array()
     order = np.random.default_rng(0).permutation(len(table))
     test_idx, train_idx = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
-    x = torch.from_numpy(table[:, :64].astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    x = torch.from_numpy(table[:, :64].astype(np.uint8)).reshape(-1, 1, 8, 8)
     y = torch.from_numpy(table[:, 64].astype(np.int64))
-    mean, std = x[train_idx].mean(), x[train_idx].std()
-    x = (x - mean) / std
-    return Splits(
-        TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx]), (1, 8, 8), 10
-    )
+    train = x[train_idx].float()
+    mean, std = train.mean().item(), train.std().item()
+    return Splits(ImageSet(x[train_idx], y[train_idx], mean, std), ImageSet(x[test_idx], y[test_idx], mean, std),
+                  (1, 8, 8), 10)
 
 
 def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0) -> Splits:
     """`size` training and `size // 5` test samples: a random template per class plus noise.
 
+    Images (C, H, W) are stored as uint8 like real image sets (so they take the same path:
+    resident on the device, augmented and normalized per batch); other shapes stay float.
     Drawn from a generator seeded with `seed`, so every rank builds the same tensors.
     """
     g = torch.Generator().manual_seed(seed)
@@ -77,9 +203,13 @@ def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0
     n_test = max(1, size // 5)
     y = torch.randint(0, num_classes, (size + n_test,), generator=g)
     x = templates[y] + 1.5 * torch.randn((size + n_test, *shape), generator=g)
-    return Splits(
-        TensorDataset(x[:size], y[:size]), TensorDataset(x[size:], y[size:]), tuple(shape), num_classes
-    )
+    if len(shape) != 3:
+        return Splits(TensorDataset(x[:size], y[:size]), TensorDataset(x[size:], y[size:]), tuple(shape), num_classes)
+    x = (127.5 + 32.0 * x).round().clamp(0, 255).to(torch.uint8)
+    train = x[:size].float()
+    mean, std = train.mean(dim=(0, 2, 3)), train.std(dim=(0, 2, 3))
+    return Splits(ImageSet(x[:size], y[:size], mean, std), ImageSet(x[size:], y[size:], mean, std), tuple(shape),
+                  num_classes)
 
 
 def shape_of(name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10) -> tuple[tuple[int, ...], int]:
@@ -103,14 +233,21 @@ class ShardSampler(Sampler[int]):
     (DistributedSampler instead repeats samples to even out the shards).
     """
 
-    def __init__(self, length: int, world_size: int, rank: int):
-        self.length, self.world_size, self.rank = length, world_size, rank
+    def __init__(self, length: int, world_size: int, rank: int, batch: int = 1):
+        self.length, self.world_size, self.rank, self.batch = length, world_size, rank, batch
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.length, self.world_size))
 
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.world_size))
+
+    def chunks(self, batch: int | None = None) -> list[tuple[int, int, int]]:
+        """This rank's indices in batches of `batch` (default: the batch it was made with), as
+        (start, stop, step) ranges."""
+        batch = batch or self.batch
+        stride = self.world_size * batch
+        return [(s, min(s + stride, self.length), self.world_size) for s in range(self.rank, self.length, stride)]
 
 
 def check_global_batch(global_batch: int, world_size: int) -> None:
@@ -156,6 +293,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.length, self.global_batch, self.world_size, self.rank = length, global_batch, world_size, rank
         self.shuffle, self.seed, self.drop_last, self.micro = shuffle, seed, drop_last, micro_batch_size
         self.epoch, self.start_step = 0, 0
+        self.keys = False  # yield (index, augmentation key) pairs instead of indices
 
     @property
     def steps_per_epoch(self) -> int:
@@ -170,25 +308,41 @@ class GlobalBatchSampler(Sampler[list[int]]):
             return torch.arange(self.length)
         return torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
-    def plan(self) -> Iterator[tuple[list[int], MicroBatch]]:
-        """(indices, MicroBatch) for this rank's remaining micro-batches of the epoch."""
-        order = self.order()
+    def spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
+        """(start, stop, MicroBatch): this rank's remaining micro-batches of the epoch, as
+        positions [start, stop) in the epoch's global order."""
         for step in range(self.start_step, self.steps_per_epoch):
-            batch = order[step * self.global_batch:(step + 1) * self.global_batch]
-            offset, size = share(len(batch), self.world_size, self.rank)
-            mine = batch[offset:offset + size].tolist()
+            first = step * self.global_batch
+            batch_len = min(self.global_batch, self.length - first)
+            offset, size = share(batch_len, self.world_size, self.rank)
             micro = self.micro or max(1, size)
             # A rank whose share is empty (a last batch smaller than the world) still takes
             # one empty micro-batch: DDP needs every rank's backward to all-reduce.
-            chunks = [mine[i:i + micro] for i in range(0, size, micro)] or [[]]
-            for i, chunk in enumerate(chunks):
-                yield chunk, MicroBatch(len(chunk), len(batch), i == len(chunks) - 1)
+            starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
+            for i, start in enumerate(starts):
+                stop = min(start + micro, first + offset + size)
+                yield start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return (indices for indices, _ in self.plan())
+    def plan(self) -> Iterator[tuple[list[int], MicroBatch]]:
+        """(indices, MicroBatch) for this rank's remaining micro-batches of the epoch."""
+        order = self.order()
+        for start, stop, info in self.spans():
+            yield order[start:stop].tolist(), info
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        if not self.keys:
+            return (indices for indices, _ in self.plan())
+        return self._keyed()
+
+    def _keyed(self) -> Iterator[list[tuple[int, int]]]:
+        # (index, augmentation key) pairs, for a dataset that augments per sample (ImageSet).
+        order = self.order()
+        for start, stop, _ in self.spans():
+            keys = augment_keys(self.seed, self.epoch, torch.arange(start, stop))
+            yield list(zip(order[start:stop].tolist(), keys.tolist()))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.plan())
+        return sum(1 for _ in self.spans())
 
 
 class _Collate:
@@ -204,9 +358,43 @@ class _Collate:
         return map_tensors(lambda t: t[:0], default_collate([self.dataset[0]]))
 
 
-def move(batch: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) batch to `device`, asynchronously from pinned memory on CUDA."""
-    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
+def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """Move the tensors of a (nested) batch to `device`, asynchronously from pinned memory on CUDA;
+    4-D float batches (images) in channels-last layout if asked."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=True)
+        if channels_last and t.dim() == 4 and t.is_floating_point():
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    return map_tensors(one, batch)
+
+
+class Resident:
+    """A dataset held whole on the device: batches are index gathers there (plus, for an
+    ImageSet, batched augmentation and normalization). Works for ImageSet and TensorDataset."""
+
+    def __init__(self, dataset: Dataset, device: torch.device, seed: int = 0, channels_last: bool = False):
+        self.seed, self.channels_last = seed, channels_last
+        if isinstance(dataset, ImageSet):
+            self.images: ImageSet | None = dataset.to(device)
+            self.tensors: tuple[torch.Tensor, ...] = ()
+        else:
+            self.images = None
+            self.tensors = tuple(t.to(device) for t in dataset.tensors)
+        self.device = device
+
+    @staticmethod
+    def supports(dataset: Any) -> bool:
+        return isinstance(dataset, (ImageSet, TensorDataset))
+
+    def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> Any:
+        if self.images is not None:
+            x, y = self.images.batch(indices, keys)
+            if self.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            return [x, y]
+        return [t[indices] for t in self.tensors]
 
 
 class DistributedLoader:
@@ -217,55 +405,84 @@ class DistributedLoader:
     to the next epoch. `state_dict()` holds both, so a resumed run, on any number of
     processes when the sampler is a GlobalBatchSampler, reads exactly the batches not yet read.
     `current` describes the micro-batch last handed out (None for evaluation loaders).
+
+    Batches come from `resident` (the dataset on the device) when given, else from `loader`
+    (a DataLoader over the sampler); both yield the same samples in the same order.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device):
-        self.loader, self.device = loader, device
+    def __init__(self, dataset: Dataset, sampler: Any, device: torch.device, loader: DataLoader | None = None,
+                 resident: Resident | None = None, channels_last: bool = False):
+        self.dataset, self._sampler, self.device, self.loader, self.resident = dataset, sampler, device, loader, resident
+        self.channels_last = channels_last
         self.epoch = self.position = 0
         self.current: MicroBatch | None = None
         self.on_batch: Any = None  # set by the Runtime: told of every training micro-batch
 
     @property
     def sampler(self) -> Any:
-        return self.loader.batch_sampler if isinstance(self.loader.batch_sampler, GlobalBatchSampler) \
-            else self.loader.sampler
+        return self._sampler
 
     @property
-    def dataset(self) -> Dataset:
-        return self.loader.dataset
+    def generator(self) -> torch.Generator | None:
+        """The generator that seeds DataLoader workers (None on the resident path)."""
+        return self.loader.generator if self.loader is not None else None
 
     @property
     def steps_per_epoch(self) -> int:
-        return getattr(self.sampler, "steps_per_epoch", len(self.loader))
+        return getattr(self.sampler, "steps_per_epoch", None) or len(self)
 
     def __len__(self) -> int:
         """Micro-batches the next pass yields (fewer when resuming inside an epoch)."""
         if isinstance(self.sampler, GlobalBatchSampler):
             self.sampler.set_epoch(self.epoch, self.position)
-        return len(self.loader)
+            return len(self.sampler)
+        return len(self.loader) if self.loader is not None else len(self.sampler.chunks())
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         if not isinstance(sampler, GlobalBatchSampler):  # evaluation: a fixed shard
-            for batch in self.loader:
-                yield move(batch, self.device)
+            yield from self._eval_batches()
             return
+        if self.position >= sampler.steps_per_epoch:  # every step of it was handed out already
+            self.epoch, self.position = self.epoch + 1, 0
         sampler.set_epoch(self.epoch, self.position)
-        plan = (info for _, info in sampler.plan())
         try:
-            for batch, info in zip(self.loader, plan):
+            for batch, info in self._train_batches(sampler):
                 self.current = info
                 if info.last:
                     self.position += 1  # handed out, so a checkpoint after this step skips it
                 if self.on_batch is not None:
                     self.on_batch(self)
-                yield move(batch, self.device)
+                yield batch
             self.epoch, self.position = self.epoch + 1, 0
         finally:
             # The pass ended, or was left early: no micro-batch is current any more.
             self.current = None
             if self.on_batch is not None:
                 self.on_batch(self)
+
+    def _train_batches(self, sampler: "GlobalBatchSampler") -> Iterator[tuple[Any, MicroBatch]]:
+        if self.resident is None:
+            plan = (info for _, _, info in sampler.spans())
+            for batch, info in zip(self.loader, plan):
+                yield move(batch, self.device, self.channels_last), info
+            return
+        # One permutation per epoch on the device; each micro-batch is a slice of it.
+        order = sampler.order().to(self.device)
+        augment = self.resident.images is not None and self.resident.images.augment is not None
+        for start, stop, info in sampler.spans():
+            keys = None
+            if augment:
+                keys = augment_keys(sampler.seed, sampler.epoch, torch.arange(start, stop, device=self.device))
+            yield self.resident.batch(order[start:stop], keys), info
+
+    def _eval_batches(self) -> Iterator[Any]:
+        if self.resident is None:
+            for batch in self.loader:
+                yield move(batch, self.device, self.channels_last)
+            return
+        for start, stop, step in self.sampler.chunks():
+            yield self.resident.batch(torch.arange(start, stop, step, device=self.device))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -279,7 +496,7 @@ def loader_options(dataset: Dataset, device: torch.device, num_workers: int | No
     """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
     only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
     if num_workers is None:
-        in_memory = isinstance(dataset, TensorDataset)
+        in_memory = isinstance(dataset, (TensorDataset, ImageSet))
         cores = cpu_count() // max(1, local_world_size)
         num_workers = 0 if in_memory or device.type != "cuda" else min(4, max(1, cores - 1))
     return {
@@ -298,21 +515,48 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+def fits_on(dataset: Dataset, device: torch.device) -> bool:
+    """Whether keeping `dataset` whole on `device` is sensible: always in host memory (it is
+    there already); on a GPU when it takes under a quarter of the device's memory."""
+    if not Resident.supports(dataset):
+        return False
+    if device.type != "cuda":
+        return True
+    size = dataset.nbytes() if isinstance(dataset, ImageSet) else sum(t.numel() * t.element_size() for t in dataset.tensors)
+    return size < torch.cuda.get_device_properties(device).total_memory // 4
+
+
+def _use_resident(dataset: Dataset, device: torch.device, resident: bool | None, num_workers: int | None) -> bool:
+    if resident is None:  # auto: the device path whenever it can, unless workers were asked for
+        return not num_workers and fits_on(dataset, device)
+    if resident and not Resident.supports(dataset):
+        raise ValueError(f"a resident loader needs an ImageSet or TensorDataset, not {type(dataset).__name__}; "
+                         "use the DataLoader path")
+    return resident
+
+
 def train_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, micro_batch_size: int | None = None,
-                 num_workers: int | None = None, local_world_size: int = 1) -> DistributedLoader:
+                 num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
+                 channels_last: bool = False) -> DistributedLoader:
     sampler = GlobalBatchSampler(len(dataset), global_batch, world_size, rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last, micro_batch_size=micro_batch_size)
+    if _use_resident(dataset, device, resident, num_workers):
+        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, seed, channels_last))
+    sampler.keys = isinstance(dataset, ImageSet) and dataset.augment is not None
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)  # per-rank worker seeds
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset), worker_init_fn=seed_worker,
                         generator=generator, **loader_options(dataset, device, num_workers, local_world_size))
-    return DistributedLoader(loader, device)
+    return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)
 
 
 def eval_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
-                num_workers: int | None = None, local_world_size: int = 1) -> DistributedLoader:
-    sampler = ShardSampler(len(dataset), world_size, rank)
+                num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
+                channels_last: bool = False) -> DistributedLoader:
     batch = max(1, math.ceil(global_batch / world_size))
+    sampler = ShardSampler(len(dataset), world_size, rank, batch)
+    if _use_resident(dataset, device, resident, num_workers):
+        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last))
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler,
                         **loader_options(dataset, device, num_workers, local_world_size))
-    return DistributedLoader(loader, device)
+    return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
+import torch.nn.functional as F
 from torch import nn
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
@@ -62,7 +63,80 @@ def mlp(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
-MODELS: dict[str, Builder] = {"cnn": small_cnn, "simple-cnn": simple_cnn, "lenet": lenet, "mlp": mlp}
+class Residual(nn.Module):
+    """d2l's residual block: two 3x3 conv-BN layers, plus a 1x1 convolution on the shortcut
+    when the block changes the width or the resolution."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels),
+        )
+        self.shortcut = (nn.Conv2d(in_channels, out_channels, 1, stride=stride)
+                         if stride != 1 or in_channels != out_channels else nn.Identity())
+
+    def forward(self, x: Any) -> Any:
+        return F.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """ResNet-18 for small images, as in d2l's multi-GPU chapter: a 3x3 stem with no max-pool
+    (ImageNet's 7x7 stride-2 stem and pool would shrink 28x28 or 32x32 inputs to nothing),
+    four stages of two residual blocks (64, 128, 256, 512 channels), global average pool,
+    linear head. About 11 million parameters; BatchNorm (use --sync-batchnorm on GPUs for
+    statistics over the global batch)."""
+    stages, width = [], 64
+    for i, out in enumerate((64, 128, 256, 512)):
+        stride = 1 if i == 0 else 2
+        stages += [Residual(width, out, stride), Residual(out, out)]
+        width = out
+    return nn.Sequential(
+        nn.Conv2d(in_shape[0], 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        *stages,
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes),
+    )
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: Any) -> Any:
+        return x * self.factor
+
+
+def _conv_group(in_channels: int, out_channels: int) -> nn.Sequential:
+    # conv, pool, BN, GELU, conv, BN, GELU: pooling early halves the cost of the rest.
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False), nn.MaxPool2d(2),
+        nn.BatchNorm2d(out_channels, momentum=0.4), nn.GELU(),
+        nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels, momentum=0.4), nn.GELU(),
+    )
+
+
+def fast_cifar(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A small residual-free net in the spirit of the CIFAR-10 speed runs (Keller Jordan's
+    airbench, after Page's ResNet-9): a 2x2 stem, three conv groups of 64, 256, 256 channels
+    that each pool early, a global max-pool and a linear head scaled by 1/9 to keep early
+    logits small. About 2 million parameters; made for large batches, label smoothing,
+    bf16/fp16 and channels_last (the `--model fast-cifar` recipe sets them)."""
+    return nn.Sequential(
+        nn.Conv2d(in_shape[0], 24, 2, bias=False), nn.GELU(),
+        _conv_group(24, 64), _conv_group(64, 256), _conv_group(256, 256),
+        nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+        nn.Linear(256, num_classes, bias=False), Scale(1 / 9),
+    )
+
+
+MODELS: dict[str, Builder] = {"cnn": small_cnn, "simple-cnn": simple_cnn, "lenet": lenet, "mlp": mlp,
+                              "resnet18": resnet18, "fast-cifar": fast_cifar}
+
+
+# The smallest image side each convolutional model takes (its pooling must not reach zero).
+MIN_SIZE = {"lenet": 4, "cnn": 2, "resnet18": 8, "fast-cifar": 16}
 
 
 def check(name: str, in_shape: tuple[int, ...]) -> None:
@@ -71,7 +145,7 @@ def check(name: str, in_shape: tuple[int, ...]) -> None:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if name != "mlp" and len(in_shape) != 3:
         raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
-    smallest = {"lenet": 4, "cnn": 2}.get(name, 1)
+    smallest = MIN_SIZE.get(name, 1)
     if name != "mlp" and min(in_shape[1:]) < smallest:
         raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
 

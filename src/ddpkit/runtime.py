@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dist, strategy as strategies
+from .strategy import DDPOptions
 from .data import DistributedLoader, MicroBatch, ShardSampler, eval_loader, train_loader
 from .errors import UsageError
 from .launcher import cpu_count
@@ -80,10 +81,19 @@ class Runtime:
         device: 'auto', 'cpu' or 'cuda'.
         seed: seeds torch, NumPy and `random` on every rank before you build the model.
         timeout_s: how long a collective may wait for the slowest rank before failing.
+        channels_last: model and image batches in NHWC layout (faster convolutions on tensor
+            cores, with bf16/fp16).
+        compile: torch.compile the wrapped model (True, or a dict of torch.compile options).
+        ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
+            comm hook): a `DDPOptions` or a dict of its fields.
+        cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
+            fastest (default: on for CUDA; results may then differ in the last bits run to run).
     """
 
     def __init__(self, strategy: str = "ddp", precision: str = "fp32", device: str = "auto",
-                 seed: int | None = None, timeout_s: float = 600.0):
+                 seed: int | None = None, timeout_s: float = 600.0, *, channels_last: bool = False,
+                 compile: bool | dict = False, ddp: DDPOptions | dict | None = None,
+                 cudnn_benchmark: bool | None = None):
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -93,11 +103,15 @@ class Runtime:
         try:
             self.strategy = strategies.resolve(strategy, self.world_size, self.device)
             self.precision = Precision(precision, self.device)
-        except ValueError as err:
+            self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
+        except (ValueError, TypeError) as err:
             self.close()
             raise UsageError(str(err)) from None
-        self.seed = seed
+        self.seed, self.channels_last, self.compile = seed, channels_last, compile
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
         self._model: nn.Module | None = None
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
         self._micro: MicroBatch | None = None  # the training micro-batch last handed out
         self._no_sync: Any = None  # DDP's no_sync context while inside a global batch
         if seed is not None:
@@ -145,13 +159,21 @@ class Runtime:
         keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
-        wrapped = strategies.wrap(model, self.strategy, self.device, self.precision)
-        self._model = wrapped  # backward() skips its all-reduce between micro-batches
+        wrapped = strategies.wrap(model, self.strategy, self.device, self.precision, ddp=self.ddp_options,
+                                  channels_last=self.channels_last, compile=self.compile)
+        self._model = wrapped
+        self._ddp = strategies.find_ddp(wrapped)  # backward() skips its all-reduce between micro-batches
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
             # augmentation, sampling) each rank draws from its own stream.
             seed_rank(self.seed, self.rank)
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel | None:
+        """The DistributedDataParallel wrapper setup() made (None for single / dp), e.g. to
+        register a communication hook of your own."""
+        return self._ddp
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -178,10 +200,11 @@ class Runtime:
         if micro is None:  # a batch from elsewhere: plain backward
             self.precision.backward(loss)
             return
+        weight = micro.size * self.world_size / micro.step_size
         if micro.size == 0:  # an empty share: zero gradients, but DDP still all-reduces them
             loss = loss.nan_to_num(0.0) * 0.0
-        else:
-            loss = loss * (micro.size * self.world_size / micro.step_size)
+        elif weight != 1.0:  # even shares, no accumulation: the hand-written loop's backward exactly
+            loss = loss * weight
         try:
             self.precision.backward(loss)
         finally:
@@ -210,18 +233,23 @@ class Runtime:
     # -- data ---------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, drop_last: bool = False,
                seed: int | None = None, num_workers: int | None = None,
-               micro_batch_size: int | None = None) -> DistributedLoader:
+               micro_batch_size: int | None = None, resident: bool | None = None) -> DistributedLoader:
         """Training micro-batches for this rank. `batch_size` is the GLOBAL batch: the samples
         of one optimizer step over all ranks, whatever their number. Each rank takes its share
         (shares differ by at most one sample), in micro-batches of at most `micro_batch_size`.
         Which samples form step k depends on `seed` (default: the Runtime's, else 0) and the
-        epoch only; the loader reshuffles every epoch and resumes mid-epoch from its state."""
+        epoch only; the loader reshuffles every epoch and resumes mid-epoch from its state.
+
+        `resident` (default: whenever the dataset is an ImageSet or TensorDataset that fits)
+        keeps the dataset whole on the device and cuts batches there by index; False reads
+        through a DataLoader (with `num_workers` workers). Both give the same batches."""
         seed = seed if seed is not None else (self.seed or 0)
         try:
             loader = train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                                   device=self.device, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                   micro_batch_size=micro_batch_size, num_workers=num_workers,
-                                  local_world_size=self.env.local_world_size)
+                                  local_world_size=self.env.local_world_size, resident=resident,
+                                  channels_last=self.channels_last)
         except ValueError as err:
             raise UsageError(str(err)) from None
         loader.on_batch = self._on_batch
@@ -238,9 +266,8 @@ class Runtime:
         """
         self._leave_no_sync()
         self._micro = loader.current  # None once a pass is over: later batches are plain
-        if self._micro is not None and not self._micro.last \
-                and isinstance(self._model, nn.parallel.DistributedDataParallel):
-            self._no_sync = self._model.no_sync()
+        if self._micro is not None and not self._micro.last and self._ddp is not None:
+            self._no_sync = self._ddp.no_sync()
             self._no_sync.__enter__()
 
     def _leave_no_sync(self) -> None:
@@ -248,11 +275,16 @@ class Runtime:
             self._no_sync.__exit__(None, None, None)
             self._no_sync = None
 
-    def eval_loader(self, dataset: Any, batch_size: int = 512, num_workers: int | None = None) -> DistributedLoader:
+    def eval_loader(self, dataset: Any, batch_size: int = 512, num_workers: int | None = None,
+                    resident: bool | None = None) -> DistributedLoader:
         """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""
-        return eval_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
-                           device=self.device, num_workers=num_workers,
-                           local_world_size=self.env.local_world_size)
+        try:
+            return eval_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
+                               device=self.device, num_workers=num_workers,
+                               local_world_size=self.env.local_world_size, resident=resident,
+                               channels_last=self.channels_last)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int = 512) -> dict[str, float]:
@@ -267,7 +299,7 @@ class Runtime:
             raise TypeError("evaluate() needs a Dataset or a loader from Runtime.eval_loader()")
         # Below DDP there are no collectives, so ranks may run different numbers of batches.
         # DataParallel stays: it spreads the evaluation over the GPUs.
-        net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        net = strategies.eval_view(model)
         was_training = net.training
         net.eval()
         correct = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -27,6 +27,7 @@ from .checkpoint import load_file, save_file
 from .config import TrainConfig
 from .errors import IncompatibleCheckpoint, UsageError
 from .launcher import Nodes, launch, parse_nproc
+from .metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from .plots import plot_curves
 from .runtime import Runtime, resolve_device, seed_rank
 from .strategy import unwrap
@@ -164,7 +165,8 @@ def check_resumable(path: str, cfg: TrainConfig, allow_finished: bool = False) -
 # --weight-decay or scaling, so those must match too. --epochs may grow (that is how a finished
 # run continues); the cosine schedule then stretches over the new total.
 RESUME_MUST_MATCH = ("model", "optimizer", "data", "batch_size", "seed", "num_classes", "synthetic_shape",
-                     "synthetic_size", "lr", "weight_decay", "lr_scaling", "reference_batch_size", "warmup_epochs")
+                     "synthetic_size", "lr", "weight_decay", "lr_scaling", "reference_batch_size", "warmup_epochs",
+                     "augment", "crop_padding", "label_smoothing")
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -196,7 +198,8 @@ def schedule(cfg: TrainConfig, steps_per_epoch: int) -> Any:
 
 def fit(cfg: TrainConfig, t0: float, resume: str | None = None) -> dict[str, Any]:
     """One worker's whole run. Every rank returns the same results dict."""
-    with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout) as rt:
+    with Runtime(cfg.strategy, cfg.precision, cfg.device, seed=cfg.seed, timeout_s=cfg.timeout,
+                 channels_last=cfg.channels_last, compile=cfg.compile, ddp=cfg.ddp_options()) as rt:
         if restarted() and rt.is_main:
             # The elastic agent restarted us after a worker died: carry on from the newest
             # complete checkpoint, whatever the command line said.
@@ -228,15 +231,20 @@ class Loop:
         self.rt, self.cfg = rt, cfg
         self.splits = datasets.load(cfg.data, synthetic_shape=cfg.shape(), synthetic_size=cfg.synthetic_size,
                                     num_classes=cfg.num_classes, seed=cfg.seed)
+        if isinstance(self.splits.train, datasets.ImageSet):
+            self.splits.train.augment = datasets.Augment.parse(cfg.augment, cfg.crop_padding)
         model = models.build(cfg.model, self.splits.in_shape, self.splits.num_classes)
         if cfg.sync_batchnorm and rt.world_size > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model, self.opt = rt.setup(model, _optimizer(cfg, model.parameters()))
         self.train_loader = rt.loader(self.splits.train, cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-                                      num_workers=cfg.num_workers)
-        self.test_loader = rt.eval_loader(self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers)
+                                      num_workers=cfg.num_workers, resident=cfg.resident())
+        self.test_loader = rt.eval_loader(self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers,
+                                          resident=cfg.resident())
+        self.timer = StepTimer(rt.device)
+        self.gpu_util: GpuUtilization | None = None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule(cfg, self.train_loader.steps_per_epoch))
-        self.run = RunState(cfg, rt.device, self.train_loader.loader.generator)
+        self.run = RunState(cfg, rt.device, self.train_loader.generator)
         self.samples = 0  # trained on by this process's run, all ranks together
         # First step whose loss was not finite, on this rank (-1: none). Kept on the device and
         # compared there, so watching for NaN costs no synchronization per step.
@@ -257,6 +265,7 @@ class Loop:
 
     def run_all(self, out: "Outputs", t0: float) -> dict[str, Any]:
         train_time = 0.0
+        self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
         while self.run.epoch < self.cfg.epochs and not self.stopped():
             t_epoch = time.perf_counter()
             done = self.train_epoch(out)
@@ -266,7 +275,9 @@ class Loop:
             self.save(out)
         self.check_finite()
         ev = self.rt.evaluate(self.model, self.test_loader)
-        results = self.results(ev, self.samples / max(train_time, 1e-9), time.time() - t0)
+        rate = self.samples / max(train_time, 1e-9)
+        results = self.results(ev, rate, time.time() - t0)
+        results.update(self.performance(rate))
         out.finish(results, self.model, self.run.history)
         return results
 
@@ -278,11 +289,12 @@ class Loop:
         step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
         batches = out.progress(self.train_loader, run.epoch)
         t_log = time.perf_counter()
+        self.timer.start()
         for x, y in batches:
             n = self.train_loader.current.size
             try:
                 logits = self.model(x)
-                loss = F.cross_entropy(logits, y)
+                loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
             except torch.cuda.OutOfMemoryError:
                 raise torch.cuda.OutOfMemoryError(self._oom_advice(n)) from None
             if n:
@@ -304,6 +316,7 @@ class Loop:
             elif not rt.step(self.opt):
                 continue  # more micro-batches of this global batch to come
             self.sched.step()
+            self.timer.mark(tuple(x.shape))
             run.step += 1
             self.step_t += 1
             self.samples += self.train_loader.current.step_size
@@ -384,6 +397,30 @@ class Loop:
         self.rt.save(out.checkpoint_path(self.run.step), model=self.model, optimizer=self.opt, scheduler=self.sched,
                      precision=self.rt.precision, loader=self.train_loader, run=run_state)
         out.prune_checkpoints()
+
+    def performance(self, rate: float) -> dict[str, Any]:
+        """Step-time percentiles (rank 0's; warm-up and compilation apart), peak memory of
+        every rank, and on GPUs the model FLOP utilization and the GPU's own utilization.
+        Collective: every rank calls it."""
+        rt, cfg = self.rt, self.cfg
+        timing = self.timer.summary()
+        memory = [round(m, 1) for m in rt.gather_objects(peak_memory_mib(rt.device))]
+        perf: dict[str, Any] = {**timing, "peak_memory_mib": memory,
+                                "peak_memory_kind": "cuda_max_allocated" if rt.device.type == "cuda" else "rss"}
+        if cfg.compile and "step_time_ms" in timing:
+            # Warm-up steps cost a step plus the compilation of their shape.
+            perf["compile_seconds"] = max(0.0, timing["warmup_seconds"]
+                                          - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3)
+        flops = flops_per_sample(unwrap(self.model), self.splits.in_shape, rt.device) if rt.is_main else None
+        flops = rt.broadcast_object(flops)
+        perf["flops_per_sample"] = flops
+        perf["achieved_tflops"] = flops * rate / 1e12 if flops else None
+        peak = peak_tflops(rt.device, cfg.precision)
+        perf["peak_tflops_per_device"] = peak
+        perf["mfu"] = perf["achieved_tflops"] / (peak * rt.world_size) if peak and flops else None
+        util = self.gpu_util.stop() if self.gpu_util is not None else None
+        perf["gpu_utilization_percent"] = rt.broadcast_object(util)
+        return perf
 
     def results(self, ev: dict[str, Any], rate: float, wall: float) -> dict[str, Any]:
         cfg, run, rt = self.cfg, self.run, self.rt
@@ -519,9 +556,25 @@ class Outputs:
         plot_curves(history, os.path.join(self.dir, "curves.png"), title=f"{self.cfg.model} on {self.cfg.data}")
 
     def summary(self, r: dict[str, Any]) -> str:
-        return (f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
-                f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
-                f"{r['wall_seconds']:.1f} s | outputs in {self.dir}")
+        lines = [f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
+                 f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
+                 f"{r['wall_seconds']:.1f} s | outputs in {self.dir}"]
+        perf = []
+        if r.get("step_time_ms"):
+            t = r["step_time_ms"]
+            perf.append(f"step time p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f}, p99 {t['p99']:.2f}")
+        if r.get("compile_seconds") is not None:
+            perf.append(f"compile {r['compile_seconds']:.1f} s")
+        if r.get("peak_memory_mib"):
+            kind = "GPU memory" if r.get("peak_memory_kind") == "cuda_max_allocated" else "RSS"
+            perf.append(f"peak {kind} per rank " + "/".join(f"{m:,.0f}" for m in r["peak_memory_mib"]) + " MiB")
+        if r.get("mfu") is not None:
+            perf.append(f"MFU {100 * r['mfu']:.1f}%")
+        if r.get("gpu_utilization_percent") is not None:
+            perf.append(f"GPU busy {r['gpu_utilization_percent']:.0f}%")
+        if perf:
+            lines.append("      " + " | ".join(perf))
+        return "\n".join(lines)
 
 
 def checkpoint_names(folder: str) -> list[str]:
