@@ -182,3 +182,23 @@ def slow_save_on_main(path: str, timeout_s: float, seconds: float) -> str:
         rt.save(path, model=toy_model())
         rt.barrier()  # and the ordinary timeout still applies to ordinary collectives
         return "saved"
+
+
+def ddp_options_weights(options: dict, steps: int = 6) -> torch.Tensor:
+    """This rank's weights after `steps` DDP steps of a small conv net with DDP `options`."""
+    from ddpkit import data
+
+    with ddpkit.Runtime(device="cpu", seed=4, ddp=options) as rt:
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                    torch.nn.Linear(8 * 8 * 8, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = rt.setup(model, opt)
+        train = data.synthetic((3, 8, 8), 96, 10, seed=1).train
+        done = 0
+        while done < steps:
+            for x, y in rt.loader(train, batch_size=16):
+                rt.backward(F.cross_entropy(model(x), y))
+                done += rt.step(opt)
+                if done == steps:
+                    break
+        return flat_params(model)
