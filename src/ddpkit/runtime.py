@@ -138,6 +138,7 @@ class Runtime:
     def close(self) -> None:
         """Destroy the process group if this runtime created it. Safe to call twice."""
         self._leave_no_sync()
+        self._model = self._ddp = None  # the caller may drop the model: do not keep it alive
         if self._owns_group:
             dist.teardown()
             self._owns_group = False

@@ -37,12 +37,13 @@ def module(name: str) -> ModuleType:
 
 def run(opts: "BenchOptions") -> dict:
     """Run one benchmark, write its JSON (and plot); returns the written record."""
-    from .common import resolve_device, write
+    from .common import load_average, resolve_device, write
 
     mod = module(opts.name)
     device = resolve_device(opts.device)
+    before = load_average()
     result = mod.run(opts, device)
-    return write(opts, device, result, getattr(mod, "plot", None))
+    return write(opts, device, result, getattr(mod, "plot", None), load_before=before)
 
 
 def summary_rows(name: str, record: dict) -> list[tuple[str, str]]:

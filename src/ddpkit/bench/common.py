@@ -121,6 +121,15 @@ def _total_memory_gib() -> float | None:
         return None
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages: other work running beside a benchmark
+    explains noisy CPU timings, so every result records them before and after."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def stats(values: list[float]) -> dict[str, Any]:
     """Median and spread of repeated measurements."""
     vals = sorted(float(v) for v in values)
@@ -178,12 +187,14 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Callable[[dict, str], None] | None) -> dict[str, Any]:
+def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Callable[[dict, str], None] | None,
+          load_before: list[float] | None = None) -> dict[str, Any]:
     """Add metadata, write the JSON (and plot), return the full record."""
     json_path, plot_path = default_paths(opts.name, device)
     json_path = opts.json_path or json_path
     plot_path = opts.plot_path or (plot_path if plot_fn else None)
-    record = {"benchmark": opts.name, "quick": opts.quick, **metadata(device), "result": result}
+    record = {"benchmark": opts.name, "quick": opts.quick, **metadata(device),
+              "load_average": {"before": load_before, "after": load_average()}, "result": result}
     if plot_fn and plot_path:
         os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
         plot_fn(record, plot_path)

@@ -41,11 +41,11 @@ def _rate(make: Any, batches: int, device: str) -> float:
     import gc
     import time
 
-    loader = make()
+    loaders = [make()]
 
     def read() -> int:
         n = 0
-        for _, y in itertools.islice(loader, batches):
+        for _, y in itertools.islice(loaders[0], batches):
             n += len(y)
         sync(device)
         return n
@@ -54,7 +54,7 @@ def _rate(make: Any, batches: int, device: str) -> float:
     t = time.perf_counter()
     n = read()
     rate = n / (time.perf_counter() - t)
-    del loader
+    loaders.clear()
     gc.collect()
     return rate
 
