@@ -178,7 +178,11 @@ def cmd_bench(argv: Sequence[str]) -> int:
         print("usage: ddpkit bench NAME [--json FILE] [--plot FILE.png] [--device auto|cpu|cuda] [--repeats N] "
               "[--quick] [NAME's options]\n\nbenchmarks:")
         for name in BENCHES:
-            print(f"  {name:<12} {module(name).DESCRIPTION}")
+            try:
+                description = module(name).DESCRIPTION
+            except ImportError as err:  # an optional dependency missing: say so, list the rest
+                description = f"(cannot load: {err})"
+            print(f"  {name:<12} {description}")
         print(f"  {'all':<12} every benchmark above, results in benchmarks/results/, then a summary table")
         return 0 if argv else 2
     name = argv[0]
