@@ -173,7 +173,9 @@ class Runtime:
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
         """The DistributedDataParallel wrapper setup() made (None for single / dp), e.g. to
-        register a communication hook of your own."""
+        register a communication hook of your own (before the first forward; DDP checks the
+        hook's annotations, so in a module with `from __future__ import annotations` leave
+        them off)."""
         return self._ddp
 
     @staticmethod

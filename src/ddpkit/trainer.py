@@ -46,6 +46,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.sync_batchnorm and cfg.micro_batch_size:
         # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
         raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
+    if cfg.precision == "fp16" and device.type == "cpu":
+        # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
+        print("ddpkit train: warning: --precision fp16 on CPU runs emulated half-precision kernels and is much "
+              "slower than fp32; bf16 is the fast low-precision type on CPUs", file=sys.stderr)
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
     if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
