@@ -177,10 +177,11 @@ def test_model_recipe_defaults_yield_to_yaml_and_flags(tmp_path):
 @pytest.mark.parametrize("flags,needle", [
     (("--augment", "crop-flip", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "20"), "--augment"),
     (("--comm-hook", "int8"), "--comm-hook"),
+    (("--comm-hook", "bf16", "--device", "cpu"), "--comm-hook bf16 needs CUDA"),
     (("--label-smoothing", "1.5"), "--label-smoothing"),
     (("--loader", "disk"), "--loader"),
     (("--bucket-cap-mb", "0"), "--bucket-cap-mb"),
-], ids=["augment-non-image", "comm-hook", "label-smoothing", "loader", "bucket"])
+], ids=["augment-non-image", "comm-hook", "bf16-hook-on-cpu", "label-smoothing", "loader", "bucket"])
 def test_bad_speed_flags_exit_2_with_one_line(tmp_path, flags, needle):
     proc = run_cli("train", "--out", str(tmp_path / "o"), *flags)
     assert proc.returncode == 2

@@ -190,7 +190,7 @@ def cmd_bench(argv: Sequence[str]) -> int:
         raise UsageError(f"unknown benchmark {name!r}; choose from {', '.join(names)}")
     parser = _ArgParser(prog=f"ddpkit bench {name}")
     parser.add_argument("--json", metavar="FILE", help="where to write the result (default benchmarks/results/NAME-DEVICE.json)")
-    parser.add_argument("--plot", metavar="FILE.png", help="where to draw the plot (default next to the JSON)")
+    parser.add_argument("--plot", metavar="FILE.png", help="where to draw the plot (default benchmarks/results/NAME-DEVICE.png)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: the benchmark's own)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes: a smoke run")

@@ -37,7 +37,7 @@ class TrainConfig:
 
     data: str = "digits"  # dataset: digits (offline default) or synthetic
     data_dir: Optional[str] = None  # where dataset files live (digits and synthetic need none)
-    model: str = "cnn"  # cnn, simple-cnn, lenet or mlp
+    model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18 or fast-cifar (a recipe: see README)
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
     strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single

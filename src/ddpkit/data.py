@@ -380,8 +380,8 @@ class Resident:
     """A dataset held whole on the device: batches are index gathers there (plus, for an
     ImageSet, batched augmentation and normalization). Works for ImageSet and TensorDataset."""
 
-    def __init__(self, dataset: Dataset, device: torch.device, seed: int = 0, channels_last: bool = False):
-        self.seed, self.channels_last = seed, channels_last
+    def __init__(self, dataset: Dataset, device: torch.device, channels_last: bool = False):
+        self.channels_last = channels_last
         if isinstance(dataset, ImageSet):
             self.images: ImageSet | None = dataset.to(device)
             self.tensors: tuple[torch.Tensor, ...] = ()
@@ -396,11 +396,13 @@ class Resident:
 
     def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> Any:
         if self.images is not None:
-            x, y = self.images.batch(indices, keys)
-            if self.channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            return [x, y]
-        return [t[indices] for t in self.tensors]
+            batch = list(self.images.batch(indices, keys))
+        else:
+            batch = [t[indices] for t in self.tensors]
+        if self.channels_last:
+            batch = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
+                     for t in batch]
+        return batch
 
 
 class DistributedLoader:
@@ -548,7 +550,7 @@ def train_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: 
     sampler = GlobalBatchSampler(len(dataset), global_batch, world_size, rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last, micro_batch_size=micro_batch_size)
     if _use_resident(dataset, device, resident, num_workers):
-        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, seed, channels_last))
+        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))
     sampler.keys = isinstance(dataset, ImageSet) and dataset.augment is not None
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)  # per-rank worker seeds
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset), worker_init_fn=seed_worker,

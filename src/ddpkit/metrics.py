@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -34,8 +35,12 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 def peak_tflops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak for `precision` (DDPKIT_PEAK_TFLOPS overrides); None if unknown."""
-    if os.environ.get("DDPKIT_PEAK_TFLOPS"):
-        return float(os.environ["DDPKIT_PEAK_TFLOPS"])
+    override = os.environ.get("DDPKIT_PEAK_TFLOPS")
+    if override:
+        try:
+            return float(override)
+        except ValueError:
+            print(f"ddpkit: DDPKIT_PEAK_TFLOPS={override!r} is not a number; ignored", file=sys.stderr)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -49,8 +54,9 @@ class StepTimer:
     """Seconds per optimizer step, without a device sync per step.
 
     `mark(shape)` is called after each step; steps whose input shape was not seen before
-    (the first step, a smaller last batch, and with torch.compile every compilation) are
-    warm-up: timed apart and left out of the percentiles.
+    (the first step, a smaller last batch; with torch.compile, the steps that compile for a
+    new shape) are warm-up: timed apart and left out of the percentiles. A step's time runs
+    from the previous step's end, so logging and checkpoints in between count (in the p99).
     """
 
     def __init__(self, device: torch.device):

@@ -104,6 +104,8 @@ class Runtime:
             self.strategy = strategies.resolve(strategy, self.world_size, self.device)
             self.precision = Precision(precision, self.device)
             self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
+            if self.ddp_options.comm_hook == "bf16" and self.device.type != "cuda":
+                raise ValueError("comm hook bf16 needs CUDA GPUs (torch allows it only with NCCL); use fp16 on CPU")
         except (ValueError, TypeError) as err:
             self.close()
             raise UsageError(str(err)) from None

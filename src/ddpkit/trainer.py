@@ -46,10 +46,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.sync_batchnorm and cfg.micro_batch_size:
         # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
         raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
+    if cfg.comm_hook == "bf16" and device.type != "cuda":
+        raise UsageError("--comm-hook bf16 needs CUDA GPUs: torch allows its bf16 hook only with NCCL; "
+                         "use --comm-hook fp16 on CPU")
     if cfg.precision == "fp16" and device.type == "cpu":
         # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
-        print("ddpkit train: warning: --precision fp16 on CPU runs emulated half-precision kernels and is much "
-              "slower than fp32; bf16 is the fast low-precision type on CPUs", file=sys.stderr)
+        print("ddpkit train: warning: --precision fp16 on CPU is usually much slower than fp32 (few CPUs have fast "
+              "fp16 kernels); bf16 is faster on CPUs with native bf16 (AVX-512 BF16, AMX)", file=sys.stderr)
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
     if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
@@ -421,7 +424,9 @@ class Loop:
         perf["achieved_tflops"] = flops * rate / 1e12 if flops else None
         peak = peak_tflops(rt.device, cfg.precision)
         perf["peak_tflops_per_device"] = peak
-        perf["mfu"] = perf["achieved_tflops"] / (peak * rt.world_size) if peak and flops else None
+        # DataParallel runs one process over every visible GPU.
+        devices = torch.cuda.device_count() if rt.strategy == "dp" else rt.world_size
+        perf["mfu"] = perf["achieved_tflops"] / (peak * devices) if peak and flops else None
         util = self.gpu_util.stop() if self.gpu_util is not None else None
         perf["gpu_utilization_percent"] = rt.broadcast_object(util)
         return perf
