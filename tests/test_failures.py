@@ -40,7 +40,10 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(t
     deadline = time.monotonic() + 240
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
+    # The workers are the launcher's children (forked on CPU, spawned on GPUs); spawn also
+    # starts a resource tracker, which is not a worker.
+    children = subprocess.run(["pgrep", "-a", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    pids = [line.split()[0] for line in children.splitlines() if "resource_tracker" not in line]
     assert len(pids) == 2, f"expected 2 workers, found {pids}"
     os.kill(int(pids[-1]), signal.SIGKILL)  # no chance to clean up, like the OOM killer
     stdout, stderr = proc.communicate(timeout=300)

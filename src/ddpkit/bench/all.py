@@ -26,6 +26,7 @@ def run_all(options: dict[str, Any]) -> int:
     """Every benchmark in turn; a failing one is reported and the others still run."""
     table: list[tuple[str, str, str]] = []
     failed = []
+    meta: dict[str, Any] = {}
     for name in BENCHES:
         try:
             record = run_one(name, dict(options))
@@ -35,14 +36,49 @@ def run_all(options: dict[str, Any]) -> int:
             failed.append(name)
             continue
         table += [(name, label, value) for label, value in summary_rows(name, record)]
+        meta = meta or record
     path = os.path.join(RESULTS_DIR, "SUMMARY.md")
     os.makedirs(RESULTS_DIR, exist_ok=True)
+    text = _where(meta) + markdown_table(table)
     with open(path, "w") as f:
-        f.write(markdown_table(table))
+        f.write(text)
     print(f"\nsummary table: {path}")
+    readme = os.path.join(os.path.dirname(RESULTS_DIR), "README.md")
+    if _replace_between_markers(readme, text):
+        print(f"updated the table in {readme}")
     if failed:
         print(f"ddpkit bench: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+START, END = "<!-- bench-all:start -->", "<!-- bench-all:end -->"
+
+
+def _replace_between_markers(path: str, text: str) -> bool:
+    """Put `text` between the START and END markers of `path` (benchmarks/README.md), if it
+    has them, so the table there is always the latest `bench all` run."""
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except OSError:
+        return False
+    if START not in doc or END not in doc:
+        return False
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{START}\n{text}{END}{tail}")
+    return True
+
+
+def _where(record: dict[str, Any]) -> str:
+    if not record:
+        return ""
+    cpu, gpu, v = record["cpu"], record.get("gpu"), record["versions"]
+    device = f"{gpu['count']} x {gpu['name']}" if gpu else f"{cpu['model']}, {cpu['usable_cores']} cores, no GPU"
+    return (f"`ddpkit bench all` on {record['date'][:10]}: {device}; PyTorch {v['torch']}, Python {v['python']}, "
+            f"ddpkit {v['ddpkit']} ({record.get('git_commit') or 'no git'}). Per-benchmark JSON (with medians, "
+            f"spread and the full record) and plots are beside this table in benchmarks/results/.\n\n")
 
 
 def markdown_table(rows: list[tuple[str, str, str]]) -> str:

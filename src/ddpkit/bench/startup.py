@@ -1,0 +1,248 @@
+"""`ddpkit bench startup`: the wall time of a whole small job, launch and imports included.
+
+On a small job most of the time of a multi-process run is not training: every worker starts
+an interpreter, imports torch (and the framework), joins a rendezvous, and at the end tears it
+all down. This benchmark times, from outside, the whole command of the same job under each
+contender:
+
+  ddpkit      `python -m ddpkit train --nproc 2 --device cpu --epochs 10 --out DIR`
+  torchrun    the PyTorch tutorial's hand-written DDP script under `torch.distributed.run`
+  accelerate  the same loop under `accelerate launch` (when Accelerate is installed)
+  fabric      the same loop under Lightning Fabric, which launches itself (when installed)
+
+The job: scikit-learn's 8x8 digits (1438 train / 359 test, the same split everywhere), the
+default small CNN, global batch 64 over 2 CPU processes, SGD (Nesterov momentum 0.9, lr 0.05,
+weight decay 5e-4, cosine decay), 10 epochs, the test set evaluated after every epoch. The
+baselines are plain scripts in `ddpkit/bench/baselines/` (they share only the data and model
+definitions, which import NumPy and torch).
+
+Every run is a fresh process started by `subprocess`, timed from start to exit. Rounds run
+every contender once, in an order rotated from round to round, after one untimed warm-up round
+(not with --quick) that fills the page cache for everyone. Reported: the median and spread of
+each contender's wall time, the final test accuracy each reached (the proof that they did the
+same job), and for ddpkit the run's own `wall_seconds` from results.json, so the part spent
+outside it (interpreter, imports and argument parsing before; outputs and exit after) can be
+read off.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit train vs torchrun, Accelerate, Fabric"
+
+CONTENDERS = ("ddpkit", "torchrun", "accelerate", "fabric")
+NPROC = 2
+JOB = {"data": "digits (8x8, 1438 train / 359 test)", "model": "cnn (ddpkit's small_cnn)", "processes": NPROC,
+       "device": "cpu", "global_batch_size": 64, "optimizer": "SGD nesterov momentum 0.9, lr 0.05, wd 5e-4, cosine",
+       "evaluation": "whole test set after every epoch"}
+BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines")
+# Variables a launcher sets for its workers: a run started from inside another job must not
+# inherit them. OMP_NUM_THREADS goes too, so that each launcher applies its own default.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+_FINAL = re.compile(r"final test accuracy ([0-9.]+)")
+RUN_TIMEOUT_S = 600
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--epochs", type=int, default=10, help="epochs of the job (default 10)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default all; ddpkit always runs)")
+
+
+def _selected(opts: Any) -> list[str]:
+    from ..errors import UsageError
+
+    names = [n.strip() for n in str(opts.extra.get("contenders") or ",".join(CONTENDERS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise UsageError(f"--contenders: unknown {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    return ["ddpkit", *[n for n in CONTENDERS[1:] if n in names]]
+
+
+def _missing(name: str) -> str | None:
+    """Why a contender cannot run here, or None."""
+    module = {"accelerate": "accelerate", "fabric": "lightning"}.get(name)
+    if module and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install 'ddpkit[bench]')"
+    return None
+
+
+def command(name: str, out: str, epochs: int) -> list[str]:
+    py = sys.executable
+    if name == "ddpkit":
+        return [py, "-m", "ddpkit", "train", "--nproc", str(NPROC), "--device", "cpu", "--epochs", str(epochs),
+                "--out", out]
+    if name == "torchrun":
+        return [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(NPROC),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",  # port 0: the OS picks a free one
+                os.path.join(BASELINES, "torchrun_digits.py")]
+    if name == "accelerate":
+        return [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(NPROC),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", "0", os.path.join(BASELINES, "accelerate_digits.py")]
+    return [py, os.path.join(BASELINES, "fabric_digits.py")]
+
+
+def _env(tmp: str, epochs: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["DIGITS_EPOCHS"] = str(epochs)  # read by the baselines' digits_job.py
+    env["HF_HOME"] = os.path.join(tmp, "hf")  # no saved `accelerate config` changes what is measured
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_once(name: str, epochs: int, tmp: str) -> dict[str, Any]:
+    """One whole command, timed from start to exit: seconds, accuracy, and ddpkit's own clock."""
+    out = tempfile.mkdtemp(prefix=f"{name}-", dir=tmp)
+    cmd = command(name, out, epochs)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(tmp, epochs),
+                          cwd=out, stdin=subprocess.DEVNULL, check=False)
+    seconds = time.perf_counter() - t
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    run: dict[str, Any] = {"seconds": seconds}
+    if name == "ddpkit":
+        with open(os.path.join(out, "results.json")) as f:
+            results = json.load(f)
+        run.update(test_accuracy=results["test_accuracy"], results_wall_seconds=results["wall_seconds"])
+    else:
+        found = _FINAL.findall(proc.stdout)
+        run["test_accuracy"] = float(found[-1]) if found else None
+    return run
+
+
+def run(opts: Any, device: str) -> dict[str, Any]:
+    """The job on the CPU whatever `device` says: the contenders are compared on CPU processes."""
+    from ..errors import UsageError
+
+    epochs = int(opts.extra.get("epochs") or 10)
+    if epochs < 1:
+        raise UsageError(f"--epochs must be positive, got {epochs}")
+    selected = _selected(opts)
+    skipped = {n: why for n in selected if (why := _missing(n))}
+    skipped.update({n: "not selected (--contenders)" for n in CONTENDERS if n not in selected})
+    rounds = opts.reps(default=5, quick=2)
+    runs = _rounds([n for n in selected if n not in skipped], epochs, rounds, 0 if opts.quick else 1, skipped)
+    contenders = {n: _contender(n, r, epochs) for n, r in runs.items()}
+    best = contenders["ddpkit"]["wall_seconds"]["median"]
+    others = {n: c for n, c in contenders.items() if n != "ddpkit"}
+    return {
+        "job": {**JOB, "epochs": epochs},
+        "rounds": rounds, "warmup_rounds": 0 if opts.quick else 1,
+        "contenders": contenders,
+        "skipped": skipped,
+        "ddpkit_fastest": all(best < c["wall_seconds"]["median"] for c in others.values()),
+        # how many times longer the other's whole command takes (median over median)
+        "speedup_vs": {n: c["wall_seconds"]["median"] / best for n, c in others.items()},
+        "target": "ddpkit's whole command faster than every other contender's (median wall time)",
+        "versions": {n: _version(n) for n in contenders},
+    }
+
+
+def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: dict[str, str]) -> dict[str, list]:
+    """{name: timed runs}. Each round runs every contender once; a baseline that fails is moved
+    to `skipped` (a broken one must not hide the others), a failing ddpkit is an error."""
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-startup-") as tmp:
+        for r in range(warmup + rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # nobody always first (cold) or last
+                if name in skipped:
+                    continue
+                try:
+                    one = run_once(name, epochs, tmp)
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    if name == "ddpkit":
+                        raise
+                    skipped[name] = f"failed: {err}"
+                    runs.pop(name)
+                    continue
+                if r >= warmup:
+                    runs[name].append(one)
+                acc = one["test_accuracy"]
+                print(f"  startup: round {r + 1 - warmup}{' (warm-up)' if r < warmup else ''} {name:<10} "
+                      f"{one['seconds']:6.2f} s" + (f"  accuracy {acc:.4f}" if acc is not None else ""),
+                      file=sys.stderr, flush=True)
+    return runs
+
+
+def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
+    from .common import stats
+
+    accuracies = [r["test_accuracy"] for r in runs]
+    cmd = command(name, "DIR", epochs)
+    entry: dict[str, Any] = {
+        "command": " ".join(["python", *(os.path.basename(a) if a.endswith(".py") else a for a in cmd[1:])]),
+        "wall_seconds": stats([r["seconds"] for r in runs]),
+        "test_accuracy": accuracies[-1] if accuracies else None,
+        "test_accuracies": accuracies,
+    }
+    if name == "ddpkit":
+        # results.json's wall_seconds runs from train() in the parent to the end of the last
+        # evaluation; the rest is the interpreter and imports before it, outputs and exit after.
+        entry["results_wall_seconds"] = stats([r["results_wall_seconds"] for r in runs])
+        entry["outside_results_wall_seconds"] = stats([r["seconds"] - r["results_wall_seconds"] for r in runs])
+    return entry
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version({"ddpkit": "ddpkit", "torchrun": "torch", "fabric": "lightning"}.get(name, name))
+    except PackageNotFoundError:
+        return None
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    from .common import pyplot
+
+    plt = pyplot()
+    r = record["result"]
+    names = sorted(r["contenders"], key=lambda n: r["contenders"][n]["wall_seconds"]["median"], reverse=True)
+    walls = [r["contenders"][n]["wall_seconds"] for n in names]
+    med = [w["median"] for w in walls]
+    err = [[m - w["min"] for m, w in zip(med, walls)], [w["max"] - m for m, w in zip(med, walls)]]
+    colors = ["tab:blue" if n == "ddpkit" else "tab:gray" for n in names]
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.6 * len(names)))
+    ax.barh(names, med, xerr=err, color=colors, capsize=4)
+    for i, (n, m, w) in enumerate(zip(names, med, walls)):
+        acc = r["contenders"][n]["test_accuracy"]
+        ax.text(w["max"], i, f"  {m:.2f} s" + (f"  (accuracy {acc:.3f})" if acc is not None else ""), va="center",
+                fontsize=9)
+    ax.set_xlabel("whole command, seconds (median; whiskers min-max)")
+    ax.set_xlim(0, max(w["max"] for w in walls) * 1.45)
+    job = r["job"]
+    ax.set_title(f"{job['epochs']} epochs of digits on {job['processes']} CPU processes, "
+                 f"{r['rounds']} rounds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for name, c in sorted(result["contenders"].items(), key=lambda kv: kv[1]["wall_seconds"]["median"]):
+        w = c["wall_seconds"]
+        acc = f", accuracy {c['test_accuracy']:.4f}" if c["test_accuracy"] is not None else ""
+        rows.append((f"{name} whole command (median of {w['n']})",
+                     f"{w['median']:.2f} s [{w['min']:.2f}-{w['max']:.2f}]{acc}"))
+    outside = result["contenders"]["ddpkit"].get("outside_results_wall_seconds")
+    if outside:
+        rows.append(("ddpkit outside results.json's wall_seconds", f"{outside['median']:.2f} s"))
+    for name, ratio in result["speedup_vs"].items():
+        rows.append((f"{name} / ddpkit", f"{ratio:.2f}x"))
+    rows.append(("ddpkit fastest", "yes" if result["ddpkit_fastest"] else "no"))
+    rows += [(f"{name} skipped", why.splitlines()[0]) for name, why in result["skipped"].items()]
+    return rows
