@@ -37,3 +37,22 @@ def run_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300) -> dict:
+    """`ddpkit bench NAME --quick --repeats 1` on CPU as a subprocess; checks the PNG and the
+    record's metadata, returns the benchmark's result payload."""
+    import json
+
+    out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    proc = run_cli("bench", name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json),
+                   "--plot", str(out_png), *flags, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = out_png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 2000, f"{out_png} is not a drawn PNG"
+    record = json.loads(out_json.read_text())
+    assert record["benchmark"] == name and record["device"] == "cpu" and record["versions"]["torch"]
+    return record["result"]

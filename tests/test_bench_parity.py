@@ -3,7 +3,6 @@ the sample layout that makes the parity benchmark's bitwise weight comparison me
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -13,21 +12,10 @@ from ddpkit.bench import parity
 from ddpkit.data import GlobalBatchSampler
 from ddpkit.launcher import cpu_count
 
-from .conftest import run_cli
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
+from .conftest import run_bench
 
 def bench(tmp_path, name: str, *flags: str) -> dict:
-    out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
-    proc = run_cli("bench", name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json),
-                   "--plot", str(out_png), *flags, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = out_png.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 2000, f"{out_png} is not a drawn PNG"
-    record = json.loads(out_json.read_text())
-    assert record["benchmark"] == name and record["device"] == "cpu" and record["versions"]["torch"]
-    return record["result"]
+    return run_bench(tmp_path, name, *flags)
 
 
 @pytest.mark.parametrize("world", [2, 4])

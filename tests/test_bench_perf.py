@@ -3,27 +3,15 @@ the JSON they write, and what must hold of their numbers whatever the machine's 
 
 from __future__ import annotations
 
-import json
 import math
 
 from ddpkit.bench import comm
 from ddpkit.bench.common import BenchOptions
 
-from .conftest import run_cli
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
+from .conftest import PNG_MAGIC, run_bench
 
 def bench(tmp_path, name: str, *flags: str) -> dict:
-    out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
-    proc = run_cli("bench", name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json),
-                   "--plot", str(out_png), *flags, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = out_png.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 2000, f"{out_png} is not a drawn PNG"
-    record = json.loads(out_json.read_text())
-    assert record["benchmark"] == name and record["device"] == "cpu" and record["versions"]["torch"]
-    return record["result"]
+    return run_bench(tmp_path, name, *flags)
 
 
 def positive_stats(s: dict) -> bool:

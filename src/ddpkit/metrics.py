@@ -111,21 +111,45 @@ class StepTimer:
         return out
 
 
+def proc_status_mib(key: str) -> float | None:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM, RssAnon...) in
+    MiB; None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (Linux VmHWM; elsewhere ru_maxrss)."""
+    peak = proc_status_mib("VmHWM")
+    if peak is not None:
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS count from the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: CUDA memory allocated by tensors on a GPU; resident set
     size (VmHWM, everything the process touched) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak_rss_mib()
 
 
 def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: torch.device) -> float | None:

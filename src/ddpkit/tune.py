@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
+from .metrics import peak_rss_mib, proc_status_mib, reset_peak_rss
 
 KNEE_FRACTION = 0.9  # the knee: the smallest batch reaching 90% of the best throughput seen
 PLATEAU_GAIN = 1.05  # a doubling "gains" when it beats the best throughput so far by 5%
@@ -291,14 +292,14 @@ class Tuner:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.rt.device)
         else:
-            _reset_peak_rss()
+            reset_peak_rss()
 
     def _peak_mib(self) -> float:
         import torch
 
         if self.cuda:
             return torch.cuda.max_memory_allocated(self.rt.device) / 2**20
-        return _peak_rss_mib()
+        return peak_rss_mib()
 
     def _release(self, collect: bool = False) -> None:
         """Hand freed memory back. Tensors die with their last reference; a full collection
@@ -324,33 +325,8 @@ class Tuner:
         return available is not None and growth > CPU_MEMORY_HEADROOM * available
 
 
-def _proc_status(key: str) -> float:
-    """A memory figure of this process from /proc/self/status, in MiB (0 where unavailable)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
-
-
 def _rss_mib() -> float:
-    return _proc_status("VmRSS")
-
-
-def _peak_rss_mib() -> float:
-    return _proc_status("VmHWM")
-
-
-def _reset_peak_rss() -> None:
-    """Start the peak-RSS count afresh (Linux >= 4.0), so each trial reports its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    return proc_status_mib("VmRSS") or 0.0
 
 
 def _available_mib() -> float | None:

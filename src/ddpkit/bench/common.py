@@ -173,20 +173,6 @@ def time_calls(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 2
     return times
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far (Linux: VmHWM)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Callable[[dict, str], None] | None,
           load_before: list[float] | None = None) -> dict[str, Any]:
     """Add metadata, write the JSON (and plot), return the full record."""

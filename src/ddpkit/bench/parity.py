@@ -301,32 +301,11 @@ def _timing_worker(work: Work, rounds: int, device: str) -> dict[str, Any]:
         return rt.gather_objects(local)
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
     """One loop alone in its processes, after the same set-up as the other side's launch."""
     import torch
 
-    from ..bench.common import peak_rss_mib
+    from ..metrics import peak_rss_mib, proc_status_mib, reset_peak_rss
     from ..runtime import Runtime
 
     _deterministic(device)
@@ -339,12 +318,12 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated() / 2**20 if cuda else 0.0
-        reset = _reset_peak_rss()
-        before = (_status_kib("VmRSS") or 0) / 1024.0
-        anon_before = (_status_kib("RssAnon") or 0) / 1024.0
+        reset = reset_peak_rss()
+        before = (proc_status_mib("VmRSS") or 0.0)
+        anon_before = (proc_status_mib("RssAnon") or 0.0)
         _phase(side, work, rt, initial, datasets)
         local = {"peak_rss_mib": peak_rss_mib(), "rss_before_mib": before, "peak_reset_before_loop": reset,
-                 "anon_before_mib": anon_before, "anon_after_mib": (_status_kib("RssAnon") or 0) / 1024.0}
+                 "anon_before_mib": anon_before, "anon_after_mib": (proc_status_mib("RssAnon") or 0.0)}
         local["rss_growth_mib"] = local["peak_rss_mib"] - before
         if cuda:
             torch.cuda.synchronize()
