@@ -4,6 +4,10 @@
   Split fixed once for all runs: a permutation drawn with NumPy's PCG64 seeded 0 puts 1438
   images in train and 359 in test, whatever `--seed` is.
 - `synthetic`: class templates plus noise, any shape, for speed tests that still learn.
+- `toy`: the DDP tutorial's two-class problem in 2-D (5 train, 2 test points).
+- `mnist`, `fashion-mnist` (IDX files) and `cifar10` (pickled batches): read from
+  `--data-dir` (see `download` for the folder and the downloads, `readers` for the formats),
+  normalized with each set's published per-channel mean and std.
 
 Training batches come from `GlobalBatchSampler`: one global order per epoch, cut into global
 batches, each split over the ranks, so step k sees the same samples on any number of processes.
@@ -36,10 +40,21 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
+from . import download, readers
+from .errors import UsageError
 from .launcher import cpu_count
 from .tree import map_tensors
 
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "toy", "mnist", "fashion-mnist", "cifar10")
+# Datasets read from files: (input shape, classes), known without reading them.
+FILE_DATASETS = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
+# Per-channel mean and std of each training set in [0, 1] units, the values in common use
+# (torchvision's examples); the images stay uint8, so ImageSet gets them times 255.
+NORMALIZATION = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
 DIGITS_TEST_SIZE = 359
 
 
@@ -220,15 +235,83 @@ def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0
 
 def shape_of(name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10) -> tuple[tuple[int, ...], int]:
     """(input shape, number of classes) of a dataset without loading it."""
+    if name in FILE_DATASETS:
+        return FILE_DATASETS[name]
+    if name == "toy":
+        return (2,), 2
     return ((1, 8, 8), 10) if name == "digits" else (tuple(synthetic_shape), num_classes)
 
 
-def load(name: str, *, synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_size: int = 4096,
-         num_classes: int = 10, seed: int = 0) -> Splits:
+def toy() -> Splits:
+    """The two-class toy problem of the PyTorch DDP tutorials (S. Raschka's DDP script)."""
+    train_x = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
+    test_x = torch.tensor([[-0.8, 2.8], [2.6, -1.6]])
+    return Splits(TensorDataset(train_x, torch.tensor([0, 0, 0, 1, 1])), TensorDataset(test_x, torch.tensor([0, 1])),
+                  (2,), 2)
+
+
+def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
+    """(paths found, downloadable files missing) of a file dataset in `folder`. Each IDX file
+    may be there gzipped or not; CIFAR-10 as the tar.gz or as the folder it unpacks to."""
+    if name == "cifar10":
+        extracted = os.path.join(folder, readers.CIFAR_FOLDER)
+        if os.path.isdir(extracted):
+            return [extracted], []
+        candidates = [[f] for f in download.SOURCES[name].files]
+    else:  # train images, train labels, test images, test labels
+        candidates = [[f, f[:-len(".gz")]] for f in download.SOURCES[name].files]
+    found, missing = [], []
+    for names in candidates:
+        paths = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
+        found.extend(paths[:1])
+        missing.extend([] if paths else names[:1])
+    return found, missing
+
+
+def prepare(name: str, data_dir: str | None = None) -> None:
+    """Download what dataset `name` lacks into its folder, then check that it reads. Called
+    once by `ddpkit train` before workers start, so they only read (`load`)."""
+    if name not in FILE_DATASETS:
+        return
+    folder = download.dataset_dir(name, data_dir)
+    _, missing = _local_files(name, folder)
+    if missing:
+        download.fetch(name, folder, missing)
+    load(name, data_dir=data_dir)
+
+
+def _read_files(name: str, data_dir: str | None) -> Splits:
+    folder = download.dataset_dir(name, data_dir)
+    paths, missing = _local_files(name, folder)
+    if missing:
+        raise UsageError(f"dataset {name}: {', '.join(missing)} not in {folder}: place them there (from "
+                         f"{download.urls(name)[0]}), let `ddpkit train` download them, or pass --data-dir")
+    if name == "cifar10":
+        train_x, train_y, test_x, test_y = readers.read_cifar10(paths[0])
+    else:
+        train_x, train_y = readers.read_idx_pair(paths[0], paths[1])
+        test_x, test_y = readers.read_idx_pair(paths[2], paths[3])
+    mean, std = (torch.tensor(v) * 255 for v in NORMALIZATION[name])
+    shape = FILE_DATASETS[name][0]
+    for path, x in ((paths[0], train_x), (paths[-1], test_x)):
+        if tuple(x.shape[1:]) != shape:
+            raise UsageError(f"{path}: images of shape {tuple(x.shape[1:])}, expected {shape} for dataset {name}")
+    train = ImageSet(torch.from_numpy(train_x.copy()), torch.from_numpy(train_y), mean, std)
+    test = ImageSet(torch.from_numpy(test_x.copy()), torch.from_numpy(test_y), mean, std)
+    return Splits(train, test, shape, FILE_DATASETS[name][1])
+
+
+def load(name: str, *, data_dir: str | None = None, synthetic_shape: tuple[int, ...] = (3, 32, 32),
+         synthetic_size: int = 4096, num_classes: int = 10, seed: int = 0) -> Splits:
+    """Dataset `name`. File datasets are read, never downloaded, here (see `prepare`)."""
     if name == "digits":
         return digits()
     if name == "synthetic":
         return synthetic(synthetic_shape, synthetic_size, num_classes, seed)
+    if name == "toy":
+        return toy()
+    if name in FILE_DATASETS:
+        return _read_files(name, data_dir)
     raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
 
 
