@@ -28,6 +28,7 @@ commands:
   env      what this machine offers: PyTorch build, GPUs, backends, ddpkit's defaults
   bench    measure: parity with hand-written DDP, loaders, precision, comm, scaling, start-up
   find-batch-size  the largest per-device batch that fits, and the throughput at each size
+  report   compare runs (train --out DIRs): their curves on one plot and a table of results
 """
 
 
@@ -226,8 +227,15 @@ def cmd_find_batch_size(argv: Sequence[str]) -> int:
     return cli_main(argv, _ArgParser)
 
 
+def cmd_report(argv: Sequence[str]) -> int:
+    from .report import cli_main
+
+    return cli_main(argv, _ArgParser)
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "run": cmd_run, "env": cmd_env,
-                                                       "bench": cmd_bench, "find-batch-size": cmd_find_batch_size}
+                                                       "bench": cmd_bench, "find-batch-size": cmd_find_batch_size,
+                                                       "report": cmd_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,3 +27,36 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str = "") -> None:
+    """Several runs' loss and accuracy per epoch on one figure: one color per run, train
+    dashed, test solid. `runs` is (label, epoch records) per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, history) in enumerate(runs):
+        color = colors[i % len(colors)]
+        epochs = [h["epoch"] for h in history]
+        for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+            ax.plot(epochs, [h[f"train_{key}"] for h in history], "--", color=color, marker="o", markersize=3,
+                    label=f"{label} train")
+            ax.plot(epochs, [h[f"test_{key}"] for h in history], "-", color=color, marker="s", markersize=3,
+                    label=f"{label} test")
+    for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(key)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    ax_loss.set_yscale("log")
+    ax_acc.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

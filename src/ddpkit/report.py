@@ -1,0 +1,88 @@
+"""`ddpkit report DIR [DIR...]`: several `ddpkit train --out DIR` runs compared, their curves
+on one plot and their results in one table (and optionally one JSON file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from .errors import UsageError
+
+# (column header, results.json key or row key, format)
+COLUMNS = (("run", "run", "{}"), ("model", "model", "{}"), ("data", "data", "{}"),
+           ("world", "world_size", "{}"), ("batch", "global_batch_size", "{}"), ("epochs", "epochs", "{}"),
+           ("test acc", "test_accuracy", "{:.4f}"), ("samples/s", "samples_per_second", "{:,.0f}"),
+           ("wall s", "wall_seconds", "{:.1f}"))
+
+
+def build_parser(parser_cls: Any) -> Any:
+    parser = parser_cls(prog="ddpkit report", description="Compare runs of `ddpkit train --out DIR`: every run's "
+                        "loss and accuracy per epoch on one plot, and a table of their results.")
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (each with metrics.jsonl and results.json)")
+    parser.add_argument("--out", default="report.png", metavar="FILE.png", help="the plot (default ./report.png)")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    return parser
+
+
+def load_run(path: str) -> dict[str, Any]:
+    """One run directory: its results, epoch records and a label. UsageError when it is not one."""
+    for name in ("metrics.jsonl", "results.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise UsageError(f"{path}: no {name} (not the --out directory of a finished `ddpkit train` run)")
+    try:
+        with open(os.path.join(path, "results.json")) as f:
+            results = json.load(f)
+        with open(os.path.join(path, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except ValueError as err:
+        raise UsageError(f"{path}: unreadable results.json or metrics.jsonl ({err})") from None
+    if not isinstance(results, dict):
+        raise UsageError(f"{path}/results.json: expected a JSON object")
+    epochs = [r for r in records if isinstance(r, dict) and r.get("type") == "epoch"]
+    return {"dir": path, "label": _label(path, results), "results": results, "epochs": epochs}
+
+
+def _label(path: str, results: dict[str, Any]) -> str:
+    """The directory's name, with what the run trained when results.json says it."""
+    name = os.path.basename(os.path.normpath(os.path.abspath(path)))
+    what = [str(results[k]) for k in ("model", "data") if results.get(k)]
+    if results.get("world_size"):
+        what.append(f"{results['world_size']} proc")
+    return f"{name} ({', '.join(what)})" if what else name
+
+
+def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"run": run["dir"], **{key: run["results"].get(key) for _, key, _ in COLUMNS[1:]}} for run in runs]
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    cells = [[h for h, _, _ in COLUMNS]]
+    cells += [["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    # text columns to the left, numbers to the right
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def cli_main(argv: Sequence[str], parser_cls: Any) -> int:
+    from .plots import plot_runs
+
+    a = build_parser(parser_cls).parse_args(argv)
+    if not a.out.lower().endswith(".png"):
+        raise UsageError(f"--out {a.out}: expected a .png file name")
+    for flag, path in (("--out", a.out), ("--json", a.json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: no such directory {folder}")
+    runs = [load_run(d) for d in a.dirs]
+    rows = table_rows(runs)
+    print(render(rows))
+    plot_runs([(run["label"], run["epochs"]) for run in runs], a.out, title="ddpkit report")
+    print(f"plot: {a.out}", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": rows, "plot": a.out}, f, indent=2)
+    return 0
