@@ -35,9 +35,9 @@ def _positive(flag: str, value: float | int) -> None:
 class TrainConfig:
     """Train a built-in model on a built-in dataset over all local devices."""
 
-    data: str = "digits"  # dataset: digits (offline default) or synthetic
-    data_dir: Optional[str] = None  # where dataset files live (digits and synthetic need none)
-    model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18 or fast-cifar (a recipe: see README)
+    data: str = "digits"  # dataset: digits (offline default), synthetic, toy, mnist, fashion-mnist or cifar10
+    data_dir: Optional[str] = None  # dataset files: DIR/<dataset>/ (default $DDPKIT_DATA, else ~/.cache/ddpkit/data)
+    model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar (a recipe: see README), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
     strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single
@@ -49,7 +49,8 @@ class TrainConfig:
     reference_batch_size: int = 64  # the global batch --lr was tuned for (used by --lr-scaling)
     warmup_epochs: float = 0.0  # linear warmup: from the reference LR (or 0) up to the peak
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (CUDA only)
-    optimizer: str = "sgd"  # sgd (Nesterov momentum 0.9) or adamw
+    optimizer: str = "sgd"  # sgd (with --momentum) or adamw
+    momentum: float = 0.9  # SGD momentum, Nesterov when > 0; 0 is plain SGD (the d2l and DDP tutorials)
     weight_decay: float = 5e-4  # L2 penalty
     precision: str = "fp32"  # fp32, bf16 or fp16 (fp16 uses a GradScaler)
     seed: int = 0  # seeds model init, shuffling and synthetic data
@@ -72,6 +73,7 @@ class TrainConfig:
     synthetic_size: int = 4096  # synthetic data: training samples (test gets a fifth as many)
     num_classes: int = 10  # synthetic data: number of classes
     progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
+    tensorboard: bool = False  # also write TensorBoard event files to --out/tensorboard
     loader: str = "auto"  # auto (device-resident for in-memory sets), device, or dataloader
     augment: str = "none"  # training augmentation: none, crop, flip or crop-flip (images only)
     crop_padding: int = 4  # --augment crop: zero-pad by this many pixels, then crop back
@@ -85,7 +87,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("--data", self.data, DATASETS)
-        _choice("--model", self.model, list(MODELS))
+        if not models.is_custom(self.model):  # package.module:function is checked by import below
+            _choice("--model", self.model, [*MODELS, "package.module:function"])
         _choice("--device", self.device, DEVICES)
         _choice("--strategy", self.strategy, STRATEGIES)
         _choice("--precision", self.precision, PRECISIONS)
@@ -114,12 +117,14 @@ class TrainConfig:
         for flag in ("checkpoint_every", "warmup_epochs", "max_restarts"):
             if not getattr(self, flag) >= 0:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.num_workers is not None and self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
         try:
-            models.check(self.model, shape_of(self.data, self.shape(), self.num_classes)[0])
+            models.check(self.model, *shape_of(self.data, self.shape(), self.num_classes))
         except ValueError as err:
             raise UsageError(f"--model {self.model}: {err}") from None
         if self.resume == "auto" and self.out is None:

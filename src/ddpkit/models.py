@@ -1,10 +1,16 @@
-"""The built-in networks, each built from the dataset's input shape and number of classes."""
+"""The built-in networks, each built from the dataset's input shape and number of classes,
+and `--model package.module:function`: a network of the user's own, built the same way."""
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Any, Callable
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -139,10 +145,79 @@ MODELS: dict[str, Builder] = {"cnn": small_cnn, "simple-cnn": simple_cnn, "lenet
 MIN_SIZE = {"lenet": 4, "cnn": 2, "resnet18": 8, "fast-cifar": 16}
 
 
-def check(name: str, in_shape: tuple[int, ...]) -> None:
-    """Raise ValueError if model `name` cannot take inputs of `in_shape` (C, H, W)."""
+def is_custom(name: str) -> bool:
+    """True for a user's `package.module:function` (built-in names have no ':')."""
+    return ":" in name
+
+
+def _import(module_name: str) -> Any:
+    # Like `python -m`: the current directory comes first while importing, so a my_models.py
+    # next to where the command runs is found. Removed again after: it must not shadow
+    # anything imported later.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def resolve(name: str) -> Builder:
+    """The builder for `name`: a built-in one, or `package.module:function` imported.
+    Raises ValueError naming what is wrong."""
+    if name in MODELS:
+        return MODELS[name]
+    if not is_custom(name):
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}, or give "
+                         "package.module:function (called as function(in_shape, num_classes))")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"expected package.module:function, got {name!r}")
+    try:
+        module = _import(module_name)
+    except ImportError as err:  # includes ModuleNotFoundError, for the module or one it imports
+        raise ValueError(f"cannot import module {module_name!r} ({err}); is it on PYTHONPATH "
+                         "or in the current directory?") from None
+    except Exception as err:  # noqa: BLE001 - whatever the module raised while being imported
+        raise ValueError(f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from None
+    fn = module
+    for part in attr.split("."):  # module:Class.method works too
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{attr!r} in module {module_name!r} is not callable")  # noqa: TRY004 - a usage error
+    return fn
+
+
+def _checked(name: str, model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{name}(in_shape, num_classes) must return a torch.nn.Module, "  # noqa: TRY004
+                         f"got {type(model).__name__}")
+    return model
+
+
+def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10) -> None:
+    """Raise ValueError if model `name` cannot take inputs of `in_shape` (C, H, W).
+
+    A user's `module:function` is imported and called on the meta device (no memory, no
+    weights), so a wrong return type is reported before any process starts. A function that
+    fails there (it loads weights from a file, say) is left for build() to run for real."""
+    if is_custom(name):
+        fn = resolve(name)
+        try:
+            with torch.device("meta"):
+                model = fn(tuple(in_shape), num_classes)
+        except Exception:  # noqa: BLE001 - not buildable on meta; build() will run it for real
+            return
+        _checked(name, model)
+        return
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}, or give "
+                         "package.module:function (called as function(in_shape, num_classes))")
     if name != "mlp" and len(in_shape) != 3:
         raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
     smallest = MIN_SIZE.get(name, 1)
@@ -151,5 +226,11 @@ def check(name: str, in_shape: tuple[int, ...]) -> None:
 
 
 def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A built-in model by name, or a user's from `package.module:function`, which is called
+    as function(in_shape, num_classes): `in_shape` a tuple like (3, 32, 32) (one sample, no
+    batch dimension), `num_classes` an int; it must return an nn.Module whose forward maps a
+    batch (B, *in_shape) to logits (B, num_classes)."""
+    if is_custom(name):
+        return _checked(name, resolve(name)(tuple(in_shape), num_classes))
     check(name, in_shape)
     return MODELS[name](in_shape, num_classes)

@@ -8,7 +8,9 @@ checkpoint, outputs.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -53,11 +55,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
         print("ddpkit train: warning: --precision fp16 on CPU is usually much slower than fp32 (few CPUs have fast "
               "fp16 kernels); bf16 is faster on CPUs with native bf16 (AVX-512 BF16, AMX)", file=sys.stderr)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'")
     resume = resume_path(cfg)  # a bad --resume fails here, before any worker starts
     if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
         raise UsageError(f"--out {cfg.out} already holds a run's checkpoints: continue it with --resume auto, "
                          f"or choose another --out")
+    # Download and check dataset files here, once, so workers only read them. (Under torchrun
+    # every worker gets here: downloads are temp file + rename, so concurrent ones are safe.)
+    datasets.prepare(cfg.data, cfg.data_dir)
     env = dist.detect_env()
     if env.source != "single":  # under torchrun / srun: this process is one worker
         _check_allocation(cfg, env, device)
@@ -173,14 +180,15 @@ def check_resumable(path: str, cfg: TrainConfig, allow_finished: bool = False) -
 # run continues); the cosine schedule then stretches over the new total.
 RESUME_MUST_MATCH = ("model", "optimizer", "data", "batch_size", "seed", "num_classes", "synthetic_shape",
                      "synthetic_size", "lr", "weight_decay", "lr_scaling", "reference_batch_size", "warmup_epochs",
-                     "augment", "crop_padding", "label_smoothing")
+                     "augment", "crop_padding", "label_smoothing", "momentum")
 
 
 def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
     lr = cfg.peak_lr()
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
+                           weight_decay=cfg.weight_decay)
 
 
 def schedule(cfg: TrainConfig, steps_per_epoch: int) -> Any:
@@ -236,7 +244,8 @@ class Loop:
 
     def __init__(self, rt: Runtime, cfg: TrainConfig):
         self.rt, self.cfg = rt, cfg
-        self.splits = datasets.load(cfg.data, synthetic_shape=cfg.shape(), synthetic_size=cfg.synthetic_size,
+        self.splits = datasets.load(cfg.data, data_dir=cfg.data_dir, synthetic_shape=cfg.shape(),
+                                    synthetic_size=cfg.synthetic_size,
                                     num_classes=cfg.num_classes, seed=cfg.seed)
         if isinstance(self.splits.train, datasets.ImageSet):
             self.splits.train.augment = datasets.Augment.parse(cfg.augment, cfg.crop_padding)
@@ -389,7 +398,7 @@ class Loop:
         ev = rt.evaluate(self.model, self.test_loader)
         record = {"type": "epoch", "epoch": run.epoch + 1, "step": run.step, "train_loss": loss / count,
                   "train_accuracy": correct / count, "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
-                  "test_samples": ev["samples"], "epoch_seconds": seconds}
+                  "test_samples": ev["samples"], "epoch_seconds": seconds, "lr": self.sched.get_last_lr()[0]}
         run.history.append(record)
         run.epoch += 1
         out.log(record)
@@ -516,7 +525,7 @@ class Outputs:
 
     def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
         self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
-        self._metrics = None
+        self._metrics = self._csv_file = self._csv = self._tb = None
         if not is_main:
             return
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
@@ -524,18 +533,38 @@ class Outputs:
         kept = _records_until(path, *resumed_step) if resumed_step is not None else []
         self._metrics = open(path, "w", buffering=1)
         self._metrics.writelines(kept)  # a resumed run drops what came after its checkpoint
+        # metrics.csv is rewritten from the kept records, so it always agrees with metrics.jsonl.
+        self._csv_file = open(os.path.join(self.dir, "metrics.csv"), "w", newline="", buffering=1)
+        self._csv = csv.DictWriter(self._csv_file, CSV_FIELDS, extrasaction="ignore")
+        self._csv.writeheader()
+        for line in kept:
+            record = json.loads(line)
+            if record.get("type") == "epoch":
+                self._csv.writerow(record)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a previous attempt wrote after the checkpoint resumed from
+            self._tb = SummaryWriter(os.path.join(self.dir, "tensorboard"),
+                                     purge_step=resumed_step[0] + 1 if resumed_step else None)
         _write_yaml(os.path.join(self.dir, "config.yaml"), cfg.to_dict())
 
     def __enter__(self) -> "Outputs":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
+        for f in (self._metrics, self._csv_file, self._tb):
+            if f is not None:
+                f.close()
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")
+        if self._metrics is None:
+            return
+        self._metrics.write(json.dumps(record) + "\n")
+        if record.get("type") == "epoch":
+            self._csv.writerow(record)
+        if self._tb is not None:
+            _tensorboard_scalars(self._tb, record)
 
     def progress(self, loader: Any, epoch: int) -> Any:
         """The loader, wrapped in a progress bar on rank 0 when stderr is a terminal."""
@@ -565,25 +594,55 @@ class Outputs:
         plot_curves(history, os.path.join(self.dir, "curves.png"), title=f"{self.cfg.model} on {self.cfg.data}")
 
     def summary(self, r: dict[str, Any]) -> str:
-        lines = [f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
-                 f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
-                 f"{r['wall_seconds']:.1f} s | outputs in {self.dir}"]
-        perf = []
-        if r.get("step_time_ms"):
-            t = r["step_time_ms"]
-            perf.append(f"step time p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f}, p99 {t['p99']:.2f}")
-        if r.get("compile_seconds") is not None:
-            perf.append(f"compile {r['compile_seconds']:.1f} s")
-        if r.get("peak_memory_mib"):
-            kind = "GPU memory" if r.get("peak_memory_kind") == "cuda_max_allocated" else "RSS"
-            perf.append(f"peak {kind} per rank " + "/".join(f"{m:,.0f}" for m in r["peak_memory_mib"]) + " MiB")
-        if r.get("mfu") is not None:
-            perf.append(f"MFU {100 * r['mfu']:.1f}%")
-        if r.get("gpu_utilization_percent") is not None:
-            perf.append(f"GPU busy {r['gpu_utilization_percent']:.0f}%")
-        if perf:
-            lines.append("      " + " | ".join(perf))
-        return "\n".join(lines)
+        """The `done:` line (scripts parse it), then an aligned table of the run's results."""
+        done = (f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
+                f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
+                f"{r['wall_seconds']:.1f} s | outputs in {self.dir}")
+        rows = summary_rows(r)
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([done, *(f"  {k:<{width}}  {v}" for k, v in rows)])
+
+
+CSV_FIELDS = ("epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_samples",
+              "epoch_seconds", "lr")
+
+
+def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
+    """A metrics.jsonl record as TensorBoard scalars, against the optimizer step."""
+    step = record.get("step", 0)
+    if record.get("type") == "step":
+        writer.add_scalar("train/loss", record["loss"], step)
+        writer.add_scalar("train/lr", record["lr"], step)
+        writer.add_scalar("train/samples_per_second", record["samples_per_second"], step)
+    elif record.get("type") == "epoch":
+        for split in ("train", "test"):
+            writer.add_scalar(f"epoch/{split}_loss", record[f"{split}_loss"], step)
+            writer.add_scalar(f"epoch/{split}_accuracy", record[f"{split}_accuracy"], step)
+        if record.get("lr") is not None:
+            writer.add_scalar("epoch/lr", record["lr"], step)
+
+
+def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The final summary table of a results dict, as (label, value) rows."""
+    rows = [("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
+            ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
+            ("train loss", f"{r['final_train_loss']:.4f}" if r.get("final_train_loss") is not None else "-"),
+            ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
+            ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}")]
+    if r.get("step_time_ms"):
+        t = r["step_time_ms"]
+        rows.append(("step time", f"p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms"))
+    if r.get("compile_seconds") is not None:
+        rows.append(("compile", f"{r['compile_seconds']:.1f} s"))
+    if r.get("peak_memory_mib"):
+        kind = "GPU memory" if r.get("peak_memory_kind") == "cuda_max_allocated" else "RSS"
+        rows.append((f"peak {kind}", " / ".join(f"{m:,.0f}" for m in r["peak_memory_mib"]) + " MiB per rank"))
+    if r.get("mfu") is not None:
+        rows.append(("MFU", f"{100 * r['mfu']:.1f}%"))
+    if r.get("gpu_utilization_percent") is not None:
+        rows.append(("GPU busy", f"{r['gpu_utilization_percent']:.0f}%"))
+    rows.append(("wall time", f"{r['wall_seconds']:.1f} s"))
+    return rows
 
 
 def checkpoint_names(folder: str) -> list[str]:
