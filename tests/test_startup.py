@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import signal
 import sys
 import time
@@ -54,7 +55,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
         a = torch.randn(1024, 1024)
         (a @ a).sum()  # this process now keeps a 2-thread OpenMP pool, which a fork must not inherit
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the workers run parallel regions of 2 threads too
-        assert launcher._start_method("cpu") == "fork"
+        assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
         out = ddpkit.launch(worker_facts, nproc=2, device="cpu")
     finally:
         torch.set_num_threads(threads)
@@ -71,7 +72,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
     (workers.stall_on_rank, (1, 3.0), 2, 0, "Timed out waiting 3000ms"),  # the stalled rank is stopped, not blamed
 ])
 def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):
-    assert launcher._start_method("cpu") == "fork"
+    assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(fn, *args, nproc=nproc, device="cpu")
@@ -81,7 +82,7 @@ def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):
 
 @linux_only
 def test_forked_workers_are_restarted_after_a_sigkill():
-    assert launcher._start_method("cpu") == "fork"
+    assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
     assert ddpkit.launch(die_once_on_rank1, nproc=2, device="cpu", max_restarts=1) == {0: 1, 1: 1}
 
 

@@ -128,6 +128,10 @@ def _copy(response, fd: int, total: int, filename: str) -> str:
     """Write the response to `fd`, with a progress bar on stderr for big files; its MD5."""
     from tqdm.auto import tqdm
 
+    # tqdm starts a monitor thread with its first bar (even a disabled one). This runs in the
+    # launching process, and a live thread there makes the launcher spawn workers instead of
+    # forking them (seconds slower): without the monitor, tqdm refreshes on updates only.
+    tqdm.monitor_interval = 0
     md5 = hashlib.md5()
     # disable=None: a bar only when stderr is a terminal; never for small files.
     with os.fdopen(fd, "wb") as out, tqdm(total=total or None, unit="B", unit_scale=True, desc=filename,
