@@ -69,9 +69,10 @@ class Splits:
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values below
-    2**32. Both multipliers are below 2**31, so no product overflows int64 on any device."""
+def _mix32(x: Any) -> Any:
+    """A 32-bit integer hash (xorshift-multiply rounds) of a Python int, or elementwise of an
+    int64 tensor holding values below 2**32 (both give the same numbers). Both multipliers are
+    below 2**31, so no product overflows int64 on any device."""
     x = x & _M32
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
     x = ((x ^ (x >> 15)) * 0x6C8E9CF5) & _M32
@@ -81,8 +82,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def augment_keys(seed: int, epoch: int, positions: torch.Tensor) -> torch.Tensor:
     """One 32-bit key per sample from (seed, epoch, its position in the epoch's global order):
     what decides the sample's random crop and flip, wherever and whenever it is read."""
-    base = _mix32(torch.tensor((seed * 1_000_003 + epoch) & _M32, dtype=torch.int64))
-    return _mix32(positions.to(torch.int64) ^ base.to(positions.device))
+    base = _mix32((seed * 1_000_003 + epoch) & _M32)  # a Python int: no copy to the device per batch
+    return _mix32(positions.to(torch.int64) ^ base)
 
 
 @dataclass(frozen=True)
@@ -280,25 +281,41 @@ def prepare(name: str, data_dir: str | None = None) -> None:
     load(name, data_dir=data_dir)
 
 
+# What this process has read (as tensors), by the files' identity: the check in `prepare` is
+# then also the read of an in-process run, and forked workers inherit it instead of reading
+# the files again. Each load still makes its own ImageSets (they carry augmentation settings
+# and device copies that must not outlive a run).
+_READ: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
 def _read_files(name: str, data_dir: str | None) -> Splits:
     folder = download.dataset_dir(name, data_dir)
     paths, missing = _local_files(name, folder)
     if missing:
         raise UsageError(f"dataset {name}: {', '.join(missing)} not in {folder}: place them there (from "
                          f"{download.urls(name)[0]}), let `ddpkit train` download them, or pass --data-dir")
+    key = (name, *((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths))
+    if key not in _READ:
+        _READ.clear()  # one dataset at a time: a process that switches does not keep both
+        _READ[key] = _parse_files(name, paths)
+    train_x, train_y, test_x, test_y = _READ[key]
+    mean, std = (torch.tensor(v) * 255 for v in NORMALIZATION[name])
+    return Splits(ImageSet(train_x, train_y, mean, std), ImageSet(test_x, test_y, mean, std),
+                  FILE_DATASETS[name][0], FILE_DATASETS[name][1])
+
+
+def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
     if name == "cifar10":
         train_x, train_y, test_x, test_y = readers.read_cifar10(paths[0])
     else:
         train_x, train_y = readers.read_idx_pair(paths[0], paths[1])
         test_x, test_y = readers.read_idx_pair(paths[2], paths[3])
-    mean, std = (torch.tensor(v) * 255 for v in NORMALIZATION[name])
     shape = FILE_DATASETS[name][0]
     for path, x in ((paths[0], train_x), (paths[-1], test_x)):
         if tuple(x.shape[1:]) != shape:
             raise UsageError(f"{path}: images of shape {tuple(x.shape[1:])}, expected {shape} for dataset {name}")
-    train = ImageSet(torch.from_numpy(train_x.copy()), torch.from_numpy(train_y), mean, std)
-    test = ImageSet(torch.from_numpy(test_x.copy()), torch.from_numpy(test_y), mean, std)
-    return Splits(train, test, shape, FILE_DATASETS[name][1])
+    return (torch.from_numpy(train_x.copy()), torch.from_numpy(train_y), torch.from_numpy(test_x.copy()),
+            torch.from_numpy(test_y))
 
 
 def load(name: str, *, data_dir: str | None = None, synthetic_shape: tuple[int, ...] = (3, 32, 32),

@@ -5,12 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 
-def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """Loss and accuracy per epoch, train and test, side by side."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (imported on first use: it is slow)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str, dpi: int = 100) -> None:
+    """Lay out, write as PNG, and free the figure (pyplot keeps every open one alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Loss and accuracy per epoch, train and test, side by side."""
+    plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
@@ -24,19 +38,15 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> No
     ax_loss.set_yscale("log")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str = "") -> None:
     """Several runs' loss and accuracy per epoch on one figure: one color per run, train
     dashed, test solid. `runs` is (label, epoch records) per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    plt = pyplot()
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -57,6 +67,4 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: st
     ax_acc.legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)

@@ -455,7 +455,7 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 def plot(result: dict[str, Any], path: str) -> None:
     """Throughput against per-device batch (log2 axis), the pick starred, failures crossed."""
-    from .bench.common import pyplot
+    from .plots import pyplot, save_figure
 
     plt = pyplot()
     fits = sorted((t for t in result["trials"] if t["fits"]), key=lambda t: t["per_device_batch"])
@@ -480,9 +480,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_title(f"{s['model']}, {result['world_size']} x {result.get('device', s['device'])}, {s['precision']}")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 # -- the command ------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def _result(work: Work, device: str, nproc: int, reps: int, ranks: list[dict[str
 # -- report ---------------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -318,9 +318,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     w = r["work"]
     fig.suptitle(f"DDP on {r['nproc']} {record.get('device', '')} processes, {w['model']} {w['image_size']}x"
                  f"{w['image_size']}, {w['batch_per_rank']} per rank" if vs else r["method"], fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -193,12 +193,3 @@ def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Call
     record["json"] = json_path
     return record
 
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the file-only Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt

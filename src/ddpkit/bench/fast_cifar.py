@@ -134,7 +134,7 @@ def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]])
 # -- report ---------------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -154,9 +154,7 @@ def plot(record: dict[str, Any], path: str) -> None:
                  f"50k-sample epoch: {r['seconds_per_50k_epoch']:.1f} s ({kind})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from .. import data
-from .common import BenchOptions, pyplot, stats, sync
+from ..plots import pyplot, save_figure
+from .common import BenchOptions, stats, sync
 
 DESCRIPTION = "device-resident loader vs DataLoader path: samples/s at batch 256, plain and augmented"
 
@@ -127,9 +128,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_title(f"loader, {shape} uint8 images, batch {r['batch_size']} on {record['device']}: "
                  f"resident is {r['speedup']:.1f}x the best DataLoader")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -168,7 +168,7 @@ def _result(work: Work, device: str, reps: int, rows: list[dict[str, Any]]) -> d
 # -- report ---------------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -191,9 +191,7 @@ def plot(record: dict[str, Any], path: str) -> None:
                  f"{w['precision']} on {record.get('device', '')}" + ("" if r["peak_tflops"] else " (no GPU peak: MFU n/a)"),
                  fontsize=10)
     ax.grid(axis="y", alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -433,7 +433,7 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
 # -- report ----------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -460,9 +460,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     right.legend(loc="lower right")
     fig.suptitle(f"parity on {r['nproc']} {record.get('device', '')} processes, {r['work']['model']}, "
                  f"global batch {r['work']['global_batch']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

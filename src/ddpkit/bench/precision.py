@@ -237,7 +237,7 @@ def _result(work: Work, device: str, reps: int, budget: float | None, rows: list
 # -- report ---------------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -267,9 +267,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_title(f"{w['model']}, batch {w['batch_size']}, {w['image_size']}x{w['image_size']} on "
                  f"{record.get('device', '')} (label: speedup over fp32)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

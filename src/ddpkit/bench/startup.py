@@ -206,7 +206,7 @@ def _version(name: str) -> str | None:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -226,9 +226,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     job = r["job"]
     ax.set_title(f"{job['epochs']} epochs of digits on {job['processes']} CPU processes, "
                  f"{r['rounds']} rounds", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:

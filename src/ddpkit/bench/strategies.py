@@ -208,7 +208,7 @@ def _result(work: Work, device: str, available: int, top: int, reps: int, measur
 # -- report ---------------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -242,9 +242,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     missing = "; ".join(f"{s}: unavailable" for s in r["unavailable"])
     fig.suptitle(f"{r['work']['model']} on {record.get('device', '')}, {r['work']['batch_per_device']} samples per device"
                  + (f" ({missing})" if missing else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -198,7 +198,7 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from .common import pyplot
+    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]
@@ -224,9 +224,7 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
