@@ -25,13 +25,22 @@ def clean_dist_env(monkeypatch):
         tdist.destroy_process_group()
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None,
-            stdin: str | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m ddpkit ARGS...` as a real subprocess; returns the completed process."""
+            stdin: str | None = None, module: str = "ddpkit") -> subprocess.CompletedProcess:
+    """Run `python -m ddpkit ARGS...` (or another module: `benchmarks` runs from the repository
+    root) as a real subprocess; returns the completed process."""
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd, input=stdin)
+
+
+def run_comparison(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m benchmarks ARGS...` from the repository root: the comparison benchmarks."""
+    return run_cli(*args, timeout=timeout, cwd=ROOT, module="benchmarks")
 
 
 @pytest.fixture
@@ -42,14 +51,16 @@ def cli():
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300) -> dict:
-    """`ddpkit bench NAME --quick --repeats 1` on CPU as a subprocess; checks the PNG and the
-    record's metadata, returns the benchmark's result payload."""
+def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300, comparison: bool = False) -> dict:
+    """`ddpkit bench NAME --quick --repeats 1` (or `python -m benchmarks NAME ...` for a
+    comparison) on CPU as a subprocess; checks the PNG and the record's metadata, returns the
+    benchmark's result payload."""
     import json
 
     out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
-    proc = run_cli("bench", name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json),
-                   "--plot", str(out_png), *flags, timeout=timeout)
+    args = (name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
+            *flags)
+    proc = run_comparison(*args, timeout=timeout) if comparison else run_cli("bench", *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = out_png.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 2000, f"{out_png} is not a drawn PNG"

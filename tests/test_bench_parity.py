@@ -1,4 +1,4 @@
-"""`ddpkit bench parity`, `workers` and `strategies` as real commands (small --quick sizes), and
+"""`python -m benchmarks parity`, `ddpkit bench workers` and `strategies` as real commands (small --quick sizes), and
 the sample layout that makes the parity benchmark's bitwise weight comparison meaningful."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddpkit.bench import parity
+from benchmarks import parity
 from ddpkit.data import GlobalBatchSampler
-from ddpkit.launcher import cpu_count
+from ddpkit.device import cpu_count
 
 from .conftest import run_bench
 
 def bench(tmp_path, name: str, *flags: str) -> dict:
-    return run_bench(tmp_path, name, *flags)
+    return run_bench(tmp_path, name, *flags, comparison=name == "parity")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -258,7 +258,7 @@ def test_strategy_single(tmp_path):
 
 def test_strategy_dp_on_cpu_runs_as_single(tmp_path):
     # strategy.resolve: 'dp' needs a CUDA device and at least two GPUs; otherwise it is 'single'.
-    assert ddpkit_strategy.resolve("dp", 1, torch.device("cpu")) == "single"
+    assert ddpkit_strategy.resolve_name("dp", 1, torch.device("cpu")) == "single"
     out = tmp_path / "out"
     proc = run_cli("train", "--strategy", "dp", "--epochs", "1", "--device", "cpu", "--out", str(out),
                    cwd=str(tmp_path))

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ddpkit import models
-from ddpkit.cli import load_config_file
-from ddpkit.config import TrainConfig
+from ddpkit.trainer import TrainConfig, resolve
+from ddpkit.trainer.config import load_config_file
 from ddpkit.data import DATASETS
 from ddpkit.errors import UsageError
 from tests.conftest import run_cli
@@ -33,7 +33,7 @@ def test_config_loads_and_validates(path):
     values = load_config_file(str(path))
     if values.get("data") not in DATASETS:
         pytest.skip(f"dataset {values.get('data')!r} is not in ddpkit.data.DATASETS yet")
-    cfg = TrainConfig(**values)
+    cfg = resolve(TrainConfig(**values)).cfg
     assert cfg.data == values["data"]
     header = path.read_text().split("\n\n")[0]  # the comment header says how to run the file
     assert f"ddpkit train --config configs/{path.name}" in header
@@ -48,15 +48,15 @@ def test_d2l_configs_are_the_tutorials_two_calls():
 
 
 def test_momentum_reaches_the_optimizer():
-    from ddpkit.trainer import _optimizer
+    from ddpkit.optim import build_optimizer
 
     params = [nn.Parameter(torch.zeros(2))]
-    plain = _optimizer(TrainConfig(momentum=0.0), params).param_groups[0]
+    plain = build_optimizer("sgd", params, 0.1, momentum=TrainConfig(momentum=0.0).momentum).param_groups[0]
     assert plain["momentum"] == 0.0 and plain["nesterov"] is False
-    default = _optimizer(TrainConfig(), params).param_groups[0]
+    default = build_optimizer("sgd", params, 0.1, momentum=TrainConfig().momentum).param_groups[0]
     assert default["momentum"] == 0.9 and default["nesterov"] is True
     with pytest.raises(UsageError, match="--momentum"):
-        TrainConfig(momentum=1.5)
+        resolve(TrainConfig(momentum=1.5))
 
 
 def test_toy_config_trains_to_accuracy_one(tmp_path):
@@ -108,7 +108,7 @@ def test_build_user_model_from_current_directory(user_module):
     assert isinstance(model, nn.Module) and model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
     assert sys.path == before  # the current directory was on sys.path only while importing
     models.check(f"{user_module}:tiny", (1, 8, 8))
-    TrainConfig(model=f"{user_module}:tiny", data="synthetic", synthetic_shape="1,8,8")
+    resolve(TrainConfig(model=f"{user_module}:tiny", data="synthetic", synthetic_shape="1,8,8"))
 
 
 @pytest.mark.parametrize("suffix, message", [
@@ -121,18 +121,18 @@ def test_bad_user_model_is_a_usage_error(user_module, suffix, message):
     with pytest.raises(ValueError, match=message):
         models.build(user_module + suffix, (1, 8, 8), 10)
     with pytest.raises(UsageError, match=f"^--model {user_module}{suffix}: .*{message}"):
-        TrainConfig(model=user_module + suffix)
+        resolve(TrainConfig(model=user_module + suffix))
 
 
 def test_unknown_module_and_unknown_name():
     with pytest.raises(UsageError, match="--model no_such_module_xyz:f: cannot import module 'no_such_module_xyz'"):
-        TrainConfig(model="no_such_module_xyz:f")
+        resolve(TrainConfig(model="no_such_module_xyz:f"))
     with pytest.raises(UsageError, match="--model: unknown value 'resnet19'.*package.module:function"):
-        TrainConfig(model="resnet19")
+        resolve(TrainConfig(model="resnet19"))
 
 
 def test_a_function_failing_on_meta_is_left_to_build(user_module):
-    TrainConfig(model=f"{user_module}:fails_when_called")  # config check cannot tell
+    resolve(TrainConfig(model=f"{user_module}:fails_when_called"))  # the plan cannot tell
     with pytest.raises(RuntimeError, match="only at build time"):
         models.build(f"{user_module}:fails_when_called", (1, 8, 8), 10)
 

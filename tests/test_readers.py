@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit import data, download, readers
-from ddpkit.config import TrainConfig
+from ddpkit import data
+from ddpkit.data import download, readers
+from ddpkit.trainer import TrainConfig, resolve
 from ddpkit.errors import UsageError
 
 from .conftest import run_cli
@@ -219,10 +220,10 @@ def test_data_dir_precedence(tmp_path, monkeypatch):
 
 
 def test_config_knows_shapes_without_files():
-    TrainConfig(data="cifar10", model="lenet", augment="crop-flip")
-    TrainConfig(data="mnist", model="lenet")
+    resolve(TrainConfig(data="cifar10", model="lenet", augment="crop-flip"))
+    resolve(TrainConfig(data="mnist", model="lenet"))
     with pytest.raises(UsageError, match="--augment"):
-        TrainConfig(data="toy", model="mlp", augment="flip")
+        resolve(TrainConfig(data="toy", model="mlp", augment="flip"))
     toy = data.load("toy")
     assert toy.train.tensors[0].dtype == torch.float32 and toy.train.tensors[1].tolist() == [0, 0, 0, 1, 1]
     assert data.shape_of("toy") == ((2,), 2) and len(toy.test) == 2

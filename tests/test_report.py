@@ -113,8 +113,8 @@ def test_report_bad_dir_is_one_line(runs, tmp_path):
 
 
 def test_resume_rewrites_csv_from_kept_records(tmp_path):
-    from ddpkit.config import TrainConfig
-    from ddpkit.trainer import Outputs
+    from ddpkit.trainer import TrainConfig
+    from ddpkit.trainer.outputs import Outputs
 
     cfg = TrainConfig(epochs=3, out=str(tmp_path))
     epoch = {"type": "epoch", "train_loss": 1.0, "train_accuracy": 0.5, "test_loss": 1.0, "test_accuracy": 0.5,

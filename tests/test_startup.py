@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import launcher
+from ddpkit.launcher.workers import choose_start_method
 from ddpkit.errors import WorkerFailed
 from tests import workers
-from tests.conftest import run_cli
+from tests.conftest import run_comparison
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 
@@ -55,7 +55,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
         a = torch.randn(1024, 1024)
         (a @ a).sum()  # this process now keeps a 2-thread OpenMP pool, which a fork must not inherit
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the workers run parallel regions of 2 threads too
-        assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
+        assert choose_start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
         out = ddpkit.launch(worker_facts, nproc=2, device="cpu")
     finally:
         torch.set_num_threads(threads)
@@ -72,7 +72,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
     (workers.stall_on_rank, (1, 3.0), 2, 0, "Timed out waiting 3000ms"),  # the stalled rank is stopped, not blamed
 ])
 def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):
-    assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
+    assert choose_start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(fn, *args, nproc=nproc, device="cpu")
@@ -82,13 +82,13 @@ def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):
 
 @linux_only
 def test_forked_workers_are_restarted_after_a_sigkill():
-    assert launcher._start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
+    assert choose_start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
     assert ddpkit.launch(die_once_on_rank1, nproc=2, device="cpu", max_restarts=1) == {0: 1, 1: 1}
 
 
 def test_spawn_on_request(monkeypatch, marked_parent):
     monkeypatch.setenv("DDPKIT_START_METHOD", "spawn")
-    assert launcher._start_method("cpu") == "spawn"
+    assert choose_start_method("cpu") == "spawn"
     out = ddpkit.launch(worker_facts, nproc=2, device="cpu")
     assert not any(facts["forked"] for facts in out.values())
     with pytest.raises(WorkerFailed) as info:
@@ -97,14 +97,14 @@ def test_spawn_on_request(monkeypatch, marked_parent):
 
 
 def test_cuda_workers_are_spawned():
-    assert launcher._start_method("cuda") == "spawn"
+    assert choose_start_method("cuda") == "spawn"
 
 
 def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     path, png = tmp_path / "x.json", tmp_path / "x.png"
     t0 = time.monotonic()
-    proc = run_cli("bench", "startup", "--quick", "--repeats", "1", "--contenders", "ddpkit,torchrun",
-                   "--json", str(path), "--plot", str(png), timeout=240)
+    proc = run_comparison("startup", "--quick", "--repeats", "1", "--contenders", "ddpkit,torchrun",
+                          "--json", str(path), "--plot", str(png), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(path.read_text())["result"]
     assert set(r["contenders"]) == {"ddpkit", "torchrun"}
@@ -122,7 +122,7 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
 
 
 def test_bench_startup_bad_contender():
-    proc = run_cli("bench", "startup", "--contenders", "ddpkit,nosuch")
+    proc = run_comparison("startup", "--contenders", "ddpkit,nosuch")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--contenders" in lines[0] and "nosuch" in lines[0]
@@ -131,7 +131,7 @@ def test_bench_startup_bad_contender():
 def test_bench_startup_names_what_is_missing(monkeypatch):
     import importlib.util
 
-    from ddpkit.bench import startup
+    from benchmarks import startup
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))

@@ -15,6 +15,8 @@ import torch
 
 import ddpkit
 from ddpkit import tune
+from ddpkit.tune import probe
+from ddpkit.tune.output import nothing_fits
 from ddpkit.dist import DistEnv
 from ddpkit.errors import WorkerFailed
 
@@ -76,8 +78,8 @@ def test_cpu_refuses_a_size_predicted_to_exceed_the_available_memory(monkeypatch
     # out of memory gives no exception to catch: the kernel's OOM killer ends the worker.)
     rank = type("Rt", (), {"env": DistEnv(local_world_size=2)})()
     stub = type("T", (), {"cuda": False, "last_fit": (64, 400.0), "base_rss": 300.0, "rt": rank})()
-    monkeypatch.setattr(tune, "_rss_mib", lambda: 400.0)
-    monkeypatch.setattr(tune, "_available_mib", lambda: 3000.0)
+    monkeypatch.setattr(probe, "rss_mib", lambda: 400.0)
+    monkeypatch.setattr(probe, "available_mib", lambda: 3000.0)
     assert not tune.Tuner._predicted_too_big(stub, 512)  # 2 x 700 MiB <= 80% of 3,000
     assert tune.Tuner._predicted_too_big(stub, 1024)  # 2 x 1,500 MiB > 80% of 3,000
     stub.cuda = True
@@ -90,7 +92,7 @@ def test_nothing_fits_names_the_size_and_the_ranks():
         t.failed_ranks, t.reason = [1], "out of memory"
     r = tune.summarize(trials, tune.Settings(start=2, max_batch=8), "largest", 2, "cuda")
     assert r["per_device_batch"] is None and r["global_batch"] is None
-    assert tune.nothing_fits(r) == "no per-device batch fits on every rank: even 1 did not (out of memory on rank 1)"
+    assert nothing_fits(r) == "no per-device batch fits on every rank: even 1 did not (out of memory on rank 1)"
 
 
 # -- real trials: out-of-memory on one rank of two ----------------------------------------------

@@ -8,12 +8,14 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from ddpkit import data, dist, models
 from ddpkit.checkpoint import load_file, save_file
-from ddpkit.config import TrainConfig
+from ddpkit.device import auto_nproc
+from ddpkit.trainer import TrainConfig, resolve
 from ddpkit.errors import UsageError
-from ddpkit.launcher import auto_nproc, parse_nproc
+from ddpkit.launcher import parse_nproc
 from ddpkit.strategy import unwrap
 
 
@@ -178,7 +180,7 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path):
                                               ("nproc", "0", "--nproc"), ("synthetic_shape", "3,x", "--synthetic-shape")])
 def test_config_errors_name_the_flag(field, value, flag):
     with pytest.raises(UsageError, match=flag):
-        TrainConfig(**{field: value})
+        resolve(TrainConfig(**{field: value}))
 
 
 def test_autocast_module_runs_inner_layers_in_bf16_and_returns_fp32():
@@ -219,15 +221,15 @@ def test_autocast_module_runs_inner_layers_in_bf16_and_returns_fp32():
 
 
 def test_single_strategy_on_several_processes_is_refused():
-    from ddpkit.strategy import resolve
+    from ddpkit.strategy import resolve_name
 
-    assert resolve("single", 1, torch.device("cpu")) == "single"
+    assert resolve_name("single", 1, torch.device("cpu")) == "single"
     with pytest.raises(ValueError, match="unsynchronized"):
-        resolve("single", 2, torch.device("cpu"))
+        resolve_name("single", 2, torch.device("cpu"))
 
 
 def test_loader_left_early_continues_where_it_stopped():
-    loader = data.train_loader(data.TensorDataset(torch.arange(64)), 8, world_size=1, rank=0,
+    loader = data.train_loader(TensorDataset(torch.arange(64)), 8, world_size=1, rank=0,
                                device=torch.device("cpu"), seed=0)
     order = loader.sampler.order().tolist()
     firsts = []
@@ -250,16 +252,17 @@ def test_model_input_checks(name, shape):
 
 def test_resume_auto_needs_out():
     with pytest.raises(UsageError, match="--resume auto needs --out"):
-        TrainConfig(resume="auto")
+        resolve(TrainConfig(resume="auto"))
 
 
 def test_out_of_memory_names_the_batch_and_what_to_try(tmp_path):
     import ddpkit
-    from ddpkit.trainer import Loop, Outputs
+    from ddpkit.trainer.loop import Loop
+    from ddpkit.trainer.outputs import Outputs
 
     cfg = TrainConfig(model="mlp", epochs=1, batch_size=32, device="cpu", out=str(tmp_path))
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
-        loop = Loop(rt, cfg)
+        loop = Loop(rt, resolve(cfg))
 
         def exhausted(*args, **kwargs):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -276,11 +279,12 @@ def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
     import json
 
     import ddpkit
-    from ddpkit.trainer import Loop, Outputs
+    from ddpkit.trainer.loop import Loop
+    from ddpkit.trainer.outputs import Outputs
 
     cfg = TrainConfig(model="mlp", epochs=1, batch_size=64, device="cpu", out=str(tmp_path), on_nonfinite="skip")
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
-        loop = Loop(rt, cfg)
+        loop = Loop(rt, resolve(cfg))
         real, calls = loop.model.forward, []
 
         def poisoned(x):
@@ -303,7 +307,7 @@ def test_runtime_forgets_the_micro_batch_when_a_pass_ends():
 
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
         model = rt.setup(nn.Linear(2, 1))
-        loader = rt.loader(data.TensorDataset(torch.randn(8, 2)), batch_size=8, micro_batch_size=4)
+        loader = rt.loader(TensorDataset(torch.randn(8, 2)), batch_size=8, micro_batch_size=4)
         for (x,) in loader:
             break  # left after the first of two micro-batches
         assert rt.step_ready  # not stuck waiting for a micro-batch that will not come

@@ -169,15 +169,15 @@ def slow_save_on_main(path: str, timeout_s: float, seconds: float) -> str:
     """Rank 0's checkpoint write takes longer than the collective timeout; nobody may fail."""
     import time
 
-    import ddpkit.runtime as runtime
+    import ddpkit.checkpoint as checkpoint
 
-    real = runtime.save_file
+    real = checkpoint.save_file
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         real(*args, **kwargs)
 
-    runtime.save_file = slow
+    checkpoint.save_file = slow
     with ddpkit.Runtime(device="cpu", timeout_s=timeout_s) as rt:
         rt.save(path, model=toy_model())
         rt.barrier()  # and the ordinary timeout still applies to ordinary collectives

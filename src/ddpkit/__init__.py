@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
 __all__ = ["Runtime", "launch", "UsageError", "WorkerFailed", "__version__"]
 
 from .errors import UsageError, WorkerFailed
+from .version import __version__
 
 
 def __getattr__(name: str) -> Any:

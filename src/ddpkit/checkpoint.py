@@ -9,33 +9,19 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from typing import Any
 
 import torch
 
+from . import dist
 from .errors import UsageError
+from .files import atomic_write
+from .strategy import unwrap
 
 
 def save_file(path: str | os.PathLike, obj: Any) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    try:
-        # mkstemp makes the file owner-only; give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -54,3 +40,31 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file (corrupt or not a checkpoint)") from None
     except Exception as err:  # noqa: BLE001 - garbage bytes can fail anywhere inside the unpickler
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None
+
+
+def state_of(value: Any) -> Any:
+    """What a checkpoint stores for `value`: a module's bare state_dict (no `module.` or
+    `_orig_mod.` prefixes), anything else's state_dict(), or a plain value as it is."""
+    if isinstance(value, torch.nn.Module):
+        return unwrap(value).state_dict()
+    if hasattr(value, "state_dict"):
+        return value.state_dict()
+    return value
+
+
+def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Rank 0 writes `state` (see `state_of`); every rank waits until the file is complete. The
+    wait does not count against a short collective timeout (see dist.wait_for_main)."""
+    if dist.is_main():
+        save_file(path, {key: state_of(value) for key, value in state.items()})
+    dist.wait_for_main()
+
+
+def load_into(path: str | os.PathLike, targets: dict[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint and each target's entry into it (modules unwrapped); the whole dict."""
+    state = load_file(path, map_location=map_location)
+    for key, target in targets.items():
+        if key not in state:
+            raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
+        (unwrap(target) if isinstance(target, torch.nn.Module) else target).load_state_dict(state[key])
+    return state

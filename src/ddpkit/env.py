@@ -1,17 +1,22 @@
-"""`ddpkit env`: what this machine offers for training, and what `ddpkit train` would pick."""
+"""This machine and its software: the `ddpkit env` report (what it offers for training, and what
+`ddpkit train` would pick), and `metadata`, the record every benchmark and batch-size search
+keeps beside its numbers (hardware, versions, date, git commit)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import socket
+import subprocess
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from . import __version__, dist
-from .launcher import auto_nproc, cpu_count
+from . import dist
+from .version import __version__
+from .device import auto_nproc, cpu_count
 
 
 def _gpus() -> list[dict[str, Any]]:
@@ -87,3 +92,64 @@ def render(r: dict[str, Any]) -> str:
     lines.append(f"ddpkit train defaults here: --device {d['device']} --nproc {d['nproc']} "
                  f"(backend {d['backend']}, strategy {d['strategy']}, precision {d['precision']})")
     return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def metadata(device: str) -> dict[str, Any]:
+    """Hardware, software versions and date: recorded with every result file."""
+    import torch
+
+    gpu = None
+    if device == "cuda" and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        gpu = {"name": p.name, "count": torch.cuda.device_count(), "memory_gib": round(p.total_memory / 2**30, 1),
+               "compute_capability": f"{p.major}.{p.minor}", "cuda": torch.version.cuda,
+               "cudnn": torch.backends.cudnn.version(),
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "device": device,
+        "cpu": {"model": _cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": cpu_count()},
+        "gpu": gpu,
+        "memory_gib": _total_memory_gib(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "ddpkit": __version__,
+                     "numpy": _version("numpy"), "platform": platform.platform()},
+        "git_commit": _git_commit(),
+    }
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
+def _total_memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
 class StepTimer:
     """Seconds per optimizer step, without a device sync per step.
 
+    The one timer of steps in ddpkit: the training loop, `time_calls` (the benchmarks and the
+    batch-size finder) and the runs' reports all read it.
+
     `mark(shape)` is called after each step; steps whose input shape was not seen before
     (the first step, a smaller last batch; with torch.compile, the steps that compile for a
     new shape) are warm-up: timed apart and left out of the percentiles. A step's time runs
@@ -79,8 +83,9 @@ class StepTimer:
         self.flush()
         self._start = self._stamp()
 
-    def mark(self, shape: Any) -> None:
-        self._pending.append((self._stamp(), shape not in self._seen))
+    def mark(self, shape: Any = None) -> None:
+        """After a step; `shape` None: never a warm-up step (the caller warmed up already)."""
+        self._pending.append((self._stamp(), shape is not None and shape not in self._seen))
         self._seen.add(shape)
 
     def flush(self) -> None:
@@ -96,6 +101,11 @@ class StepTimer:
             (self.warmup if warm else self.steady).append(seconds)
             prev = stamp
         self._start, self._pending = prev, []
+
+    def seconds(self) -> list[float]:
+        """Every steady step's seconds so far."""
+        self.flush()
+        return list(self.steady)
 
     def summary(self) -> dict[str, Any]:
         self.flush()
@@ -144,12 +154,56 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def rss_mib() -> float:
+    """This process's resident set size now (0 where /proc is missing)."""
+    return proc_status_mib("VmRSS") or 0.0
+
+
+def available_mib() -> float | None:
+    """Memory the machine can still give out (MemAvailable), None where it is not reported."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: CUDA memory allocated by tensors on a GPU; resident set
     size (VmHWM, everything the process touched) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return peak_rss_mib()
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Restart what `peak_memory_mib` reports from now; False where the OS does not allow it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    return reset_peak_rss()
+
+
+def sync(device: Any) -> None:
+    """Wait for the device to finish its queued work (a no-op on CPU)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_calls(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds per call of `fn` after `warmup` untimed calls, read by a `StepTimer` (CUDA
+    events on a GPU, so the clock covers the device's work without a sync per call)."""
+    for _ in range(warmup):
+        fn()
+    timer = StepTimer(torch.device(device) if isinstance(device, str) else device)
+    timer.start()
+    for _ in range(repeats):
+        fn()
+        timer.mark()
+    return timer.seconds()
 
 
 def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: torch.device) -> float | None:

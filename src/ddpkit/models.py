@@ -3,16 +3,20 @@ and `--model package.module:function`: a network of the user's own, built the sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import checks
+from .errors import UsageError
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -171,8 +175,7 @@ def resolve(name: str) -> Builder:
     if name in MODELS:
         return MODELS[name]
     if not is_custom(name):
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}, or give "
-                         "package.module:function (called as function(in_shape, num_classes))")
+        checks.choice("--model", name, [*MODELS, "package.module:function"])
     module_name, _, attr = name.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(f"expected package.module:function, got {name!r}")
@@ -200,37 +203,52 @@ def _checked(name: str, model: Any) -> nn.Module:
     return model
 
 
-def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10) -> None:
-    """Raise ValueError if model `name` cannot take inputs of `in_shape` (C, H, W).
+@contextlib.contextmanager
+def _as_usage_error(what: str, name: str) -> Iterator[None]:
+    """A model that cannot be built for these inputs is bad input: one line naming it."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(f"{what} {name}: {err}") from None
+
+
+def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str = "--model") -> None:
+    """Raise UsageError if model `name` cannot take inputs of `in_shape` (C, H, W).
 
     A user's `module:function` is imported and called on the meta device (no memory, no
     weights), so a wrong return type is reported before any process starts. A function that
     fails there (it loads weights from a file, say) is left for build() to run for real."""
-    if is_custom(name):
-        fn = resolve(name)
-        try:
-            with torch.device("meta"):
-                model = fn(tuple(in_shape), num_classes)
-        except Exception:  # noqa: BLE001 - not buildable on meta; build() will run it for real
+    if not is_custom(name):
+        checks.choice(what, name, [*MODELS, "package.module:function"])
+    with _as_usage_error(what, name):
+        if is_custom(name):
+            fn = resolve(name)
+            try:
+                with torch.device("meta"):
+                    model = fn(tuple(in_shape), num_classes)
+            except Exception:  # noqa: BLE001 - not buildable on meta; build() will run it for real
+                return
+            _checked(name, model)
             return
-        _checked(name, model)
-        return
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}, or give "
-                         "package.module:function (called as function(in_shape, num_classes))")
-    if name != "mlp" and len(in_shape) != 3:
-        raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
-    smallest = MIN_SIZE.get(name, 1)
-    if name != "mlp" and min(in_shape[1:]) < smallest:
-        raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
+        if name != "mlp" and len(in_shape) != 3:
+            raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
+        smallest = MIN_SIZE.get(name, 1)
+        if name != "mlp" and min(in_shape[1:]) < smallest:
+            raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
 
 
-def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build(name: str, in_shape: tuple[int, ...], num_classes: int, what: str = "--model") -> nn.Module:
     """A built-in model by name, or a user's from `package.module:function`, which is called
     as function(in_shape, num_classes): `in_shape` a tuple like (3, 32, 32) (one sample, no
     batch dimension), `num_classes` an int; it must return an nn.Module whose forward maps a
     batch (B, *in_shape) to logits (B, num_classes)."""
-    if is_custom(name):
-        return _checked(name, resolve(name)(tuple(in_shape), num_classes))
-    check(name, in_shape)
-    return MODELS[name](in_shape, num_classes)
+    if not is_custom(name):
+        check(name, in_shape, num_classes, what)
+        return MODELS[name](in_shape, num_classes)
+    with _as_usage_error(what, name):
+        fn = resolve(name)
+    model = fn(tuple(in_shape), num_classes)  # whatever the user's function raises, as it is
+    with _as_usage_error(what, name):
+        return _checked(name, model)

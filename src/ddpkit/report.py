@@ -9,21 +9,13 @@ import sys
 from typing import Any, Sequence
 
 from .errors import UsageError
+from .files import write_json
 
 # (column header, results.json key or row key, format)
 COLUMNS = (("run", "run", "{}"), ("model", "model", "{}"), ("data", "data", "{}"),
            ("world", "world_size", "{}"), ("batch", "global_batch_size", "{}"), ("epochs", "epochs", "{}"),
            ("test acc", "test_accuracy", "{:.4f}"), ("samples/s", "samples_per_second", "{:,.0f}"),
            ("wall s", "wall_seconds", "{:.1f}"))
-
-
-def build_parser(parser_cls: Any) -> Any:
-    parser = parser_cls(prog="ddpkit report", description="Compare runs of `ddpkit train --out DIR`: every run's "
-                        "loss and accuracy per epoch on one plot, and a table of their results.")
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (each with metrics.jsonl and results.json)")
-    parser.add_argument("--out", default="report.png", metavar="FILE.png", help="the plot (default ./report.png)")
-    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
-    return parser
 
 
 def load_run(path: str) -> dict[str, Any]:
@@ -67,22 +59,20 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def cli_main(argv: Sequence[str], parser_cls: Any) -> int:
+def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None = None) -> None:
+    """Print the runs' table, draw their curves to `out`, and write the table to `json_path`."""
     from .plots import plot_runs
 
-    a = build_parser(parser_cls).parse_args(argv)
-    if not a.out.lower().endswith(".png"):
-        raise UsageError(f"--out {a.out}: expected a .png file name")
-    for flag, path in (("--out", a.out), ("--json", a.json)):
+    if not out.lower().endswith(".png"):
+        raise UsageError(f"--out {out}: expected a .png file name")
+    for flag, path in (("--out", out), ("--json", json_path)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{flag} {path}: no such directory {folder}")
-    runs = [load_run(d) for d in a.dirs]
+    runs = [load_run(d) for d in dirs]
     rows = table_rows(runs)
     print(render(rows))
-    plot_runs([(run["label"], run["epochs"]) for run in runs], a.out, title="ddpkit report")
-    print(f"plot: {a.out}", file=sys.stderr)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"runs": rows, "plot": a.out}, f, indent=2)
-    return 0
+    plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report")
+    print(f"plot: {out}", file=sys.stderr)
+    if json_path:
+        write_json(json_path, {"runs": rows, "plot": out})

@@ -1,5 +1,10 @@
-"""`ddpkit bench NAME`: benchmarks as programs. Each writes JSON (hardware, versions, date,
-median and spread of every timing) and, where a picture says it better, a PNG plot.
+"""`ddpkit bench NAME`: benchmarks of ddpkit's own parts, as programs. Each writes JSON
+(hardware, versions, date, median and spread of every timing) and, where a picture says it
+better, a PNG plot.
+
+The comparisons with hand-written loops and other frameworks (`parity`, `startup`) are not part
+of the installed package: they live in the repository's benchmarks/ folder and run with
+`python -m benchmarks NAME` from its root, through the same runner.
 
 Every benchmark module defines:
 
@@ -14,41 +19,13 @@ Modules are imported only when their benchmark runs, so `ddpkit --help` stays fa
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-# name -> module under ddpkit.bench, in the order `ddpkit bench all` runs them
+# name -> module, in the order `ddpkit bench all` runs them
 BENCHES: dict[str, str] = {
-    "parity": "parity",
-    "loader": "loader",
-    "workers": "workers",
-    "precision": "precision",
-    "comm": "comm",
-    "strategies": "strategies",
-    "models": "models",
-    "fast-cifar": "fast_cifar",
-    "startup": "startup",
+    "loader": "ddpkit.bench.loader",
+    "workers": "ddpkit.bench.workers",
+    "precision": "ddpkit.bench.precision",
+    "comm": "ddpkit.bench.comm",
+    "strategies": "ddpkit.bench.strategies",
+    "models": "ddpkit.bench.models",
+    "fast-cifar": "ddpkit.bench.fast_cifar",
 }
-
-
-def module(name: str) -> ModuleType:
-    return importlib.import_module(f"{__name__}.{BENCHES[name]}")
-
-
-def run(opts: "BenchOptions") -> dict:
-    """Run one benchmark, write its JSON (and plot); returns the written record."""
-    from .common import load_average, resolve_device, write
-
-    mod = module(opts.name)
-    device = resolve_device(opts.device)
-    before = load_average()
-    result = mod.run(opts, device)
-    return write(opts, device, result, getattr(mod, "plot", None), load_before=before)
-
-
-def summary_rows(name: str, record: dict) -> list[tuple[str, str]]:
-    mod = module(name)
-    return list(mod.summary(record["result"])) if hasattr(mod, "summary") else []
-
-
-from .common import BenchOptions  # noqa: E402  (re-exported for callers)

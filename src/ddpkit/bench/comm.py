@@ -81,6 +81,7 @@ def add_arguments(parser: Any) -> None:
 def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
+    from .. import checks
     from ..errors import UsageError
     from ..launcher import launch
     from ..models import check
@@ -90,12 +91,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
                 image_size=extra.get("image_size") or (32 if cuda else (8 if quick else 16)),
                 batch_per_rank=extra.get("batch_per_rank") or (64 if cuda else (4 if quick else 8)),
                 steps_per_repeat=10 if cuda else 2, warmup_steps=2 if quick else 3)
-    try:
-        check(work.model, work.shape)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-    if work.batch_per_rank < 1:
-        raise UsageError(f"--batch-per-rank must be positive, got {work.batch_per_rank}")
+    check(work.model, work.shape)
+    checks.positive("--batch-per-rank", work.batch_per_rank)
     gpus = torch.cuda.device_count() if cuda else 0
     nproc = extra.get("nproc") or (gpus if cuda else 2)
     if cuda and nproc > gpus:
@@ -198,7 +195,7 @@ def _worker(work: Work, device: str, reps: int) -> list[dict[str, Any]]:
 
     from ..data import synthetic
     from ..runtime import Runtime
-    from .common import time_calls
+    from ..metrics import time_calls
 
     with Runtime(strategy="ddp", device=device) as base:  # owns the process group
         data = synthetic(work.shape, work.batch_per_rank * base.world_size * 8, work.classes, work.seed).train

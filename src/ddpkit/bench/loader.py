@@ -17,7 +17,8 @@ import torch
 
 from .. import data
 from ..plots import pyplot, save_figure
-from .common import BenchOptions, stats, sync
+from ..metrics import sync
+from .common import BenchOptions, stats
 
 DESCRIPTION = "device-resident loader vs DataLoader path: samples/s at batch 256, plain and augmented"
 

@@ -64,10 +64,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
                 channels_last=bool(extra.get("channels_last")), steps_per_repeat=10 if cuda else 1,
                 warmup_steps=3 if cuda else (1 if opts.quick else 2))
     for name in names:
-        try:
-            check(name, work.shape)
-        except ValueError as err:
-            raise UsageError(f"--models: {err}") from None
+        check(name, work.shape, what="--models")
     if not names or work.batch_size < 1:
         raise UsageError("--models must name at least one model and --batch-size must be positive")
     reps = opts.reps(20 if cuda else 10, 2)
@@ -96,7 +93,7 @@ def _measure(work: Work, name: str, train: Any, device: str, reps: int) -> dict[
     from ..metrics import flops_per_sample, peak_tflops
     from ..models import build
     from ..runtime import Runtime
-    from .common import time_calls
+    from ..metrics import time_calls
 
     gc.collect()
     cuda = device == "cuda"

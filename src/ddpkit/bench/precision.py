@@ -87,7 +87,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
-    from ..errors import UsageError
+    from .. import checks
     from ..launcher import launch
     from ..models import check
 
@@ -96,12 +96,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     size = extra.get("image_size") or (16 if quick and not cuda else 32)
     work = Work(model=extra.get("model") or ("resnet18" if cuda else "cnn"), image_size=size, batch_size=batch,
                 steps_per_repeat=10 if cuda else 1, warmup_steps=3 if cuda else 2, samples=batch * 8)
-    try:
-        check(work.model, work.shape)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-    if work.batch_size < 1:
-        raise UsageError(f"--batch-size must be positive, got {work.batch_size}")
+    check(work.model, work.shape)
+    checks.positive("--batch-size", work.batch_size)
     measured, skipped = _plan(device, extra.get("all_variants", False))
     reps = opts.reps(20 if cuda else 10, MIN_REPEATS)
     budget = None if cuda else CPU_VARIANT_BUDGET_S
@@ -149,7 +145,7 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
 
     from ..models import build
     from ..runtime import Runtime
-    from .common import sync, time_calls
+    from ..metrics import sync, time_calls
 
     gc.collect()
     cuda = device == "cuda"

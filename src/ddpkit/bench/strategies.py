@@ -58,17 +58,15 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
     from ..errors import UsageError
-    from ..launcher import cpu_count, launch
+    from ..device import cpu_count
+    from ..launcher import launch
     from ..models import check
 
     extra = opts.extra
     work = Work(model=extra.get("model", "cnn"), image_size=extra.get("image_size") or (16 if opts.quick else 32),
                 batch_per_device=extra.get("batch_per_device") or (16 if opts.quick else 32),
                 steps=4 if opts.quick else 10)
-    try:
-        check(work.model, work.shape)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
+    check(work.model, work.shape)
     if work.batch_per_device < 1 or extra.get("max_devices", 0) < 0:
         raise UsageError("--batch-per-device must be positive and --max-devices at least 0")
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -141,7 +139,7 @@ def _measure(work: Work, name: str, device: str, reps: int) -> dict[str, Any]:
 
     from ..models import build
     from ..runtime import Runtime
-    from .common import time_calls
+    from ..metrics import time_calls
 
     with Runtime(strategy=name, device=device, seed=work.seed) as rt:
         devices = rt.world_size * (torch.cuda.device_count() if rt.strategy == "dp" else 1)

@@ -76,7 +76,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def _worker_counts() -> list[int]:
-    from ..launcher import cpu_count
+    from ..device import cpu_count
 
     return sorted({0, 1, 2, 4, cpu_count()})
 
@@ -156,7 +156,8 @@ def _measure(dataset: Any, batch: int, workers: int, pin: bool, device: Any, epo
     import torch
     from torch.utils.data import DataLoader
 
-    from .common import stats, sync, time_calls
+    from ..metrics import sync, time_calls
+    from .common import stats
 
     with warnings.catch_warnings():  # more workers than cores is a point of the sweep, not a mistake
         warnings.filterwarnings("ignore", message="This DataLoader will create")

@@ -1,4 +1,4 @@
-"""The job of `ddpkit bench startup` written by hand for other launchers: plain scripts, run as
+"""The job of `python -m benchmarks startup` written by hand for other launchers: plain scripts, run as
 files (`python SCRIPT`, `torchrun SCRIPT`, `accelerate launch SCRIPT`), never imported by ddpkit.
 
 - torchrun_digits.py: torchrun + DistributedDataParallel + DistributedSampler, as the tutorials do;

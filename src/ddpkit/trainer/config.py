@@ -1,37 +1,23 @@
-"""Typed configuration for `ddpkit train`. Each field is a command-line flag (`batch_size` is
-`--batch-size`) and a key of `--config FILE.yaml`; each check names the flag at fault."""
+"""The settings of `ddpkit train`: the typed `TrainConfig`, the recipes a `--model` brings,
+and the layering of defaults, recipe, YAML file and command line.
+
+Each field is a command-line flag (`batch_size` is `--batch-size`) and a key of
+`--config FILE.yaml`; the comment after it is its `--help` text. Nothing is checked here: the
+plan (`trainer.plan.make_plan`) checks and derives every setting, once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import models
-from .data import DATASETS, Augment, shape_of
-from .errors import UsageError
-from .models import MODELS
-from .precision import PRECISIONS
-from .runtime import DEVICES
-from .strategy import COMM_HOOKS, STRATEGIES, DDPOptions
-
-OPTIMIZERS = ("sgd", "adamw")
-LOADERS = ("auto", "device", "dataloader")
-LR_SCALINGS = ("none", "linear", "sqrt")
+from .. import device as devices
+from ..errors import UsageError
 
 
-def _choice(flag: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
-    if value not in choices:
-        raise UsageError(f"{flag}: unknown value {value!r}; choose from {', '.join(choices)}")
-
-
-def _positive(flag: str, value: float | int) -> None:
-    if not value > 0 or not math.isfinite(value):  # `not >` also catches NaN
-        raise UsageError(f"{flag} must be positive, got {value}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Train a built-in model on a built-in dataset over all local devices."""
 
@@ -85,72 +71,6 @@ class TrainConfig:
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
     comm_hook: str = "none"  # DDP gradient compression for the all-reduce: none, fp16 or bf16
 
-    def __post_init__(self) -> None:
-        _choice("--data", self.data, DATASETS)
-        if not models.is_custom(self.model):  # package.module:function is checked by import below
-            _choice("--model", self.model, [*MODELS, "package.module:function"])
-        _choice("--device", self.device, DEVICES)
-        _choice("--strategy", self.strategy, STRATEGIES)
-        _choice("--precision", self.precision, PRECISIONS)
-        _choice("--optimizer", self.optimizer, OPTIMIZERS)
-        _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
-        _choice("--on-nonfinite", self.on_nonfinite, ("stop", "skip"))
-        _choice("--loader", self.loader, LOADERS)
-        _choice("--augment", self.augment, Augment.NAMES)
-        _choice("--comm-hook", self.comm_hook, COMM_HOOKS)
-        if self.bucket_cap_mb is not None:
-            _positive("--bucket-cap-mb", self.bucket_cap_mb)
-        if not 0 <= self.label_smoothing < 1:
-            raise UsageError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.crop_padding < 0:
-            raise UsageError(f"--crop-padding must be >= 0, got {self.crop_padding}")
-        if self.augment != "none" and len(shape_of(self.data, self.shape(), self.num_classes)[0]) != 3:
-            raise UsageError(f"--augment {self.augment} needs image data (C,H,W); --data {self.data} is not")
-        if not (self.nproc == "auto" or str(self.nproc).isdigit()) or str(self.nproc) == "0":
-            raise UsageError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
-        for flag in ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout",
-                     "synthetic_size", "num_classes", "reference_batch_size", "keep_checkpoints"):
-            _positive("--" + flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("micro_batch_size", "max_steps"):
-            if getattr(self, flag) is not None:
-                _positive("--" + flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("checkpoint_every", "warmup_epochs", "max_restarts"):
-            if not getattr(self, flag) >= 0:
-                raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
-        try:
-            models.check(self.model, *shape_of(self.data, self.shape(), self.num_classes))
-        except ValueError as err:
-            raise UsageError(f"--model {self.model}: {err}") from None
-        if self.resume == "auto" and self.out is None:
-            raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
-
-    def shape(self) -> tuple[int, ...]:
-        try:
-            dims = tuple(int(d) for d in self.synthetic_shape.split(","))
-        except ValueError:
-            dims = ()
-        if not dims or min(dims) <= 0:
-            raise UsageError(f"--synthetic-shape must be positive integers like 3,32,32, got {self.synthetic_shape!r}")
-        return dims
-
-    def peak_lr(self) -> float:
-        """--lr scaled for the global batch by --lr-scaling (the tutorials' "N x batch, N x LR")."""
-        ratio = self.batch_size / self.reference_batch_size
-        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
-
-    def resident(self) -> bool | None:
-        """--loader as Runtime.loader's `resident` argument."""
-        return {"auto": None, "device": True, "dataloader": False}[self.loader]
-
-    def ddp_options(self) -> DDPOptions:
-        return DDPOptions(self.bucket_cap_mb, self.gradient_as_bucket_view, self.static_graph, self.comm_hook)
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -175,3 +95,56 @@ def recipe(model: str, device_type: str) -> dict[str, Any]:
     values = dict(RECIPES.get(model, {}))
     gpu = values.pop("cuda", {})
     return {**values, **(gpu if device_type == "cuda" else {})}
+
+
+def layered(config_file: str | None, model: str | None, device: str | None) -> TrainConfig:
+    """The defaults the command line then overrides, lowest first: the built-in ones, the
+    model's recipe (its GPU part only when `device` resolves to CUDA), the YAML file."""
+    from_file = load_config_file(config_file) if config_file else {}
+    model = model or from_file.get("model", TrainConfig.model)
+    device_type = devices.device_type(device or from_file.get("device", TrainConfig.device))
+    return TrainConfig(**{**recipe(model, device_type), **from_file})
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Options from a YAML file, keys with '-' or '_', values checked against TrainConfig's types."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as err:
+        raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise UsageError(f"--config {path}: not valid YAML{at}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(raw).__name__}")
+    types = typing.get_type_hints(TrainConfig)
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise UsageError(f"--config {path}: unknown option {key!r}")
+        values[name] = _coerce(path, key, value, types[name])
+    return values
+
+
+def _coerce(path: str, key: str, value: Any, kind: Any) -> Any:
+    allowed = typing.get_args(kind) or (kind,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+    wanted = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise UsageError(f"--config {path}: {key} should be {wanted}, got {value!r}")

@@ -1,4 +1,4 @@
-"""The job every contender of `ddpkit bench startup` runs, without ddpkit: scikit-learn's 8x8
+"""The job every contender of `python -m benchmarks startup` runs, without ddpkit: scikit-learn's 8x8
 digits (1438 train / 359 test, the split `ddpkit train` uses), the default small CNN, global
 batch 64, SGD with Nesterov momentum 0.9, lr 0.05, weight decay 5e-4, cosine decay per step,
 10 epochs, the whole test set evaluated after every epoch.

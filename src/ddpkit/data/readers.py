@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 IDX_IMAGES, IDX_LABELS = 0x00000803, 0x00000801
 CIFAR_FOLDER = "cifar-10-batches-py"

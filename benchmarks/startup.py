@@ -1,4 +1,4 @@
-"""`ddpkit bench startup`: the wall time of a whole small job, launch and imports included.
+"""`python -m benchmarks startup`: the wall time of a whole small job, launch and imports included.
 
 On a small job most of the time of a multi-process run is not training: every worker starts
 an interpreter, imports torch (and the framework), joins a rendezvous, and at the end tears it
@@ -13,7 +13,7 @@ contender:
 The job: scikit-learn's 8x8 digits (1438 train / 359 test, the same split everywhere), the
 default small CNN, global batch 64 over 2 CPU processes, SGD (Nesterov momentum 0.9, lr 0.05,
 weight decay 5e-4, cosine decay), 10 epochs, the test set evaluated after every epoch. The
-baselines are plain scripts in `ddpkit/bench/baselines/` (they share only the data and model
+baselines are plain scripts in `benchmarks/baselines/` (they share only the data and model
 definitions, which import NumPy and torch).
 
 Every run is a fresh process started by `subprocess`, timed from start to exit. Rounds run
@@ -60,7 +60,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def _selected(opts: Any) -> list[str]:
-    from ..errors import UsageError
+    from ddpkit.errors import UsageError
 
     names = [n.strip() for n in str(opts.extra.get("contenders") or ",".join(CONTENDERS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
@@ -125,7 +125,7 @@ def run_once(name: str, epochs: int, tmp: str) -> dict[str, Any]:
 
 def run(opts: Any, device: str) -> dict[str, Any]:
     """The job on the CPU whatever `device` says: the contenders are compared on CPU processes."""
-    from ..errors import UsageError
+    from ddpkit.errors import UsageError
 
     epochs = int(opts.extra.get("epochs") or 10)
     if epochs < 1:
@@ -178,7 +178,7 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
 
 
 def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
-    from .common import stats
+    from ddpkit.bench.common import stats
 
     accuracies = [r["test_accuracy"] for r in runs]
     cmd = command(name, "DIR", epochs)
@@ -206,7 +206,7 @@ def _version(name: str) -> str | None:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ddpkit.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -1,4 +1,4 @@
-"""`ddpkit bench parity`: does ddpkit's runtime cost anything over a hand-written DDP loop?
+"""`python -m benchmarks parity`: does ddpkit's runtime cost anything over a hand-written DDP loop?
 
 The same model, data, global batch and seed are trained for the same number of steps by
 
@@ -42,9 +42,10 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ddpkit.metrics import StepTimer
 
 TARGET_STEP_TIME_RATIO = 1.01  # ddpkit / hand-written, median step time
 TARGET_PEAK_MEMORY_RATIO = 1.0  # ddpkit / hand-written, peak memory of the worst rank
@@ -97,9 +98,9 @@ def add_arguments(parser: Any) -> None:
 def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
-    from ..errors import UsageError
-    from ..launcher import launch
-    from ..models import check
+    from ddpkit.errors import UsageError
+    from ddpkit.launcher import launch
+    from ddpkit.models import check
 
     extra = opts.extra
     steps = extra.get("steps") or (12 if opts.quick else 40)
@@ -107,10 +108,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
                 global_batch=extra.get("batch_size", 32), steps=steps, warmup_steps=min(5, steps // 3),
                 loader=extra.get("loader", "auto"))
     nproc = extra.get("nproc") or (torch.cuda.device_count() if device == "cuda" else 2)
-    try:
-        check(work.model, work.shape)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
+    check(work.model, work.shape)
     if steps < 3:
         raise UsageError(f"--steps must be at least 3 (the first steps of a phase are warm-up), got {steps}")
     if nproc < 1 or (device == "cuda" and nproc > torch.cuda.device_count()):
@@ -157,37 +155,10 @@ def _datasets(work: Work, world: int) -> tuple[Any, Any]:
 def _initial_model(work: Work) -> Any:
     import torch
 
-    from ..models import build
+    from ddpkit.models import build
 
     torch.manual_seed(work.seed)
     return build(work.model, work.shape, work.classes)
-
-
-class _StepClock:
-    """The duration of every step, from one mark to the next. On CUDA the marks are events in
-    the stream, read after the loop, so timing adds no synchronization to it."""
-
-    def __init__(self, device: Any):
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-        self.marks: list[Any] = []
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = self.torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _hand_written(work: Work, model: Any, dataset: Any, device: Any) -> tuple[list[float], Any]:
@@ -207,7 +178,8 @@ def _hand_written(work: Work, model: Any, dataset: Any, device: Any) -> tuple[li
     loader = DataLoader(dataset, batch_size=work.global_batch // world, sampler=sampler, pin_memory=cuda)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=work.lr, momentum=work.momentum)
     sampler.set_epoch(0)
-    clock = _StepClock(device)
+    clock = StepTimer(device)
+    clock.start()
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = F.cross_entropy(ddp_model(x), y)
@@ -228,7 +200,8 @@ def _with_ddpkit(work: Work, rt: Any, model: Any, dataset: Any) -> tuple[list[fl
     model, optimizer = rt.setup(model, optimizer)
     resident = {"auto": None, "resident": True, "dataloader": False}[work.loader]
     loader = rt.loader(dataset, batch_size=work.global_batch, shuffle=False, resident=resident)
-    clock = _StepClock(rt.device)
+    clock = StepTimer(rt.device)
+    clock.start()
     for x, y in loader:
         rt.backward(F.cross_entropy(model(x), y))
         rt.step(optimizer)
@@ -280,7 +253,7 @@ def _deterministic(device: str) -> None:
 def _timing_worker(work: Work, rounds: int, device: str) -> dict[str, Any]:
     import torch
 
-    from ..runtime import Runtime
+    from ddpkit.runtime import Runtime
 
     _deterministic(device)
     with Runtime(strategy="ddp", device=device, cudnn_benchmark=False) as rt:
@@ -305,8 +278,8 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
     """One loop alone in its processes, after the same set-up as the other side's launch."""
     import torch
 
-    from ..metrics import peak_rss_mib, proc_status_mib, reset_peak_rss
-    from ..runtime import Runtime
+    from ddpkit.metrics import peak_rss_mib, proc_status_mib, reset_peak_rss
+    from ddpkit.runtime import Runtime
 
     _deterministic(device)
     with Runtime(strategy="ddp", device=device, cudnn_benchmark=False) as rt:
@@ -375,7 +348,7 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
             device: str) -> dict[str, Any]:
     import statistics
 
-    from .common import stats
+    from ddpkit.bench.common import stats
 
     steps, per_round = {}, {}
     for side in SIDES:
@@ -433,7 +406,7 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
 # -- report ----------------------------------------------------------------------------------
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ddpkit.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

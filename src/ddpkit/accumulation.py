@@ -1,0 +1,60 @@
+"""Gradient accumulation over micro-batches, so the optimizer sees the mean over the whole
+global batch however it was split over ranks and micro-batches.
+
+A rank's micro-batch of n samples, out of a global batch of B, counts n * world_size / B in
+the backward pass (the strategy's gradient reduction then averages over the ranks). The
+reduction itself runs only on a rank's last micro-batch of a step: the strategy's `no_sync`
+is entered as the loader hands out any earlier one. It must already be on during the forward
+pass, not only around backward, because DDP arms its all-reduce in the forward. Ranks may so
+run different numbers of micro-batches; each still reduces exactly once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .data import DistributedLoader, MicroBatch
+
+
+class Accumulation:
+    """The micro-batch a training loader handed out last, and the gradient-sync switch."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.micro: MicroBatch | None = None
+        self.no_sync: Any = None  # makes the strategy's no_sync context (Strategy.no_sync)
+        self._entered: Any = None
+
+    @property
+    def step_ready(self) -> bool:
+        """True when the gradients of a whole global batch are in (or batches are not ours)."""
+        return self.micro is None or self.micro.last
+
+    def on_batch(self, loader: DistributedLoader) -> None:
+        """Told by a training loader of every micro-batch it hands out, before the user's
+        forward, and when a pass ends or is left (then `loader.current` is None)."""
+        self.leave()
+        self.micro = loader.current
+        if self.micro is not None and not self.micro.last and self.no_sync is not None:
+            self._entered = self.no_sync()
+            self._entered.__enter__()
+
+    def weigh(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to back-propagate for the current micro-batch (the mean loss as given when
+        the batch is not one of a loader's)."""
+        micro = self.micro
+        if micro is None:
+            return loss
+        if micro.size == 0:  # an empty share: zero gradients, but the reduction still runs
+            return loss.nan_to_num(0.0) * 0.0
+        weight = micro.size * self.world_size / micro.step_size
+        # even shares, no accumulation: the hand-written loop's backward exactly
+        return loss * weight if weight != 1.0 else loss
+
+    def leave(self) -> None:
+        """Turn gradient sync back on (after a backward, or when a pass ends)."""
+        if self._entered is not None:
+            self._entered.__exit__(None, None, None)
+            self._entered = None

@@ -1,0 +1,79 @@
+"""The `ddpkit` command: one module per command, each parsing its arguments and calling one
+function; this module maps what they raise to exit codes.
+
+Exit codes: 0 success; 2 bad usage or input (one line on stderr naming the flag or file, no
+traceback); 1 a failure during the run (the failing rank, its host and its error); 130 on
+Ctrl-C; 141 when the reader of stdout went away.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from ..version import __version__
+from ..errors import UsageError, WorkerFailed
+
+USAGE = f"""ddpkit {__version__}: PyTorch training on 1 CPU, 1 GPU, all GPUs or many machines.
+
+usage: ddpkit <command> [options]     (ddpkit <command> --help for its options)
+
+commands:
+  train    train a built-in model on a built-in dataset over all local devices
+  run      run your own script (written for torchrun or ddpkit.Runtime) on N processes
+  env      what this machine offers: PyTorch build, GPUs, backends, ddpkit's defaults
+  bench    measure ddpkit's parts: loaders, workers, precision, comm, scaling, models
+  find-batch-size  the largest per-device batch that fits, and the throughput at each size
+  report   compare runs (train --out DIRs): their curves on one plot and a table of results
+"""
+
+# command -> the module whose main(argv) runs it (imported on use: `ddpkit --help` stays fast)
+COMMANDS: dict[str, str] = {"train": "train", "run": "run", "env": "env", "bench": "bench",
+                            "find-batch-size": "find_batch_size", "report": "report"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"ddpkit {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ddpkit: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    command = importlib.import_module(f"{__name__}.{COMMANDS[name]}")
+    return run_command(f"ddpkit {name}", command.main, rest)
+
+
+def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+    """`fn(argv)`'s exit code, with every exception mapped to its exit code and message."""
+    try:
+        return fn(argv)
+    except UsageError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except WorkerFailed as err:
+        if err.traceback:
+            print(err.traceback.rstrip(), file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `ddpkit env --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as err:  # a failure in this process (one process, or a torchrun/srun worker)
+        from ..dist import detect_env
+
+        traceback.print_exc()
+        rank = detect_env().rank
+        print(f"{prog}: rank {rank} on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,19 @@
+"""`ddpkit env`: what this machine offers for training, as text or JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from .parsing import ArgumentParser
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    from ..env import render, report
+
+    r = report()
+    print(json.dumps(r, indent=2) if args.json else render(r))
+    return 0

@@ -1,0 +1,45 @@
+"""`ddpkit find-batch-size`: flags into `tune.Settings` and a process topology, then the search."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .parsing import ArgumentParser
+
+KNEE_PERCENT = 90  # tune.search.KNEE_FRACTION, for the help text without importing torch
+
+
+def main(argv: Sequence[str]) -> int:
+    from ..tune import find, resolve
+
+    a = _parser().parse_args(argv)
+    settings, topology = resolve(a)
+    return find(settings, topology, a.json, a.plot)
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="ddpkit find-batch-size",
+                       description="Find the largest per-device batch that fits on every rank (doubling, then "
+                                   "bisection; out-of-memory caught), with the throughput of each size tried. On CPU "
+                                   f"the pick is the knee: the smallest size reaching {KNEE_PERCENT}% of the best "
+                                   "throughput.")
+    p.add_argument("--model", default="cnn", help="a built-in model (default cnn; see ddpkit train --help)")
+    p.add_argument("--data", default="digits",
+                   help="gives the input shape and number of classes; batches are synthetic either way")
+    p.add_argument("--synthetic-shape", default="3,32,32", metavar="C,H,W", help="input shape with --data synthetic")
+    p.add_argument("--num-classes", type=int, default=10, help="classes with --data synthetic")
+    p.add_argument("--nproc", default="auto", help="processes: N, or auto (one per GPU; on CPU one per 4 cores)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--optimizer", default="sgd", help="sgd or adamw: its state counts in the memory")
+    p.add_argument("--start", type=int, help="first per-device batch (default 8 on CUDA, 1 on CPU)")
+    p.add_argument("--max-batch", type=int, default=65536, help="largest per-device batch to try (default 65536)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per size (default 5; the median counts)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per size before those (default 2)")
+    p.add_argument("--criterion", default="auto",
+                   help="which size to recommend: largest (that fits) or knee; auto: largest on CUDA, knee on CPU")
+    p.add_argument("--plateau", type=int, default=2,
+                   help="knee search: stop doubling after N sizes in a row without 5%% more throughput (0: never)")
+    p.add_argument("--json", metavar="FILE", help="write the result and the trials here")
+    p.add_argument("--plot", metavar="FILE.png", help="draw throughput against per-device batch here")
+    return p

@@ -1,0 +1,22 @@
+"""Data: the dataset catalogue and its files, images and augmentation, the samplers that make
+a run independent of the number of processes, and the distributed loader.
+
+- `datasets`: the catalogue (digits, synthetic, toy, mnist, fashion-mnist, cifar10), shapes,
+  loading; `readers` (the file formats) and `download` (where files live, fetching them);
+- `images`: `ImageSet` and `Augment` (batched augmentation keyed by sample position);
+- `samplers`: `GlobalBatchSampler` (world-size-invariant global batches) and `ShardSampler`
+  (exact evaluation);
+- `loader`: `DistributedLoader` (resident on the device, or through a DataLoader).
+"""
+
+from __future__ import annotations
+
+from .datasets import DATASETS, FILE_DATASETS, NORMALIZATION, Splits, digits, load, prepare, shape_of, synthetic, toy
+from .images import Augment, ImageSet, augment_keys
+from .loader import DistributedLoader, Resident, eval_loader, fits_on, move, train_loader
+from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler, check_global_batch, share
+
+__all__ = ["DATASETS", "FILE_DATASETS", "NORMALIZATION", "Augment", "DistributedLoader", "GlobalBatchSampler",
+           "ImageSet", "MicroBatch", "Resident", "ShardSampler", "Splits", "augment_keys", "check_global_batch",
+           "digits", "eval_loader", "fits_on", "load", "move", "prepare", "shape_of", "share", "synthetic", "toy",
+           "train_loader"]

@@ -1,0 +1,237 @@
+"""The distributed loader: batches on the device, one epoch per pass, resumable at any
+optimizer step.
+
+Two ways to turn a sampler's indices into batches, with the same samples in the same order:
+
+- resident (the default for in-memory datasets): the whole dataset, as stored (uint8 images),
+  sits on the device once; a batch is one index gather, then batched augmentation and
+  normalization on the device. No per-sample Python, no collate, no host-to-device copy.
+- a DataLoader (for datasets that are not tensors in memory): per-sample `__getitem__` in
+  worker processes, pinned memory and non-blocking copies on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+
+from ..device import cpu_count
+from ..errors import UsageError
+from ..seed import loader_generator, seed_worker
+from ..tree import map_tensors
+from .images import ImageSet, augment_keys
+from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
+
+
+class _Collate:
+    """default_collate that also turns an empty index list into an empty batch of the right
+    shape (taken from sample 0), for ranks whose share of a small last batch is empty."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return default_collate(samples)
+        return map_tensors(lambda t: t[:0], default_collate([self.dataset[0]]))
+
+
+def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """Move the tensors of a (nested) batch to `device`, asynchronously from pinned memory on CUDA;
+    4-D float batches (images) in channels-last layout if asked."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=True)
+        if channels_last and t.dim() == 4 and t.is_floating_point():
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    return map_tensors(one, batch)
+
+
+class Resident:
+    """A dataset held whole on the device: batches are index gathers there (plus, for an
+    ImageSet, batched augmentation and normalization). Works for ImageSet and TensorDataset."""
+
+    def __init__(self, dataset: Dataset, device: torch.device, channels_last: bool = False):
+        self.channels_last = channels_last
+        if isinstance(dataset, ImageSet):
+            self.images: ImageSet | None = dataset.to(device)
+            self.tensors: tuple[torch.Tensor, ...] = ()
+        else:
+            self.images = None
+            self.tensors = tuple(t.to(device) for t in dataset.tensors)
+        self.device = device
+
+    @staticmethod
+    def supports(dataset: Any) -> bool:
+        return isinstance(dataset, (ImageSet, TensorDataset))
+
+    def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> Any:
+        if self.images is not None:
+            batch = list(self.images.batch(indices, keys))
+        else:
+            batch = [t[indices] for t in self.tensors]
+        if self.channels_last:
+            batch = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
+                     for t in batch]
+        return batch
+
+
+class DistributedLoader:
+    """Batches on the device, one epoch per pass, resumable at any optimizer step.
+
+    `epoch` is the epoch being (or next to be) read and `position` the optimizer steps of it
+    already handed out. A pass left early continues where it stopped; a finished pass moves
+    to the next epoch. `state_dict()` holds both, so a resumed run, on any number of
+    processes when the sampler is a GlobalBatchSampler, reads exactly the batches not yet read.
+    `current` describes the micro-batch last handed out (None for evaluation loaders).
+
+    Batches come from `resident` (the dataset on the device) when given, else from `loader`
+    (a DataLoader over the sampler); both yield the same samples in the same order.
+    """
+
+    def __init__(self, dataset: Dataset, sampler: Any, device: torch.device, loader: DataLoader | None = None,
+                 resident: Resident | None = None, channels_last: bool = False):
+        self.dataset, self._sampler, self.device, self.loader, self.resident = dataset, sampler, device, loader, resident
+        self.channels_last = channels_last
+        self.epoch = self.position = 0
+        self.current: MicroBatch | None = None
+        self.on_batch: Any = None  # set by the Runtime: told of every training micro-batch
+
+    @property
+    def sampler(self) -> Any:
+        return self._sampler
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator that seeds DataLoader workers (None on the resident path)."""
+        return self.loader.generator if self.loader is not None else None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return getattr(self.sampler, "steps_per_epoch", None) or len(self)
+
+    def __len__(self) -> int:
+        """Micro-batches the next pass yields (fewer when resuming inside an epoch)."""
+        if isinstance(self.sampler, GlobalBatchSampler):
+            self.sampler.set_epoch(self.epoch, self.position)
+            return len(self.sampler)
+        return len(self.loader) if self.loader is not None else len(self.sampler.chunks())
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.sampler
+        if not isinstance(sampler, GlobalBatchSampler):  # evaluation: a fixed shard
+            yield from self._eval_batches()
+            return
+        if self.position >= sampler.steps_per_epoch:  # every step of it was handed out already
+            self.epoch, self.position = self.epoch + 1, 0
+        sampler.set_epoch(self.epoch, self.position)
+        try:
+            for batch, info in self._train_batches(sampler):
+                self.current = info
+                if info.last:
+                    self.position += 1  # handed out, so a checkpoint after this step skips it
+                if self.on_batch is not None:
+                    self.on_batch(self)
+                yield batch
+            self.epoch, self.position = self.epoch + 1, 0
+        finally:
+            # The pass ended, or was left early: no micro-batch is current any more.
+            self.current = None
+            if self.on_batch is not None:
+                self.on_batch(self)
+
+    def _train_batches(self, sampler: "GlobalBatchSampler") -> Iterator[tuple[Any, MicroBatch]]:
+        if self.resident is None:
+            plan = (info for _, _, info in sampler.spans())
+            for batch, info in zip(self.loader, plan):
+                yield move(batch, self.device, self.channels_last), info
+            return
+        # One permutation per epoch on the device; each micro-batch is a slice of it.
+        order = sampler.order().to(self.device)
+        augment = self.resident.images is not None and self.resident.images.augment is not None
+        for start, stop, info in sampler.spans():
+            keys = None
+            if augment:
+                keys = augment_keys(sampler.seed, sampler.epoch, torch.arange(start, stop, device=self.device))
+            yield self.resident.batch(order[start:stop], keys), info
+
+    def _eval_batches(self) -> Iterator[Any]:
+        if self.resident is None:
+            for batch in self.loader:
+                yield move(batch, self.device, self.channels_last)
+            return
+        for start, stop, step in self.sampler.chunks():
+            yield self.resident.batch(torch.arange(start, stop, step, device=self.device))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state.get("position", 0))
+
+
+def loader_options(dataset: Dataset, device: torch.device, num_workers: int | None,
+                   local_world_size: int) -> dict[str, Any]:
+    """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
+    only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
+    if num_workers is None:
+        in_memory = isinstance(dataset, (TensorDataset, ImageSet))
+        cores = cpu_count() // max(1, local_world_size)
+        num_workers = 0 if in_memory or device.type != "cuda" else min(4, max(1, cores - 1))
+    return {
+        "num_workers": num_workers,
+        "pin_memory": device.type == "cuda",
+        "persistent_workers": num_workers > 0,
+    }
+
+
+def fits_on(dataset: Dataset, device: torch.device) -> bool:
+    """Whether keeping `dataset` whole on `device` is sensible: always in host memory (it is
+    there already); on a GPU when it takes under a quarter of the device's memory."""
+    if not Resident.supports(dataset):
+        return False
+    if device.type != "cuda":
+        return True
+    size = dataset.nbytes() if isinstance(dataset, ImageSet) else sum(t.numel() * t.element_size() for t in dataset.tensors)
+    return size < torch.cuda.get_device_properties(device).total_memory // 4
+
+
+def _use_resident(dataset: Dataset, device: torch.device, resident: bool | None, num_workers: int | None) -> bool:
+    if resident is None:  # auto: the device path whenever it can, unless workers were asked for
+        return not num_workers and fits_on(dataset, device)
+    if resident and not Resident.supports(dataset):
+        raise UsageError(f"a resident loader needs an ImageSet or TensorDataset, not {type(dataset).__name__}; "
+                         "use the DataLoader path")
+    return resident
+
+
+def train_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, micro_batch_size: int | None = None,
+                 num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
+                 channels_last: bool = False) -> DistributedLoader:
+    sampler = GlobalBatchSampler(len(dataset), global_batch, world_size, rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last, micro_batch_size=micro_batch_size)
+    if _use_resident(dataset, device, resident, num_workers):
+        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))
+    sampler.keys = isinstance(dataset, ImageSet) and dataset.augment is not None
+    generator = loader_generator(seed, rank)  # per-rank worker seeds
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset), worker_init_fn=seed_worker,
+                        generator=generator, **loader_options(dataset, device, num_workers, local_world_size))
+    return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)
+
+
+def eval_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
+                num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
+                channels_last: bool = False) -> DistributedLoader:
+    batch = max(1, math.ceil(global_batch / world_size))
+    sampler = ShardSampler(len(dataset), world_size, rank, batch)
+    if _use_resident(dataset, device, resident, num_workers):
+        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last))
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler,
+                        **loader_options(dataset, device, num_workers, local_world_size))
+    return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)

@@ -1,0 +1,139 @@
+"""Which samples each rank reads: one global order per epoch, cut into global batches and
+split over the ranks (training), and an exact split of the test set (evaluation).
+
+Training batches come from `GlobalBatchSampler`, so step k sees the same samples on any
+number of processes. Evaluation uses `ShardSampler`, which splits the test set over ranks
+without padding, so every test sample is counted exactly once whatever the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from .. import checks
+from ..errors import UsageError
+from .images import augment_keys
+
+
+class ShardSampler(Sampler[int]):
+    """Indices rank, rank+world, rank+2*world, ... of the dataset, in order, with no padding.
+
+    Ranks may get one sample more or less than each other; that is what makes evaluation exact
+    (DistributedSampler instead repeats samples to even out the shards).
+    """
+
+    def __init__(self, length: int, world_size: int, rank: int, batch: int = 1):
+        self.length, self.world_size, self.rank, self.batch = length, world_size, rank, batch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
+
+    def chunks(self, batch: int | None = None) -> list[tuple[int, int, int]]:
+        """This rank's indices in batches of `batch` (default: the batch it was made with), as
+        (start, stop, step) ranges."""
+        batch = batch or self.batch
+        stride = self.world_size * batch
+        return [(s, min(s + stride, self.length), self.world_size) for s in range(self.rank, self.length, stride)]
+
+
+def check_global_batch(global_batch: int, world_size: int) -> None:
+    """A global batch needs at least one sample per process; it need not divide evenly."""
+    if global_batch < world_size:
+        raise UsageError(
+            f"--batch-size {global_batch} is smaller than the {world_size} processes; "
+            f"the global batch needs at least one sample per process"
+        )
+
+
+def share(batch_len: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(offset, length) of `rank`'s contiguous slice of a global batch of `batch_len` samples:
+    the first `batch_len % world_size` ranks take one sample more."""
+    base, extra = divmod(batch_len, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What the runtime needs to know about the micro-batch a loader just handed out."""
+
+    size: int  # samples in it, on this rank
+    step_size: int  # samples in the whole global batch (all ranks, all micro-batches)
+    last: bool  # the last micro-batch of this rank for this optimizer step
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches, cut from one global order that ignores the world size.
+
+    Epoch e's order is a permutation drawn from `seed + e`. Global batch k is samples
+    [k*B, (k+1)*B) of it; each rank takes a contiguous slice (shares differ by at most one
+    when B does not divide evenly) and splits it into micro-batches of at most
+    `micro_batch_size`. So which samples form step k depends on the seed and the epoch only,
+    and a run can stop after any step and continue on any number of processes.
+    """
+
+    def __init__(self, length: int, global_batch: int, world_size: int, rank: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, micro_batch_size: int | None = None):
+        check_global_batch(global_batch, world_size)
+        if micro_batch_size is not None:
+            checks.positive("--micro-batch-size", micro_batch_size)
+        self.length, self.global_batch, self.world_size, self.rank = length, global_batch, world_size, rank
+        self.shuffle, self.seed, self.drop_last, self.micro = shuffle, seed, drop_last, micro_batch_size
+        self.epoch, self.start_step = 0, 0
+        self.keys = False  # yield (index, augmentation key) pairs instead of indices
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.length, self.global_batch)
+        return full + (rest > 0 and not self.drop_last)
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch, self.start_step = epoch, start_step
+
+    def order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.length)
+        return torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
+        """(start, stop, MicroBatch): this rank's remaining micro-batches of the epoch, as
+        positions [start, stop) in the epoch's global order."""
+        for step in range(self.start_step, self.steps_per_epoch):
+            first = step * self.global_batch
+            batch_len = min(self.global_batch, self.length - first)
+            offset, size = share(batch_len, self.world_size, self.rank)
+            micro = self.micro or max(1, size)
+            # A rank whose share is empty (a last batch smaller than the world) still takes
+            # one empty micro-batch: DDP needs every rank's backward to all-reduce.
+            starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
+            for i, start in enumerate(starts):
+                stop = min(start + micro, first + offset + size)
+                yield start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)
+
+    def plan(self) -> Iterator[tuple[list[int], MicroBatch]]:
+        """(indices, MicroBatch) for this rank's remaining micro-batches of the epoch."""
+        order = self.order()
+        for start, stop, info in self.spans():
+            yield order[start:stop].tolist(), info
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        if not self.keys:
+            return (indices for indices, _ in self.plan())
+        return self._keyed()
+
+    def _keyed(self) -> Iterator[list[tuple[int, int]]]:
+        # (index, augmentation key) pairs, for a dataset that augments per sample (ImageSet).
+        order = self.order()
+        for start, stop, _ in self.spans():
+            keys = augment_keys(self.seed, self.epoch, torch.arange(start, stop))
+            yield list(zip(order[start:stop].tolist(), keys.tolist()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.spans())

@@ -1,0 +1,75 @@
+"""Every random stream of a run: seeding, per-rank streams, DataLoader worker seeds, and the
+capture and restore of all of them for checkpoints.
+
+Every rank seeds identically before the model is built (so initial weights agree), then
+switches to a stream of its own derived from (seed, rank, step): dropout and sampling then
+differ between ranks, reproducibly, and a resumed run can re-derive the same streams.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, NumPy and `random` identically on every rank, so models start identical."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int, step: int = 0) -> None:
+    """Give each rank its own torch / NumPy / `random` stream (dropout, augmentation) derived
+    from the run's seed, the rank and the optimizer step the stream starts at."""
+    seed_everything(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker init: NumPy and `random` seeded from the worker's torch seed, which
+    the DataLoader derives from the loader's generator (per rank) and the worker id. Without
+    this every worker would share the parent's NumPy state and repeat the same augmentations."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def loader_generator(seed: int, rank: int) -> torch.Generator:
+    """The generator a rank's DataLoader draws its worker seeds from."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+
+def rng_state(device: torch.device, loader_generator: torch.Generator | None = None) -> dict[str, Any]:
+    """This process's random streams, in a form `torch.load(weights_only=True)` reads back."""
+    np_state = np.random.get_state()
+    # weights_only loading accepts tensors and plain containers, not NumPy arrays
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "loader": loader_generator.get_state() if loader_generator is not None else None,
+    }
+
+
+def set_rng_state(
+    rng: dict[str, Any], device: torch.device, loader_generator: torch.Generator | None = None
+) -> None:
+    """Restore what `rng_state` captured (tensors may come back on the run's device)."""
+    torch.set_rng_state(rng["torch"].cpu())
+    random.setstate(_as_tuples(rng["python"]))
+    kind, keys, *rest = rng["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), *rest))
+    if rng["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    if rng.get("loader") is not None and loader_generator is not None:
+        loader_generator.set_state(rng["loader"].cpu())
+
+
+def _as_tuples(value: Any) -> Any:
+    # random.setstate wants the tuples that torch.save stores and loads back as they were;
+    # be lenient should a list come back.
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -1,0 +1,46 @@
+"""How a model is spread over devices, one module per strategy: `single` (the bare model),
+`dp` (nn.DataParallel) and `ddp` (DistributedDataParallel).
+
+`resolve` turns a requested name into the strategy that will actually run on this many
+processes: `ddp` on one process is `single`; `dp` without two GPUs is `single` too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import checks
+from ..errors import UsageError
+from .base import Strategy, eval_view, unwrap
+from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync
+from .dp import DataParallel
+from .single import Single
+
+STRATEGIES = ("ddp", "dp", "single")
+
+__all__ = ["COMM_HOOKS", "STRATEGIES", "DDPOptions", "Strategy", "comm_hook", "eval_view", "find_ddp",
+           "no_sync", "resolve", "resolve_name", "unwrap"]
+
+
+def resolve_name(name: str, world_size: int, device: torch.device, what: str = "--strategy") -> str:
+    """The strategy that will actually run for `name` on `world_size` processes."""
+    checks.choice(what, name, STRATEGIES)
+    if name == "ddp" and world_size == 1:
+        return "single"
+    if name == "single" and world_size > 1:
+        raise UsageError(f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
+                         "copies; use --strategy ddp, or one process")
+    if name == "dp":
+        if world_size > 1:
+            raise UsageError("--strategy dp runs in one process; use --nproc 1, or --strategy ddp")
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            return "single"  # DataParallel over one device (or a CPU) is the bare model plus overhead
+    return name
+
+
+def resolve(name: str, world_size: int, device: torch.device, ddp: DDPOptions = DDPOptions()) -> Strategy:
+    """The `Strategy` object that runs `name` here (see `resolve_name`)."""
+    actual = resolve_name(name, world_size, device)
+    if actual == "ddp":
+        return DDP(device, ddp)
+    return DataParallel(device) if actual == "dp" else Single(device)

@@ -1,0 +1,111 @@
+"""`ddp`: DistributedDataParallel, one process per device, gradients all-reduced in buckets
+while the backward pass runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from .. import checks
+from ..errors import UsageError
+from .base import Strategy
+
+COMM_HOOKS = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """DistributedDataParallel's tuning knobs, as flags (`ddpkit bench comm` measures them).
+
+    bucket_cap_mb: gradients are all-reduced in buckets of this size while backward still
+        runs (torch's default 25); bigger buckets mean fewer, larger messages.
+    gradient_as_bucket_view: gradients are views into the buckets: saves one copy of the
+        gradients in memory and a copy per step.
+    static_graph: the set of used parameters never changes between steps, so DDP can skip
+        re-checking it (and overlap better); wrong for models with data-dependent branches.
+    comm_hook: 'fp16' or 'bf16' all-reduces gradients compressed to 16 bits (half the bytes),
+        decompressed before the optimizer step; 'none' all-reduces them as they are.
+    """
+
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+
+    def __post_init__(self) -> None:
+        checks.choice("--comm-hook", self.comm_hook, COMM_HOOKS)
+        if self.bucket_cap_mb is not None:
+            checks.positive("--bucket-cap-mb", self.bucket_cap_mb)
+
+    def check_device(self, device_type: str) -> None:
+        """torch allows its bf16 compression hook only with NCCL, that is on CUDA GPUs."""
+        if self.comm_hook == "bf16" and device_type != "cuda":
+            raise UsageError(
+                "--comm-hook bf16 needs CUDA GPUs: torch allows its bf16 hook only with NCCL; "
+                "use --comm-hook fp16 on CPU"
+            )
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "static_graph": self.static_graph,
+        }
+        if self.bucket_cap_mb is not None:
+            out["bucket_cap_mb"] = self.bucket_cap_mb
+        return out
+
+
+def comm_hook(name: str) -> Any:
+    """The DDP communication hook for `name` (None for 'none')."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {"none": None, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
+
+
+def find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel wrapper inside `model` (under torch.compile), if any."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return model
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return None
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce inside the block (gradient accumulation); else no-op."""
+    ddp = find_ddp(model)
+    if ddp is None:
+        yield
+        return
+    with ddp.no_sync():
+        yield
+
+
+class DDP(Strategy):
+    """DistributedDataParallel with `DDPOptions`; `no_sync` is DDP's own switch."""
+
+    name = "ddp"
+
+    def __init__(self, device: torch.device, options: DDPOptions = DDPOptions()):
+        super().__init__(device)
+        self.options = options
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, **self.options.kwargs())
+        hook = comm_hook(self.options.comm_hook)
+        if hook is not None:
+            ddp.register_comm_hook(state=None, hook=hook)
+        return ddp
+
+    def no_sync(self, model: nn.Module) -> Callable[[], ContextManager[Any]] | None:
+        ddp = find_ddp(model)
+        return ddp.no_sync if ddp is not None else None

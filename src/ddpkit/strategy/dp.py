@@ -1,0 +1,24 @@
+"""`dp`: nn.DataParallel, one process driving every visible GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from .base import Strategy
+
+
+class DataParallel(Strategy):
+    """Replicates the model on every visible GPU each step, from one process. Kept because the
+    tutorials start there; DDP is faster on the same GPUs, and says so once."""
+
+    name = "dp"
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        warnings.warn(
+            "nn.DataParallel runs one process and copies the model to every GPU each step; "
+            "DistributedDataParallel (--strategy ddp) is faster on the same GPUs.",
+            stacklevel=4,
+        )
+        return nn.DataParallel(model)

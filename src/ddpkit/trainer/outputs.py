@@ -1,0 +1,159 @@
+"""Everything `ddpkit train --out DIR` leaves, written by rank 0 only: metrics.jsonl and
+metrics.csv (and TensorBoard events) as the run goes, config.yaml, checkpoints/, and at the end
+model.pt, results.json and curves.png; and the summary printed after the run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import Any
+
+from ..checkpoint import save_file
+from ..files import write_json, write_yaml
+from ..plots import plot_curves
+from ..strategy import unwrap
+from .config import TrainConfig
+from .resume import checkpoint_names
+
+
+class Outputs:
+    """Everything `ddpkit train --out DIR` leaves; written by rank 0 only."""
+
+    def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
+        self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
+        self._metrics = self._csv_file = self._csv = self._tb = None
+        if not is_main:
+            return
+        os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
+        path = os.path.join(self.dir, "metrics.jsonl")
+        kept = _records_until(path, *resumed_step) if resumed_step is not None else []
+        self._metrics = open(path, "w", buffering=1)
+        self._metrics.writelines(kept)  # a resumed run drops what came after its checkpoint
+        # metrics.csv is rewritten from the kept records, so it always agrees with metrics.jsonl.
+        self._csv_file = open(os.path.join(self.dir, "metrics.csv"), "w", newline="", buffering=1)
+        self._csv = csv.DictWriter(self._csv_file, CSV_FIELDS, extrasaction="ignore")
+        self._csv.writeheader()
+        for line in kept:
+            record = json.loads(line)
+            if record.get("type") == "epoch":
+                self._csv.writerow(record)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a previous attempt wrote after the checkpoint resumed from
+            self._tb = SummaryWriter(os.path.join(self.dir, "tensorboard"),
+                                     purge_step=resumed_step[0] + 1 if resumed_step else None)
+        write_yaml(os.path.join(self.dir, "config.yaml"), cfg.to_dict())
+
+    def __enter__(self) -> "Outputs":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for f in (self._metrics, self._csv_file, self._tb):
+            if f is not None:
+                f.close()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.write(json.dumps(record) + "\n")
+        if record.get("type") == "epoch":
+            self._csv.writerow(record)
+        if self._tb is not None:
+            _tensorboard_scalars(self._tb, record)
+
+    def progress(self, loader: Any, epoch: int) -> Any:
+        """The loader, wrapped in a progress bar on rank 0 when stderr is a terminal."""
+        if not (self.is_main and self.cfg.progress and sys.stderr.isatty()):
+            return loader
+        from tqdm.auto import tqdm
+
+        return tqdm(loader, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch", leave=False)
+
+    def checkpoint_path(self, step: int) -> str:
+        return os.path.join(self.dir, "checkpoints", f"step-{step:08d}.pt")
+
+    def prune_checkpoints(self) -> None:
+        """Keep the newest --keep-checkpoints; older ones go only after the new one is complete."""
+        if not self.is_main:
+            return
+        folder = os.path.join(self.dir, "checkpoints")
+        for name in checkpoint_names(folder)[:-self.cfg.keep_checkpoints]:
+            os.unlink(os.path.join(folder, name))
+
+    def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
+        if not self.is_main:
+            return
+        save_file(os.path.join(self.dir, "model.pt"), unwrap(model).state_dict())
+        write_json(os.path.join(self.dir, "results.json"), results)
+        plot_curves(history, os.path.join(self.dir, "curves.png"), title=f"{self.cfg.model} on {self.cfg.data}")
+
+    def summary(self, r: dict[str, Any]) -> str:
+        """The `done:` line (scripts parse it), then an aligned table of the run's results."""
+        done = (f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
+                f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
+                f"{r['wall_seconds']:.1f} s | outputs in {self.dir}")
+        rows = summary_rows(r)
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([done, *(f"  {k:<{width}}  {v}" for k, v in rows)])
+
+
+CSV_FIELDS = ("epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_samples",
+              "epoch_seconds", "lr")
+
+
+def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
+    """A metrics.jsonl record as TensorBoard scalars, against the optimizer step."""
+    step = record.get("step", 0)
+    if record.get("type") == "step":
+        writer.add_scalar("train/loss", record["loss"], step)
+        writer.add_scalar("train/lr", record["lr"], step)
+        writer.add_scalar("train/samples_per_second", record["samples_per_second"], step)
+    elif record.get("type") == "epoch":
+        for split in ("train", "test"):
+            writer.add_scalar(f"epoch/{split}_loss", record[f"{split}_loss"], step)
+            writer.add_scalar(f"epoch/{split}_accuracy", record[f"{split}_accuracy"], step)
+        if record.get("lr") is not None:
+            writer.add_scalar("epoch/lr", record["lr"], step)
+
+
+def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The final summary table of a results dict, as (label, value) rows."""
+    rows = [("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
+            ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
+            ("train loss", f"{r['final_train_loss']:.4f}" if r.get("final_train_loss") is not None else "-"),
+            ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
+            ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}")]
+    if r.get("step_time_ms"):
+        t = r["step_time_ms"]
+        rows.append(("step time", f"p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms"))
+    if r.get("compile_seconds") is not None:
+        rows.append(("compile", f"{r['compile_seconds']:.1f} s"))
+    if r.get("peak_memory_mib"):
+        kind = "GPU memory" if r.get("peak_memory_kind") == "cuda_max_allocated" else "RSS"
+        rows.append((f"peak {kind}", " / ".join(f"{m:,.0f}" for m in r["peak_memory_mib"]) + " MiB per rank"))
+    if r.get("mfu") is not None:
+        rows.append(("MFU", f"{100 * r['mfu']:.1f}%"))
+    if r.get("gpu_utilization_percent") is not None:
+        rows.append(("GPU busy", f"{r['gpu_utilization_percent']:.0f}%"))
+    rows.append(("wall time", f"{r['wall_seconds']:.1f} s"))
+    return rows
+
+
+def _records_until(path: str, step: int, epochs_done: int) -> list[str]:
+    """Lines of an existing metrics.jsonl up to a checkpoint: step at most `step`, and epoch
+    records only of epochs it completed. A torn last line (a full disk) is dropped."""
+    if not os.path.exists(path):
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step and (record.get("type") != "epoch" or record["epoch"] <= epochs_done):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept

@@ -1,0 +1,157 @@
+"""Resolve once: a `TrainConfig` becomes one immutable `RunPlan` in the launching process,
+before any worker starts.
+
+Every check of a `ddpkit train` setting happens here, and every value derived from the
+settings is computed here: a bad flag, file or combination is one line and exit 2 before
+anything runs, and the workers, the loop and the outputs read the plan instead of deriving
+anything again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from .. import checks, data, models
+from ..data import Augment
+from ..errors import UsageError
+from ..files import check_writable
+from ..launcher import Nodes, Topology
+from ..launcher import topology as topologies
+from ..optim import OPTIMIZERS
+from ..precision import PRECISIONS
+from ..strategy import COMM_HOOKS, STRATEGIES, DDPOptions
+from . import resume
+from .config import TrainConfig
+
+LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Runtime.loader(resident=...)
+LR_SCALINGS = ("none", "linear", "sqrt")
+ONE_PROCESS = ("dp", "single")  # strategies that run in one process
+
+# Each setting's own rule (the rules between settings are in `make_plan`).
+CHOICES = {"data": data.DATASETS, "strategy": STRATEGIES, "precision": PRECISIONS,
+           "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS, "on_nonfinite": ("stop", "skip"),
+           "loader": tuple(LOADERS), "augment": Augment.NAMES, "comm_hook": COMM_HOOKS}
+POSITIVE = ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout", "synthetic_size",
+            "num_classes", "reference_batch_size", "keep_checkpoints", "micro_batch_size", "max_steps",
+            "bucket_cap_mb")  # the last three may also be left unset
+AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
+FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A `ddpkit train` run, resolved.
+
+    cfg holds the settings as given (with `--out` filled in): the global batch
+    (`cfg.batch_size`), micro-batch, strategy, precision and every plain knob of the loop.
+    The rest is derived here, once: where the processes run (`topology`: device type,
+    process count, world size, nodes), the dataset's input shape and classes, the peak
+    learning rate and where warmup starts, the data path (`resident`), the DDP options, and
+    the checkpoint to resume from.
+    """
+
+    cfg: TrainConfig
+    topology: Topology
+    in_shape: tuple[int, ...]
+    num_classes: int
+    peak_lr: float
+    warmup_start: float  # the LR factor warmup starts from (Goyal et al.: the reference LR)
+    resident: bool | None  # Runtime.loader's `resident`: None lets the loader choose
+    ddp: DDPOptions
+    resume: str | None
+
+    @property
+    def out(self) -> str:
+        return self.cfg.out  # type: ignore[return-value]  # filled in by make_plan
+
+
+def make_plan(cfg: TrainConfig) -> RunPlan:
+    """The plan of `cfg`, and the run made ready: dataset files downloaded and read once (so
+    workers only read them), `--out` created and proven writable. Rejected input leaves
+    nothing behind: every other check runs first (`resolve`)."""
+    plan = resolve(cfg)
+    # Under torchrun every worker gets here: downloads are temp file + rename, so concurrent
+    # ones are safe.
+    data.prepare(cfg.data, cfg.data_dir)
+    check_writable(f"--out {plan.out}", os.path.join(plan.out, "checkpoints"))
+    return plan
+
+
+def resolve(cfg: TrainConfig) -> RunPlan:
+    """Check every setting of `cfg` and derive what the run needs, writing nothing; a
+    UsageError (exit 2) names the first thing wrong."""
+    check_settings(cfg)
+    cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
+    nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    one_process = f"--strategy {cfg.strategy}" if cfg.strategy in ONE_PROCESS else None
+    topology = topologies.resolve(cfg.device, cfg.nproc, nodes, cfg.max_restarts, one_process)
+    in_shape, num_classes = _data_shape(cfg)
+    data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
+    ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
+    _check_device_features(cfg, topology.device_type, ddp)
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise UsageError(f"--out {cfg.out}: exists and is not a directory")
+    checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
+    peak_lr = cfg.lr * _lr_scale(cfg)
+    scale = peak_lr / cfg.lr
+    return RunPlan(cfg, topology, in_shape, num_classes, peak_lr, 1.0 / scale if scale > 1 else 0.0,
+                   LOADERS[cfg.loader], ddp, checkpoint)
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """Each setting on its own: names known, numbers in range."""
+    for name, choices in CHOICES.items():
+        checks.choice(_flag(name), getattr(cfg, name), choices)
+    if not models.is_custom(cfg.model):  # package.module:function is checked by importing it
+        checks.choice("--model", cfg.model, [*models.MODELS, "package.module:function"])
+    for name in POSITIVE:
+        if getattr(cfg, name) is not None:
+            checks.positive(_flag(name), getattr(cfg, name))
+    for name in AT_LEAST_ZERO:
+        if getattr(cfg, name) is not None:
+            checks.at_least(_flag(name), getattr(cfg, name), 0)
+    for name in FRACTIONS:
+        checks.in_range(_flag(name), getattr(cfg, name), 0, 1)
+    if cfg.resume == "auto" and cfg.out is None:
+        raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
+
+
+def _data_shape(cfg: TrainConfig) -> tuple[tuple[int, ...], int]:
+    """The dataset's (input shape, classes), checked against the model and the augmentation."""
+    in_shape, num_classes = data.shape_of(cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape),
+                                          cfg.num_classes)
+    if cfg.augment != "none" and len(in_shape) != 3:
+        raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
+    models.check(cfg.model, in_shape, num_classes)
+    return in_shape, num_classes
+
+
+def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) -> None:
+    if cfg.sync_batchnorm and device_type != "cuda":
+        raise UsageError("--sync-batchnorm needs --device cuda: torch's SyncBatchNorm runs on GPUs only")
+    if cfg.sync_batchnorm and cfg.micro_batch_size:
+        # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
+        raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
+    ddp.check_device(device_type)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'")
+    if cfg.precision == "fp16" and device_type == "cpu":
+        # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
+        print("ddpkit train: warning: --precision fp16 on CPU is usually much slower than fp32 (few CPUs have fast "
+              "fp16 kernels); bf16 is faster on CPUs with native bf16 (AVX-512 BF16, AMX)", file=sys.stderr)
+
+
+def _lr_scale(cfg: TrainConfig) -> float:
+    """--lr-scaling: the factor for the global batch (the tutorials' "N x batch, N x LR")."""
+    ratio = cfg.batch_size / cfg.reference_batch_size
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,77 @@
+"""What one `ddpkit find-batch-size` search runs, resolved and checked before any worker
+starts: the model and its input, precision and optimizer, the sizes to try, and where the
+processes run (the same `launcher.topology` resolution as `ddpkit train`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .. import checks, data, models
+from ..errors import UsageError
+from ..files import check_writable
+from ..launcher import Topology
+from ..launcher import topology as topologies
+from ..optim import OPTIMIZERS
+from ..precision import PRECISIONS
+from .search import CRITERIA
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one search runs; checked on construction, so bad input fails before any worker
+    starts and the workers never check it again."""
+
+    model: str = "cnn"
+    data: str = "digits"
+    in_shape: tuple[int, ...] = (1, 8, 8)
+    num_classes: int = 10
+    device: str = "auto"
+    precision: str = "fp32"
+    optimizer: str = "sgd"
+    start: int = 1
+    max_batch: int = 65536
+    steps: int = 5
+    warmup: int = 2
+    criterion: str = "auto"  # auto (largest on CUDA, knee on CPU), largest or knee
+    plateau: int = 2  # knee search: stop doubling after this many sizes in a row without gain
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        checks.choice("--precision", self.precision, PRECISIONS)
+        checks.choice("--optimizer", self.optimizer, OPTIMIZERS)
+        checks.choice("--criterion", self.criterion, ("auto", *CRITERIA))
+        for flag, value in (("--start", self.start), ("--max-batch", self.max_batch), ("--steps", self.steps),
+                            ("--num-classes", self.num_classes)):
+            checks.positive(flag, value)
+        if self.start > self.max_batch:
+            raise UsageError(f"--start {self.start} is larger than --max-batch {self.max_batch}")
+        checks.at_least("--warmup", self.warmup, 0)
+        checks.at_least("--plateau", self.plateau, 0)
+        models.check(self.model, self.in_shape, self.num_classes)
+
+    def resolved_criterion(self, device_type: str) -> str:
+        if self.criterion != "auto":
+            return self.criterion
+        return "largest" if device_type == "cuda" else "knee"
+
+
+def resolve(a: Any) -> tuple[Settings, Topology]:
+    """The search and its processes from the parsed command line (`cli.find_batch_size`)."""
+    topology = topologies.resolve(a.device, a.nproc)
+    name = checks.choice("--data", a.data, data.DATASETS)
+    in_shape, classes = data.shape_of(name, checks.shape("--synthetic-shape", a.synthetic_shape), a.num_classes)
+    # A default start never exceeds a small --max-batch; a --start that does is refused.
+    cuda = topology.device_type == "cuda"
+    start = a.start if a.start is not None else min(8 if cuda else 1, max(1, a.max_batch))
+    settings = Settings(model=a.model, data=name, in_shape=in_shape, num_classes=classes,
+                        device=topology.device_type, precision=a.precision, optimizer=a.optimizer, start=start,
+                        max_batch=a.max_batch, steps=a.steps, warmup=a.warmup, criterion=a.criterion,
+                        plateau=a.plateau)
+    if a.plot and not a.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {a.plot}: expected a .png file name")
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):
+        if path:  # fail now, not after the search
+            check_writable(f"{flag} {path}", os.path.dirname(path))
+    return settings, topology

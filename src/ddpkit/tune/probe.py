@@ -1,0 +1,172 @@
+"""One trial of `ddpkit find-batch-size` on one rank: probe, agree, then timed steps.
+
+Out-of-memory on one rank must not leave the others waiting in a collective. DDP all-reduces
+gradients inside backward (and may broadcast buffers inside forward), so a rank that fails
+half-way through a DDP step strands its peers there. A trial therefore runs in two phases:
+
+1. probe: one forward and backward of the bare module, not the DDP wrapper (no collectives at
+   all), with out-of-memory caught and the memory released on the rank where it happens;
+2. agree: one all-reduce of a per-rank failure code; every rank sees the same verdict, and only
+   if every rank fitted do all of them run the timed DDP steps.
+
+So every rank runs the same sequence of collectives whatever happens on any one of them, and
+the size chosen fits on every rank (the minimum over ranks).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import models
+from ..metrics import available_mib, peak_memory_mib, reset_peak_memory, rss_mib, time_calls
+from ..optim import build_optimizer
+from .plan import Settings
+from .search import Trial
+
+CPU_MEMORY_HEADROOM = 0.8  # a CPU trial may use at most this share of the available memory
+
+# What a rank reports for a trial in the agreement all-reduce (0: it fitted).
+OOM, PREDICTED = 1, 2
+REASONS = {OOM: "out of memory", PREDICTED: "predicted to exceed available memory"}
+
+
+def is_oom(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or an allocator's RuntimeError that says it ran out."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+class Tuner:
+    """Runs trials on one rank: probe, agree, then the timed DDP steps.
+
+    `probe_hook(rank, per_device_batch)` runs at the start of every probe, inside the
+    out-of-memory handling; tests use it to make one rank fail above a size.
+    """
+
+    def __init__(self, rt: Any, settings: Settings, probe_hook: Callable[[int, int], None] | None = None):
+        self.rt, self.s, self.hook = rt, settings, probe_hook
+        model = models.build(settings.model, settings.in_shape, settings.num_classes)
+        # The optimizer's state counts in the memory; its learning rate does not matter here.
+        lr, decay = (1e-4, 0.01) if settings.optimizer == "adamw" else (1e-3, 0.0)
+        opt = build_optimizer(settings.optimizer, model.parameters(), lr, momentum=0.9, weight_decay=decay)
+        # BatchNorm cannot train on one sample where its input is 1x1 (one value per channel).
+        batchnorms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+        self.smallest = 2 if any(isinstance(m, batchnorms) for m in model.modules()) else 1
+        self.model, self.opt = rt.setup(model, opt)
+        # The probe runs the module inside DDP (with its autocast, if any): no collectives.
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        self.bare = self.model.module if ddp else self.model
+        self._allocate_optimizer_state()
+        self.cuda = rt.device.type == "cuda"
+        self.base_rss = rss_mib()
+        self.last_fit: tuple[int, float] | None = None  # (size, this rank's peak) of the last fit
+        self.local: dict[int, str] = {}  # what this rank alone saw: size -> reason it failed here
+
+    def _allocate_optimizer_state(self) -> None:
+        """One optimizer step on zero gradients, the same on every rank: momentum (or Adam's
+        moments) then exists before the first probe, which so measures a steady-state step."""
+        for p in self.bare.parameters():
+            p.grad = p.detach().new_zeros(p.shape)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def batch(self, n: int) -> tuple[Any, Any]:
+        device = self.rt.device
+        return (torch.randn((n, *self.s.in_shape), device=device),
+                torch.randint(0, self.s.num_classes, (n,), device=device))
+
+    def __call__(self, size: int, phase: str) -> Trial:
+        code = self.probe(size)
+        if code:
+            self.local[size] = REASONS[code]
+        world = self.rt.world_size
+        codes = torch.zeros(world, dtype=torch.float32, device=self.rt.device)
+        codes[self.rt.rank] = code
+        self.rt.all_reduce(codes)  # the agreement: every rank learns every rank's verdict
+        failed = [r for r in range(world) if codes[r] > 0]
+        if failed:
+            reason = REASONS[int(codes[failed[0]].item())]
+            return Trial(size, size * world, False, failed_ranks=failed, reason=reason, phase=phase)
+        step_s, peak = self.timed(size)
+        self.last_fit = (size, peak)
+        worst = torch.tensor([step_s, peak], dtype=torch.float64, device=self.rt.device)
+        self.rt.all_reduce(worst, op="max")
+        step_s, peak = worst.tolist()
+        return Trial(size, size * world, True, samples_per_s=size * world / step_s, step_ms=1000 * step_s,
+                     peak_memory_mib=round(peak, 1), phase=phase)
+
+    def probe(self, size: int) -> int:
+        """0 if one forward and backward of `size` samples fits on this rank, else a reason code."""
+        if self._predicted_too_big(size):
+            return PREDICTED
+        reset_peak_memory(self.rt.device)
+        try:
+            self._probe_step(size)
+            code = 0
+        except Exception as err:  # anything but out-of-memory is re-raised
+            if not is_oom(err):
+                raise
+            code = OOM
+        # Outside the except block: the exception (and the frames holding the batch and the
+        # activations) is gone by now, so the memory can actually be released.
+        self.opt.zero_grad(set_to_none=True)
+        self._release(collect=code == OOM)
+        return code
+
+    def _probe_step(self, size: int) -> None:
+        if self.hook is not None:
+            self.hook(self.rt.rank, size)
+        x, y = self.batch(size)
+        self.rt.backward(F.cross_entropy(self.bare(x), y))
+
+    def timed(self, size: int) -> tuple[float, float]:
+        """(median seconds per DDP step, this rank's peak memory in MiB) over the timed steps."""
+        try:
+            times = self._time_steps(size)
+        except Exception as err:
+            if is_oom(err):  # the peers are inside the DDP step: this run cannot go on
+                raise RuntimeError(f"out of memory in the DDP step at per-device batch {size}, after a probe of "
+                                   f"that size fitted; rerun with --max-batch {max(1, size - 1)}") from None
+            raise
+        peak = peak_memory_mib(self.rt.device)
+        self._release()
+        return statistics.median(times), peak
+
+    def _time_steps(self, size: int) -> list[float]:
+        x, y = self.batch(size)  # one batch, reused: the timing is of the step, not of data
+
+        def step() -> None:
+            self.rt.backward(F.cross_entropy(self.model(x), y))
+            self.rt.step(self.opt)
+
+        return time_calls(step, self.rt.device, repeats=self.s.steps, warmup=self.s.warmup)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _release(self, collect: bool = False) -> None:
+        """Hand freed memory back. Tensors die with their last reference; a full collection
+        (a quarter of a second with torch loaded) is for after a failure, in case something
+        on the failed path formed a reference cycle."""
+        if collect:
+            gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _predicted_too_big(self, size: int) -> bool:
+        """CPU only: whether `size` would need more than the memory the machine has left,
+        extrapolated linearly from the last size that fitted. On Linux the alternative is not
+        an exception to catch but the kernel's OOM killer ending the worker."""
+        if self.cuda or self.last_fit is None:
+            return False
+        fitted, peak = self.last_fit
+        predicted = self.base_rss + (peak - self.base_rss) * size / fitted
+        growth = (predicted - rss_mib()) * self.rt.env.local_world_size  # every local rank grows alike
+        available = available_mib()
+        return available is not None and growth > CPU_MEMORY_HEADROOM * available
