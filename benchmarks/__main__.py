@@ -8,5 +8,10 @@ from ddpkit.cli.bench import main
 from . import COMPARISONS
 
 if __name__ == "__main__":
-    sys.exit(run_command("benchmarks", lambda argv: main(argv, COMPARISONS, prog="python -m benchmarks",
-                                                          table="compare"), sys.argv[1:]))
+    sys.exit(
+        run_command(
+            "benchmarks",
+            lambda argv: main(argv, COMPARISONS, prog="python -m benchmarks", table="compare"),
+            sys.argv[1:],
+        )
+    )

@@ -87,12 +87,18 @@ class Work:
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--model", default="cnn", help="built-in model (default cnn: two convolutions and an MLP head)")
     parser.add_argument("--image-size", type=int, default=16, help="synthetic images are 3 x SIZE x SIZE (default 16)")
-    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch, a multiple of the processes (default 32)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="GLOBAL batch, a multiple of the processes (default 32)"
+    )
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps per phase (default 40; --quick 12)")
     parser.add_argument("--nproc", type=int, default=0, help="processes (default: 2 on CPU, one per GPU on CUDA)")
-    parser.add_argument("--loader", choices=LOADERS, default="auto",
-                        help="ddpkit's data path: auto (its default: the dataset resident on the device), resident, or "
-                             "dataloader (the same DataLoader path as the hand-written loop, to isolate the runtime)")
+    parser.add_argument(
+        "--loader",
+        choices=LOADERS,
+        default="auto",
+        help="ddpkit's data path: auto (its default: the dataset resident on the device), resident, or "
+        "dataloader (the same DataLoader path as the hand-written loop, to isolate the runtime)",
+    )
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
@@ -104,9 +110,14 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
     extra = opts.extra
     steps = extra.get("steps") or (12 if opts.quick else 40)
-    work = Work(model=extra.get("model", "cnn"), image_size=extra.get("image_size", 16),
-                global_batch=extra.get("batch_size", 32), steps=steps, warmup_steps=min(5, steps // 3),
-                loader=extra.get("loader", "auto"))
+    work = Work(
+        model=extra.get("model", "cnn"),
+        image_size=extra.get("image_size", 16),
+        global_batch=extra.get("batch_size", 32),
+        steps=steps,
+        warmup_steps=min(5, steps // 3),
+        loader=extra.get("loader", "auto"),
+    )
     nproc = extra.get("nproc") or (torch.cuda.device_count() if device == "cuda" else 2)
     check(work.model, work.shape)
     if steps < 3:
@@ -114,8 +125,10 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     if nproc < 1 or (device == "cuda" and nproc > torch.cuda.device_count()):
         raise UsageError(f"--nproc must be between 1 and the number of processes this device can hold, got {nproc}")
     if work.global_batch < 1 or work.global_batch % nproc:
-        raise UsageError(f"--batch-size {work.global_batch} must be a multiple of the {nproc} processes: the "
-                         "hand-written loop's DistributedSampler splits it evenly")
+        raise UsageError(
+            f"--batch-size {work.global_batch} must be a multiple of the {nproc} processes: the "
+            "hand-written loop's DistributedSampler splits it evenly"
+        )
     rounds = opts.reps(10, 2)
     ranks = launch(_timing_worker, work, rounds, device, nproc=nproc, device=device)[0]
     # Memory: each loop alone in launches of its own. Peak RSS of identical CPU runs varies by a
@@ -128,9 +141,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     return result
 
 
-
-
 # -- inside the workers ---------------------------------------------------------------------------
+
 
 def _datasets(work: Work, world: int) -> tuple[Any, Any]:
     """(the hand-written loop's dataset, the same samples in the order ddpkit reads them)."""
@@ -144,10 +156,11 @@ def _datasets(work: Work, world: int) -> tuple[Any, Any]:
     hand = TensorDataset(x, y)
     # What the hand-written loop's rank r reads at step k: positions [k*b, (k+1)*b) of its
     # DistributedSampler's order. ddpkit's rank r reads positions [k*B + r*b, k*B + (r+1)*b).
-    per_rank = [list(DistributedSampler(hand, num_replicas=world, rank=r, shuffle=True, seed=work.seed))
-                for r in range(world)]
+    per_rank = [
+        list(DistributedSampler(hand, num_replicas=world, rank=r, shuffle=True, seed=work.seed)) for r in range(world)
+    ]
     b = work.global_batch // world
-    order = [i for k in range(work.steps) for r in range(world) for i in per_rank[r][k * b:(k + 1) * b]]
+    order = [i for k in range(work.steps) for r in range(world) for i in per_rank[r][k * b : (k + 1) * b]]
     index = torch.tensor(order)
     return hand, TensorDataset(x[index], y[index])
 
@@ -260,8 +273,13 @@ def _timing_worker(work: Work, rounds: int, device: str) -> dict[str, Any]:
         datasets = _datasets(work, rt.world_size)
         initial = _initial_model(work)
         start = _cpu_state(initial)
-        local: dict[str, Any] = {"times": {s: [] for s in SIDES}, "equal": [], "changed": [],
-                                 "threads": torch.get_num_threads(), "ddpkit_data_path": None}
+        local: dict[str, Any] = {
+            "times": {s: [] for s in SIDES},
+            "equal": [],
+            "changed": [],
+            "threads": torch.get_num_threads(),
+            "ddpkit_data_path": None,
+        }
         for r in range(rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             phases = {side: _phase(side, work, rt, initial, datasets) for side in order}
@@ -269,7 +287,7 @@ def _timing_worker(work: Work, rounds: int, device: str) -> dict[str, Any]:
             local["equal"].append(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
             local["changed"].append(any(not torch.equal(a[k], start[k]) for k in a))
             for side in SIDES:
-                local["times"][side].append(phases[side]["times"][work.warmup_steps:])
+                local["times"][side].append(phases[side]["times"][work.warmup_steps :])
             local["ddpkit_data_path"] = phases["ddpkit"]["data_path"]
         return rt.gather_objects(local)
 
@@ -292,11 +310,16 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
             torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated() / 2**20 if cuda else 0.0
         reset = reset_peak_rss()
-        before = (proc_status_mib("VmRSS") or 0.0)
-        anon_before = (proc_status_mib("RssAnon") or 0.0)
+        before = proc_status_mib("VmRSS") or 0.0
+        anon_before = proc_status_mib("RssAnon") or 0.0
         _phase(side, work, rt, initial, datasets)
-        local = {"peak_rss_mib": peak_rss_mib(), "rss_before_mib": before, "peak_reset_before_loop": reset,
-                 "anon_before_mib": anon_before, "anon_after_mib": (proc_status_mib("RssAnon") or 0.0)}
+        local = {
+            "peak_rss_mib": peak_rss_mib(),
+            "rss_before_mib": before,
+            "peak_reset_before_loop": reset,
+            "anon_before_mib": anon_before,
+            "anon_after_mib": (proc_status_mib("RssAnon") or 0.0),
+        }
         local["rss_growth_mib"] = local["peak_rss_mib"] - before
         if cuda:
             torch.cuda.synchronize()
@@ -307,10 +330,13 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
 
 # -- assembling the result --------------------------------------------------------------------
 
+
 def _job_step_times(ranks: list[dict[str, Any]], side: str) -> tuple[list[float], list[list[float]]]:
     """A step's time for the job is its slowest rank's; (all steps, steps per round)."""
-    rounds = [[max(step) for step in zip(*(rank["times"][side][r] for rank in ranks))]
-              for r in range(len(ranks[0]["times"][side]))]
+    rounds = [
+        [max(step) for step in zip(*(rank["times"][side][r] for rank in ranks))]
+        for r in range(len(ranks[0]["times"][side]))
+    ]
     return [t for steps in rounds for t in steps], rounds
 
 
@@ -321,31 +347,49 @@ def _memory(alone: dict[str, list[list[dict[str, Any]]]], device: str) -> dict[s
     import statistics
 
     reset = all(r["peak_reset_before_loop"] for side in SIDES for run in alone[side] for r in run)
-    rss = ("peak RSS (VmHWM) per rank, " + ("reset to the current RSS just before the loop, so it is the training's peak"
-                                              if reset else "since process start (it could not be reset)"))
-    per = {side: {key: [statistics.median(run[rank][key] for run in alone[side]) for rank in range(len(alone[side][0]))]
-                  for key in alone[side][0][0] if key != "peak_reset_before_loop"} for side in SIDES}
-    out: dict[str, Any] = {"launches_per_loop": len(alone[SIDES[0]]), "rss_before_mib": {s: per[s]["rss_before_mib"] for s in SIDES},
-                           "peak_reset_before_loop": reset}
+    rss = "peak RSS (VmHWM) per rank, " + (
+        "reset to the current RSS just before the loop, so it is the training's peak"
+        if reset
+        else "since process start (it could not be reset)"
+    )
+    per = {
+        side: {
+            key: [statistics.median(run[rank][key] for run in alone[side]) for rank in range(len(alone[side][0]))]
+            for key in alone[side][0][0]
+            if key != "peak_reset_before_loop"
+        }
+        for side in SIDES
+    }
+    out: dict[str, Any] = {
+        "launches_per_loop": len(alone[SIDES[0]]),
+        "rss_before_mib": {s: per[s]["rss_before_mib"] for s in SIDES},
+        "peak_reset_before_loop": reset,
+    }
     if device == "cuda":
-        out["measure"] = ("each loop alone in a launch of its own after identical set-up; peak_mib: "
-                          "torch.cuda.max_memory_allocated per rank (statistics reset just before the loop); growth_mib: "
-                          "that peak minus what was allocated before the loop; host_peak_rss_mib: " + rss + ". MiB")
+        out["measure"] = (
+            "each loop alone in a launch of its own after identical set-up; peak_mib: "
+            "torch.cuda.max_memory_allocated per rank (statistics reset just before the loop); growth_mib: "
+            "that peak minus what was allocated before the loop; host_peak_rss_mib: " + rss + ". MiB"
+        )
         out["peak_mib"] = {s: per[s]["cuda_peak_mib"] for s in SIDES}
         out["growth_mib"] = {s: per[s]["cuda_growth_mib"] for s in SIDES}
         out["host_peak_rss_mib"] = {s: per[s]["peak_rss_mib"] for s in SIDES}
     else:
-        out["measure"] = ("each loop alone in launches of its own after identical set-up, the median over "
-                          f"{len(alone[SIDES[0]])} launch(es) per loop, alternating; peak_mib: " + rss
-                          + "; growth_mib: that peak minus the RSS just before the loop. MiB")
+        out["measure"] = (
+            "each loop alone in launches of its own after identical set-up, the median over "
+            f"{len(alone[SIDES[0]])} launch(es) per loop, alternating; peak_mib: "
+            + rss
+            + "; growth_mib: that peak minus the RSS just before the loop. MiB"
+        )
         out["peak_mib_per_launch"] = {s: [[r["peak_rss_mib"] for r in run] for run in alone[s]] for s in SIDES}
         out["peak_mib"] = {s: per[s]["peak_rss_mib"] for s in SIDES}
         out["growth_mib"] = {s: per[s]["rss_growth_mib"] for s in SIDES}
     return out
 
 
-def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], memory: dict[str, Any],
-            device: str) -> dict[str, Any]:
+def _result(
+    work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], memory: dict[str, Any], device: str
+) -> dict[str, Any]:
     import statistics
 
     from ddpkit.bench.common import stats
@@ -354,18 +398,21 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
     for side in SIDES:
         steps[side], per_round[side] = _job_step_times(ranks, side)
     time_ratio = statistics.median(steps["ddpkit"]) / statistics.median(steps["hand_written"])
-    round_ratios = [statistics.median(k) / statistics.median(h) for k, h in zip(per_round["ddpkit"], per_round["hand_written"])]
+    round_ratios = [
+        statistics.median(k) / statistics.median(h) for k, h in zip(per_round["ddpkit"], per_round["hand_written"])
+    ]
     memory_ratio = max(k / h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"]))
     memory_excess = max(k - h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"]))
     tolerance = CPU_MEMORY_TOLERANCE_MIB if device == "cpu" else 0.0
     weights_equal = all(all(rank["equal"]) for rank in ranks)
-    data_mib = work.samples * (3 * work.image_size ** 2 * 4 + 8) / 2**20
+    data_mib = work.samples * (3 * work.image_size**2 * 4 + 8) / 2**20
     if device == "cuda" and ranks[0]["ddpkit_data_path"] == "resident":
         # ddpkit keeps an in-memory dataset whole on the GPU (no per-step host copies); the
         # hand-written loop keeps it in host memory. Say how much of the gap that is.
         memory["resident_dataset_mib"] = data_mib
         memory["peak_memory_ratio_without_resident_dataset"] = max(
-            (k - data_mib) / h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"]))
+            (k - data_mib) / h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"])
+        )
     return {
         "method": (
             f"{nproc} processes ({device}); every round trains a fresh copy of the same initial model for "
@@ -378,8 +425,13 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
             "global-batch sampler (shuffle=False, rank r takes a contiguous slice of each global batch) hands every "
             "rank the same micro-batch; the dataset is a whole number of global batches (no padding, no drop). So "
             "any difference in the final weights (compared bitwise with torch.equal on every rank) comes from the "
-            "runtime itself." + (" On CUDA both sides run deterministic cuDNN/cuBLAS kernels (cudnn.benchmark off)."
-                                 if device == "cuda" else "")),
+            "runtime itself."
+            + (
+                " On CUDA both sides run deterministic cuDNN/cuBLAS kernels (cudnn.benchmark off)."
+                if device == "cuda"
+                else ""
+            )
+        ),
         "work": {**asdict(work), "samples": work.samples, "dataset_mib": data_mib},
         "nproc": nproc,
         "rounds": rounds,
@@ -395,15 +447,22 @@ def _result(work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], me
         "weights_equal": weights_equal,
         "weights_equal_per_round": [all(rank["equal"][r] for rank in ranks) for r in range(rounds)],
         "weights_changed_by_training": all(all(rank["changed"]) for rank in ranks),
-        "target": {"step_time_ratio": TARGET_STEP_TIME_RATIO, "peak_memory_ratio": TARGET_PEAK_MEMORY_RATIO,
-                   "peak_memory_tolerance_mib": tolerance, "weights_equal": True},
-        "meets_target": {"step_time_ratio": time_ratio <= TARGET_STEP_TIME_RATIO,
-                         "peak_memory_ratio": memory_ratio <= TARGET_PEAK_MEMORY_RATIO or memory_excess <= tolerance,
-                         "weights_equal": weights_equal},
+        "target": {
+            "step_time_ratio": TARGET_STEP_TIME_RATIO,
+            "peak_memory_ratio": TARGET_PEAK_MEMORY_RATIO,
+            "peak_memory_tolerance_mib": tolerance,
+            "weights_equal": True,
+        },
+        "meets_target": {
+            "step_time_ratio": time_ratio <= TARGET_STEP_TIME_RATIO,
+            "peak_memory_ratio": memory_ratio <= TARGET_PEAK_MEMORY_RATIO or memory_excess <= tolerance,
+            "weights_equal": weights_equal,
+        },
     }
 
 
 # -- report ----------------------------------------------------------------------------------
+
 
 def plot(record: dict[str, Any], path: str) -> None:
     from ddpkit.plots import pyplot, save_figure
@@ -431,8 +490,11 @@ def plot(record: dict[str, Any], path: str) -> None:
     right.set_ylabel("peak allocated (MiB)" if record.get("device") == "cuda" else "peak RSS (MiB)")
     right.set_title(f"peak memory ratio {r['peak_memory_ratio']:.3f}; weights equal: {r['weights_equal']}")
     right.legend(loc="lower right")
-    fig.suptitle(f"parity on {r['nproc']} {record.get('device', '')} processes, {r['work']['model']}, "
-                 f"global batch {r['work']['global_batch']}", fontsize=10)
+    fig.suptitle(
+        f"parity on {r['nproc']} {record.get('device', '')} processes, {r['work']['model']}, "
+        f"global batch {r['work']['global_batch']}",
+        fontsize=10,
+    )
     save_figure(fig, path, dpi=110)
 
 
@@ -440,12 +502,18 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     ok = result["meets_target"]
     hand, kit = result["step_seconds"]["hand_written"]["median"], result["step_seconds"]["ddpkit"]["median"]
     return [
-        ("step time ddpkit / hand-written (median)",
-         f"{result['step_time_ratio']:.3f} (target <= {TARGET_STEP_TIME_RATIO}: {'met' if ok['step_time_ratio'] else 'missed'})"),
+        (
+            "step time ddpkit / hand-written (median)",
+            f"{result['step_time_ratio']:.3f} (target <= {TARGET_STEP_TIME_RATIO}: {'met' if ok['step_time_ratio'] else 'missed'})",
+        ),
         ("step time hand-written / ddpkit", f"{hand * 1e3:.2f} ms / {kit * 1e3:.2f} ms"),
-        ("peak memory ddpkit / hand-written (worst rank)",
-         (f"{result['peak_memory_ratio']:.3f}, {result['peak_memory_excess_mib']:+.1f} MiB (target <= "
-          f"{TARGET_PEAK_MEMORY_RATIO}, within {result['target']['peak_memory_tolerance_mib']:g} MiB: "
-          f"{'met' if ok['peak_memory_ratio'] else 'missed'})")),
+        (
+            "peak memory ddpkit / hand-written (worst rank)",
+            (
+                f"{result['peak_memory_ratio']:.3f}, {result['peak_memory_excess_mib']:+.1f} MiB (target <= "
+                f"{TARGET_PEAK_MEMORY_RATIO}, within {result['target']['peak_memory_tolerance_mib']:g} MiB: "
+                f"{'met' if ok['peak_memory_ratio'] else 'missed'})"
+            ),
+        ),
         ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
     ]

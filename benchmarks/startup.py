@@ -41,22 +41,40 @@ DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit trai
 
 CONTENDERS = ("ddpkit", "torchrun", "accelerate", "fabric")
 NPROC = 2
-JOB = {"data": "digits (8x8, 1438 train / 359 test)", "model": "cnn (ddpkit's small_cnn)", "processes": NPROC,
-       "device": "cpu", "global_batch_size": 64, "optimizer": "SGD nesterov momentum 0.9, lr 0.05, wd 5e-4, cosine",
-       "evaluation": "whole test set after every epoch"}
+JOB = {
+    "data": "digits (8x8, 1438 train / 359 test)",
+    "model": "cnn (ddpkit's small_cnn)",
+    "processes": NPROC,
+    "device": "cpu",
+    "global_batch_size": 64,
+    "optimizer": "SGD nesterov momentum 0.9, lr 0.05, wd 5e-4, cosine",
+    "evaluation": "whole test set after every epoch",
+}
 BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines")
 # Variables a launcher sets for its workers: a run started from inside another job must not
 # inherit them. OMP_NUM_THREADS goes too, so that each launcher applies its own default.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+)
 _FINAL = re.compile(r"final test accuracy ([0-9.]+)")
 RUN_TIMEOUT_S = 600
 
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the job (default 10)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default all; ddpkit always runs)")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated subset of {','.join(CONTENDERS)} (default all; ddpkit always runs)",
+    )
 
 
 def _selected(opts: Any) -> list[str]:
@@ -80,16 +98,53 @@ def _missing(name: str) -> str | None:
 def command(name: str, out: str, epochs: int) -> list[str]:
     py = sys.executable
     if name == "ddpkit":
-        return [py, "-m", "ddpkit", "train", "--nproc", str(NPROC), "--device", "cpu", "--epochs", str(epochs),
-                "--out", out]
+        return [
+            py,
+            "-m",
+            "ddpkit",
+            "train",
+            "--nproc",
+            str(NPROC),
+            "--device",
+            "cpu",
+            "--epochs",
+            str(epochs),
+            "--out",
+            out,
+        ]
     if name == "torchrun":
-        return [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(NPROC),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",  # port 0: the OS picks a free one
-                os.path.join(BASELINES, "torchrun_digits.py")]
+        return [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(NPROC),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",  # port 0: the OS picks a free one
+            os.path.join(BASELINES, "torchrun_digits.py"),
+        ]
     if name == "accelerate":
-        return [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(NPROC),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", "0", os.path.join(BASELINES, "accelerate_digits.py")]
+        return [
+            py,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(NPROC),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            os.path.join(BASELINES, "accelerate_digits.py"),
+        ]
     return [py, os.path.join(BASELINES, "fabric_digits.py")]
 
 
@@ -106,8 +161,16 @@ def run_once(name: str, epochs: int, tmp: str) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix=f"{name}-", dir=tmp)
     cmd = command(name, out, epochs)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(tmp, epochs),
-                          cwd=out, stdin=subprocess.DEVNULL, check=False)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=_env(tmp, epochs),
+        cwd=out,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     seconds = time.perf_counter() - t
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -140,7 +203,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     others = {n: c for n, c in contenders.items() if n != "ddpkit"}
     return {
         "job": {**JOB, "epochs": epochs},
-        "rounds": rounds, "warmup_rounds": 0 if opts.quick else 1,
+        "rounds": rounds,
+        "warmup_rounds": 0 if opts.quick else 1,
         "contenders": contenders,
         "skipped": skipped,
         "ddpkit_fastest": all(best < c["wall_seconds"]["median"] for c in others.values()),
@@ -157,7 +221,7 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-startup-") as tmp:
         for r in range(warmup + rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # nobody always first (cold) or last
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # nobody always first (cold) or last
                 if name in skipped:
                     continue
                 try:
@@ -171,9 +235,12 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
                 if r >= warmup:
                     runs[name].append(one)
                 acc = one["test_accuracy"]
-                print(f"  startup: round {r + 1 - warmup}{' (warm-up)' if r < warmup else ''} {name:<10} "
-                      f"{one['seconds']:6.2f} s" + (f"  accuracy {acc:.4f}" if acc is not None else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  startup: round {r + 1 - warmup}{' (warm-up)' if r < warmup else ''} {name:<10} "
+                    f"{one['seconds']:6.2f} s" + (f"  accuracy {acc:.4f}" if acc is not None else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
     return runs
 
 
@@ -219,13 +286,19 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.barh(names, med, xerr=err, color=colors, capsize=4)
     for i, (n, m, w) in enumerate(zip(names, med, walls)):
         acc = r["contenders"][n]["test_accuracy"]
-        ax.text(w["max"], i, f"  {m:.2f} s" + (f"  (accuracy {acc:.3f})" if acc is not None else ""), va="center",
-                fontsize=9)
+        ax.text(
+            w["max"],
+            i,
+            f"  {m:.2f} s" + (f"  (accuracy {acc:.3f})" if acc is not None else ""),
+            va="center",
+            fontsize=9,
+        )
     ax.set_xlabel("whole command, seconds (median; whiskers min-max)")
     ax.set_xlim(0, max(w["max"] for w in walls) * 1.45)
     job = r["job"]
-    ax.set_title(f"{job['epochs']} epochs of digits on {job['processes']} CPU processes, "
-                 f"{r['rounds']} rounds", fontsize=10)
+    ax.set_title(
+        f"{job['epochs']} epochs of digits on {job['processes']} CPU processes, {r['rounds']} rounds", fontsize=10
+    )
     save_figure(fig, path, dpi=120)
 
 
@@ -234,8 +307,9 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     for name, c in sorted(result["contenders"].items(), key=lambda kv: kv[1]["wall_seconds"]["median"]):
         w = c["wall_seconds"]
         acc = f", accuracy {c['test_accuracy']:.4f}" if c["test_accuracy"] is not None else ""
-        rows.append((f"{name} whole command (median of {w['n']})",
-                     f"{w['median']:.2f} s [{w['min']:.2f}-{w['max']:.2f}]{acc}"))
+        rows.append(
+            (f"{name} whole command (median of {w['n']})", f"{w['median']:.2f} s [{w['min']:.2f}-{w['max']:.2f}]{acc}")
+        )
     outside = result["contenders"]["ddpkit"].get("outside_results_wall_seconds")
     if outside:
         rows.append(("ddpkit outside results.json's wall_seconds", f"{outside['median']:.2f} s"))

@@ -36,8 +36,9 @@ def load_data(rt: ddpkit.Runtime, args: argparse.Namespace) -> data.Splits:
 
 def with_augment(images: ImageSet, crop_padding: int) -> ImageSet:
     """The same images and normalization, read through crop (zero-pad, crop back) + flip."""
-    return ImageSet(images.images, images.labels, images.mean, images.std,
-                    augment=Augment(crop_padding=crop_padding, flip=True))
+    return ImageSet(
+        images.images, images.labels, images.mean, images.std, augment=Augment(crop_padding=crop_padding, flip=True)
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
                 rt.backward(F.cross_entropy(model(x), y))
                 if rt.step(optimizer):  # False between micro-batches of one global batch
                     scheduler.step()
-            rt.print(f"epoch {epoch + 1}/{args.epochs}: test accuracy {rt.evaluate(model, splits.test)['accuracy']:.4f}")
+            rt.print(
+                f"epoch {epoch + 1}/{args.epochs}: test accuracy {rt.evaluate(model, splits.test)['accuracy']:.4f}"
+            )
         if args.save:
             rt.save(args.save, model=model, optimizer=optimizer)
         rt.print(f"done: {args.model} on {len(train_set)} images, {rt.world_size} process(es)")

@@ -60,8 +60,9 @@ def train(rt: ddpkit.Runtime, splits: data.Splits, batch_size: int, lr: float, e
         seconds.append(time.perf_counter() - start)
         accuracy = rt.evaluate(net, splits.test)["accuracy"]
         rt.print(f"epoch {epoch + 1}/{epochs}: test acc {accuracy:.3f}")
-    rt.print(f"test acc: {accuracy:.2f}, {sum(seconds) / len(seconds):.1f} sec/epoch "
-             f"on {rt.world_size} x {rt.device.type}")
+    rt.print(
+        f"test acc: {accuracy:.2f}, {sum(seconds) / len(seconds):.1f} sec/epoch on {rt.world_size} x {rt.device.type}"
+    )
     return accuracy
 
 

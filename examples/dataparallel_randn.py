@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # A generator of its own: every rank draws the same "dataset", whatever else uses the RNG.
     g = torch.Generator().manual_seed(args.seed)
-    data = TensorDataset(torch.randn(args.size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.size,), generator=g))
+    data = TensorDataset(
+        torch.randn(args.size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.size,), generator=g)
+    )
     with ddpkit.Runtime(seed=args.seed, device=args.device) as rt:
         model = models.build("simple-cnn", (3, 32, 32), 10)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -51,8 +53,10 @@ def main(argv: list[str] | None = None) -> None:
                 loss_sum += loss.detach() * len(y)
             # Each rank saw its share: sum the per-sample losses over ranks for the batch's mean.
             rt.print(f"epoch {epoch}, loss {rt.all_reduce(loss_sum).item() / args.size:.4f}")
-        rt.print(f"finished: {args.epochs} epochs on {rt.world_size} process(es), "
-                 f"final loss {rt.evaluate(model, data)['loss']:.4f}")
+        rt.print(
+            f"finished: {args.epochs} epochs on {rt.world_size} process(es), "
+            f"final loss {rt.evaluate(model, data)['loss']:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
                     steps += 1
                     if steps % args.log_every == 0:
                         # Every rank's running loss, averaged: one line, not one per rank.
-                        rt.print(f"[{epoch + 1}, {steps:5d}] loss: {rt.all_reduce(running, 'mean').item() / args.log_every:.3f}")
+                        rt.print(
+                            f"[{epoch + 1}, {steps:5d}] loss: {rt.all_reduce(running, 'mean').item() / args.log_every:.3f}"
+                        )
                         running.zero_()
             ev = rt.evaluate(model, splits.test)
             rt.print(f"epoch {epoch + 1}/{args.epochs}: test loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.4f}")

@@ -26,8 +26,10 @@ class NeuralNetwork(nn.Module):
     def __init__(self, num_inputs: int, num_outputs: int):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(num_inputs, 30), nn.ReLU(),
-            nn.Linear(30, 20), nn.ReLU(),
+            nn.Linear(num_inputs, 30),
+            nn.ReLU(),
+            nn.Linear(30, 20),
+            nn.ReLU(),
             nn.Linear(20, num_outputs),
         )
 

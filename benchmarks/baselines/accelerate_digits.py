@@ -10,9 +10,8 @@ The prepared loader gives each process 32 samples per step; the main process eva
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
-
 from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
+from torch.utils.data import DataLoader
 
 
 def main() -> None:

@@ -42,11 +42,15 @@ def load_digits() -> tuple[TensorDataset, TensorDataset]:
 def small_cnn() -> nn.Module:
     """ddpkit's default `cnn` for 1x8x8 inputs and 10 classes, layer for layer."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-        nn.Linear(64 * 16, 128), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(64 * 16, 128),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
 

@@ -9,10 +9,9 @@ rank 0 evaluates the whole test set after every epoch.
 
 import torch
 import torch.nn.functional as F
+from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
-
-from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
 
 
 def main() -> None:

@@ -9,11 +9,10 @@ batch 64 on 2 processes), rank 0 evaluates the whole test set after every epoch.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-
-from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
 
 
 def main() -> None:

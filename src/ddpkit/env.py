@@ -15,23 +15,31 @@ import torch
 import torch.distributed as tdist
 
 from . import dist
-from .version import __version__
 from .device import auto_nproc, cpu_count
+from .version import __version__
 
 
 def _gpus() -> list[dict[str, Any]]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
-                    "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 2),
+                "compute_capability": f"{p.major}.{p.minor}",
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     return out
 
 
 def report() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
-    backends = {name: bool(getattr(tdist, f"is_{name}_available", lambda: False)())
-                for name in ("gloo", "nccl", "mpi", "ucc")}
+    backends = {
+        name: bool(getattr(tdist, f"is_{name}_available", lambda: False)()) for name in ("gloo", "nccl", "mpi", "ucc")
+    }
     nccl = None
     if cuda and backends["nccl"]:
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
@@ -58,13 +66,21 @@ def report() -> dict[str, Any]:
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
         "gpus": _gpus() if cuda else [],
-        "cpu": {"logical_cores": os.cpu_count(), "usable_cores": cpu_count(),
-                "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "cpu": {
+            "logical_cores": os.cpu_count(),
+            "usable_cores": cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
         "distributed_backends": backends,
         "launch_environment": {"source": denv.source, "rank": denv.rank, "world_size": denv.world_size},
-        "train_defaults": {"device": device, "nproc": auto_nproc(device), "backend": dist.backend_for(torch.device(device)),
-                           "strategy": "ddp" if auto_nproc(device) > 1 else "single (ddp on one process)",
-                           "precision": "fp32"},
+        "train_defaults": {
+            "device": device,
+            "nproc": auto_nproc(device),
+            "backend": dist.backend_for(torch.device(device)),
+            "strategy": "ddp" if auto_nproc(device) > 1 else "single (ddp on one process)",
+            "precision": "fp32",
+        },
     }
 
 
@@ -75,22 +91,33 @@ def render(r: dict[str, Any]) -> str:
         f"PyTorch {t['version']}  build: {'CUDA ' + t['cuda_build'] if t['cuda_build'] else 'CPU-only'}"
         f"{'  (debug)' if t['debug_build'] else ''}",
         f"CUDA available: {'yes' if c['available'] else 'no'}"
-        + (f"  cuDNN {c['cudnn']}  NCCL {c['nccl']}  bf16 {'yes' if c['bf16_supported'] else 'no'}" if c["available"] else ""),
+        + (
+            f"  cuDNN {c['cudnn']}  NCCL {c['nccl']}  bf16 {'yes' if c['bf16_supported'] else 'no'}"
+            if c["available"]
+            else ""
+        ),
     ]
     if c["CUDA_VISIBLE_DEVICES"] is not None:
         lines.append(f"CUDA_VISIBLE_DEVICES={c['CUDA_VISIBLE_DEVICES']}")
     for g in r["gpus"]:
-        lines.append(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, compute capability "
-                     f"{g['compute_capability']}, {g['multiprocessors']} SMs")
+        lines.append(
+            f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, compute capability "
+            f"{g['compute_capability']}, {g['multiprocessors']} SMs"
+        )
     cpu = r["cpu"]
     lines.append(f"CPU cores: {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process")
-    lines.append("distributed backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["distributed_backends"].items()))
+    lines.append(
+        "distributed backends: "
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["distributed_backends"].items())
+    )
     le = r["launch_environment"]
     if le["source"] != "single":
         lines.append(f"launched by {le['source']}: rank {le['rank']} of {le['world_size']}")
     d = r["train_defaults"]
-    lines.append(f"ddpkit train defaults here: --device {d['device']} --nproc {d['nproc']} "
-                 f"(backend {d['backend']}, strategy {d['strategy']}, precision {d['precision']})")
+    lines.append(
+        f"ddpkit train defaults here: --device {d['device']} --nproc {d['nproc']} "
+        f"(backend {d['backend']}, strategy {d['strategy']}, precision {d['precision']})"
+    )
     return "\n".join(lines)
 
 
@@ -108,8 +135,9 @@ def _cpu_model() -> str:
 def _git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -122,10 +150,15 @@ def metadata(device: str) -> dict[str, Any]:
     gpu = None
     if device == "cuda" and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        gpu = {"name": p.name, "count": torch.cuda.device_count(), "memory_gib": round(p.total_memory / 2**30, 1),
-               "compute_capability": f"{p.major}.{p.minor}", "cuda": torch.version.cuda,
-               "cudnn": torch.backends.cudnn.version(),
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None}
+        gpu = {
+            "name": p.name,
+            "count": torch.cuda.device_count(),
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "compute_capability": f"{p.major}.{p.minor}",
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+        }
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -133,8 +166,13 @@ def metadata(device: str) -> dict[str, Any]:
         "cpu": {"model": _cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": cpu_count()},
         "gpu": gpu,
         "memory_gib": _total_memory_gib(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "ddpkit": __version__,
-                     "numpy": _version("numpy"), "platform": platform.platform()},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ddpkit": __version__,
+            "numpy": _version("numpy"),
+            "platform": platform.platform(),
+        },
         "git_commit": _git_commit(),
     }
 

@@ -19,8 +19,6 @@ class IncompatibleCheckpoint(UsageError):
 class WorkerFailed(RuntimeError):
     """One or more worker processes failed; `rank` is the first one that did."""
 
-    def __init__(
-        self, rank: int, host: str, message: str, exitcode: int | None = None, traceback: str = ""
-    ):
+    def __init__(self, rank: int, host: str, message: str, exitcode: int | None = None, traceback: str = ""):
         self.rank, self.host, self.exitcode, self.traceback = rank, host, exitcode, traceback
         super().__init__(f"rank {rank} on {host} failed: {message}")

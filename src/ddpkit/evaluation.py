@@ -20,8 +20,12 @@ from .strategy import eval_view
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DistributedLoader, precision: Precision,
-             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader: DistributedLoader,
+    precision: Precision,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> dict[str, float]:
     """Accuracy and mean per-sample loss of a classifier over all of `loader`'s dataset.
 
     `loss_fn(output, target)` must return a batch mean (default: cross-entropy)."""

@@ -109,12 +109,19 @@ class StepTimer:
 
     def summary(self) -> dict[str, Any]:
         self.flush()
-        out: dict[str, Any] = {"warmup_steps": len(self.warmup), "warmup_seconds": sum(self.warmup),
-                               "steady_steps": len(self.steady)}
+        out: dict[str, Any] = {
+            "warmup_steps": len(self.warmup),
+            "warmup_seconds": sum(self.warmup),
+            "steady_steps": len(self.steady),
+        }
         if len(self.steady) >= 2:
             q = statistics.quantiles(self.steady, n=100, method="inclusive")
-            out["step_time_ms"] = {"p50": statistics.median(self.steady) * 1e3, "p90": q[89] * 1e3,
-                                   "p99": q[98] * 1e3, "mean": statistics.fmean(self.steady) * 1e3}
+            out["step_time_ms"] = {
+                "p50": statistics.median(self.steady) * 1e3,
+                "p90": q[89] * 1e3,
+                "p99": q[98] * 1e3,
+                "mean": statistics.fmean(self.steady) * 1e3,
+            }
         elif self.steady:
             v = self.steady[0] * 1e3
             out["step_time_ms"] = {"p50": v, "p90": v, "p99": v, "mean": v}
@@ -215,8 +222,10 @@ def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: to
     try:
         net = copy.deepcopy(model).to(device).train()
         x = torch.randn((2, *sample_shape), device=device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                FlopCounterMode(display=False) as counter:
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            FlopCounterMode(display=False) as counter,
+        ):
             net(x).float().sum().backward()
         return counter.get_total_flops() / 2
     except Exception:  # noqa: BLE001 - an exotic model must not fail the run's report

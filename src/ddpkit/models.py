@@ -28,11 +28,15 @@ def small_cnn(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     BatchNorm, so its results do not depend on how the global batch is split over processes.
     """
     return nn.Sequential(
-        nn.Conv2d(in_shape[0], 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(in_shape[0], 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-        nn.Linear(64 * 16, 128), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(64 * 16, 128),
+        nn.ReLU(),
         nn.Linear(128, num_classes),
     )
 
@@ -41,9 +45,12 @@ def simple_cnn(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The DataParallel tutorial's two convolutions (64 and 128 channels, 3x3), which had no
     classifier; given a ReLU between them and a pooled linear head so it can be trained."""
     return nn.Sequential(
-        nn.Conv2d(in_shape[0], 64, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(in_shape[0], 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(128, num_classes),
     )
 
@@ -55,10 +62,15 @@ def lenet(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """
     c, h, w = in_shape
     return nn.Sequential(
-        nn.Conv2d(c, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(20, 50, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c, 20, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(20, 50, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(50 * (h // 4) * (w // 4), 500), nn.ReLU(),
+        nn.Linear(50 * (h // 4) * (w // 4), 500),
+        nn.ReLU(),
         nn.Linear(500, num_classes),
     )
 
@@ -67,8 +79,10 @@ def mlp(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The DDP tutorial's toy network: two hidden layers of 30 and 20 units."""
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(math.prod(in_shape), 30), nn.ReLU(),
-        nn.Linear(30, 20), nn.ReLU(),
+        nn.Linear(math.prod(in_shape), 30),
+        nn.ReLU(),
+        nn.Linear(30, 20),
+        nn.ReLU(),
         nn.Linear(20, num_classes),
     )
 
@@ -80,11 +94,17 @@ class Residual(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(),
-            nn.Conv2d(out_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels),
+            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1),
+            nn.BatchNorm2d(out_channels),
         )
-        self.shortcut = (nn.Conv2d(in_channels, out_channels, 1, stride=stride)
-                         if stride != 1 or in_channels != out_channels else nn.Identity())
+        self.shortcut = (
+            nn.Conv2d(in_channels, out_channels, 1, stride=stride)
+            if stride != 1 or in_channels != out_channels
+            else nn.Identity()
+        )
 
     def forward(self, x: Any) -> Any:
         return F.relu(self.body(x) + self.shortcut(x))
@@ -102,9 +122,13 @@ def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         stages += [Residual(width, out, stride), Residual(out, out)]
         width = out
     return nn.Sequential(
-        nn.Conv2d(in_shape[0], 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.Conv2d(in_shape[0], 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
         *stages,
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(512, num_classes),
     )
 
 
@@ -120,10 +144,13 @@ class Scale(nn.Module):
 def _conv_group(in_channels: int, out_channels: int) -> nn.Sequential:
     # conv, pool, BN, GELU, conv, BN, GELU: pooling early halves the cost of the rest.
     return nn.Sequential(
-        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False), nn.MaxPool2d(2),
-        nn.BatchNorm2d(out_channels, momentum=0.4), nn.GELU(),
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+        nn.MaxPool2d(2),
+        nn.BatchNorm2d(out_channels, momentum=0.4),
+        nn.GELU(),
         nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
-        nn.BatchNorm2d(out_channels, momentum=0.4), nn.GELU(),
+        nn.BatchNorm2d(out_channels, momentum=0.4),
+        nn.GELU(),
     )
 
 
@@ -134,15 +161,26 @@ def fast_cifar(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     logits small. About 2 million parameters; made for large batches, label smoothing,
     bf16/fp16 and channels_last (the `--model fast-cifar` recipe sets them)."""
     return nn.Sequential(
-        nn.Conv2d(in_shape[0], 24, 2, bias=False), nn.GELU(),
-        _conv_group(24, 64), _conv_group(64, 256), _conv_group(256, 256),
-        nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-        nn.Linear(256, num_classes, bias=False), Scale(1 / 9),
+        nn.Conv2d(in_shape[0], 24, 2, bias=False),
+        nn.GELU(),
+        _conv_group(24, 64),
+        _conv_group(64, 256),
+        _conv_group(256, 256),
+        nn.AdaptiveMaxPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, num_classes, bias=False),
+        Scale(1 / 9),
     )
 
 
-MODELS: dict[str, Builder] = {"cnn": small_cnn, "simple-cnn": simple_cnn, "lenet": lenet, "mlp": mlp,
-                              "resnet18": resnet18, "fast-cifar": fast_cifar}
+MODELS: dict[str, Builder] = {
+    "cnn": small_cnn,
+    "simple-cnn": simple_cnn,
+    "lenet": lenet,
+    "mlp": mlp,
+    "resnet18": resnet18,
+    "fast-cifar": fast_cifar,
+}
 
 
 # The smallest image side each convolutional model takes (its pooling must not reach zero).
@@ -182,8 +220,9 @@ def resolve(name: str) -> Builder:
     try:
         module = _import(module_name)
     except ImportError as err:  # includes ModuleNotFoundError, for the module or one it imports
-        raise ValueError(f"cannot import module {module_name!r} ({err}); is it on PYTHONPATH "
-                         "or in the current directory?") from None
+        raise ValueError(
+            f"cannot import module {module_name!r} ({err}); is it on PYTHONPATH or in the current directory?"
+        ) from None
     except Exception as err:  # noqa: BLE001 - whatever the module raised while being imported
         raise ValueError(f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from None
     fn = module
@@ -198,8 +237,10 @@ def resolve(name: str) -> Builder:
 
 def _checked(name: str, model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
-        raise ValueError(f"{name}(in_shape, num_classes) must return a torch.nn.Module, "  # noqa: TRY004
-                         f"got {type(model).__name__}")
+        raise ValueError(
+            f"{name}(in_shape, num_classes) must return a torch.nn.Module, "  # noqa: TRY004
+            f"got {type(model).__name__}"
+        )
     return model
 
 

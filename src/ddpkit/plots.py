@@ -54,10 +54,24 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: st
         color = colors[i % len(colors)]
         epochs = [h["epoch"] for h in history]
         for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-            ax.plot(epochs, [h[f"train_{key}"] for h in history], "--", color=color, marker="o", markersize=3,
-                    label=f"{label} train")
-            ax.plot(epochs, [h[f"test_{key}"] for h in history], "-", color=color, marker="s", markersize=3,
-                    label=f"{label} test")
+            ax.plot(
+                epochs,
+                [h[f"train_{key}"] for h in history],
+                "--",
+                color=color,
+                marker="o",
+                markersize=3,
+                label=f"{label} train",
+            )
+            ax.plot(
+                epochs,
+                [h[f"test_{key}"] for h in history],
+                "-",
+                color=color,
+                marker="s",
+                markersize=3,
+                label=f"{label} test",
+            )
     for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
         ax.set_xlabel("epoch")
         ax.set_ylabel(key)

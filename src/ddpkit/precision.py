@@ -7,7 +7,8 @@ the same whatever the precision.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ class Precision:
         # is scaled up first. bf16 has fp32's range and needs no scaler.
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.name])

@@ -6,16 +6,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import UsageError
 from .files import write_json
 
 # (column header, results.json key or row key, format)
-COLUMNS = (("run", "run", "{}"), ("model", "model", "{}"), ("data", "data", "{}"),
-           ("world", "world_size", "{}"), ("batch", "global_batch_size", "{}"), ("epochs", "epochs", "{}"),
-           ("test acc", "test_accuracy", "{:.4f}"), ("samples/s", "samples_per_second", "{:,.0f}"),
-           ("wall s", "wall_seconds", "{:.1f}"))
+COLUMNS = (
+    ("run", "run", "{}"),
+    ("model", "model", "{}"),
+    ("data", "data", "{}"),
+    ("world", "world_size", "{}"),
+    ("batch", "global_batch_size", "{}"),
+    ("epochs", "epochs", "{}"),
+    ("test acc", "test_accuracy", "{:.4f}"),
+    ("samples/s", "samples_per_second", "{:,.0f}"),
+    ("wall s", "wall_seconds", "{:.1f}"),
+)
 
 
 def load_run(path: str) -> dict[str, Any]:
@@ -54,8 +62,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     cells += [["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
     # text columns to the left, numbers to the right
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
 
 

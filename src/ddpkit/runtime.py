@@ -15,19 +15,21 @@ The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun
 from __future__ import annotations
 
 import os
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import checkpoint, dist, strategy as strategies
+from . import checkpoint, dist
+from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, eval_loader, train_loader
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
+from .errors import UsageError
 from .evaluation import evaluate
 from .log import print0
-from .errors import UsageError
 from .precision import Precision
 from .seed import seed_everything, seed_rank
 from .strategy import DDPOptions
@@ -54,10 +56,19 @@ class Runtime:
             fastest (default: on for CUDA; results may then differ in the last bits run to run).
     """
 
-    def __init__(self, strategy: str = "ddp", precision: str = "fp32", device: str = "auto",
-                 seed: int | None = None, timeout_s: float = 600.0, *, channels_last: bool = False,
-                 compile: bool | dict = False, ddp: DDPOptions | dict | None = None,
-                 cudnn_benchmark: bool | None = None):
+    def __init__(
+        self,
+        strategy: str = "ddp",
+        precision: str = "fp32",
+        device: str = "auto",
+        seed: int | None = None,
+        timeout_s: float = 600.0,
+        *,
+        channels_last: bool = False,
+        compile: bool | dict = False,
+        ddp: DDPOptions | dict | None = None,
+        cudnn_benchmark: bool | None = None,
+    ):
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank, what="Runtime(device=...)")
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -112,7 +123,7 @@ class Runtime:
             dist.teardown()
             self._owns_group = False
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -151,11 +162,11 @@ class Runtime:
         """The bare model under DDP / DataParallel / torch.compile."""
         return strategies.unwrap(model)
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """The precision's autocast context, for code outside the model's forward."""
         return self.precision.autocast()
 
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         """Skip the gradient all-reduce for backward passes inside (gradient accumulation)."""
         return strategies.no_sync(model)
 
@@ -192,9 +203,17 @@ class Runtime:
         return True
 
     # -- data ---------------------------------------------------------------------------------
-    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-               seed: int | None = None, num_workers: int | None = None,
-               micro_batch_size: int | None = None, resident: bool | None = None) -> DistributedLoader:
+    def loader(
+        self,
+        dataset: Any,
+        batch_size: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int | None = None,
+        num_workers: int | None = None,
+        micro_batch_size: int | None = None,
+        resident: bool | None = None,
+    ) -> DistributedLoader:
         """Training micro-batches for this rank. `batch_size` is the GLOBAL batch: the samples
         of one optimizer step over all ranks, whatever their number. Each rank takes its share
         (shares differ by at most one sample), in micro-batches of at most `micro_batch_size`.
@@ -205,19 +224,39 @@ class Runtime:
         keeps the dataset whole on the device and cuts batches there by index; False reads
         through a DataLoader (with `num_workers` workers). Both give the same batches."""
         seed = seed if seed is not None else (self.seed or 0)
-        loader = train_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank, device=self.device,
-                              shuffle=shuffle, seed=seed, drop_last=drop_last, micro_batch_size=micro_batch_size,
-                              num_workers=num_workers, local_world_size=self.env.local_world_size,
-                              resident=resident, channels_last=self.channels_last)
+        loader = train_loader(
+            dataset,
+            batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            device=self.device,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            micro_batch_size=micro_batch_size,
+            num_workers=num_workers,
+            local_world_size=self.env.local_world_size,
+            resident=resident,
+            channels_last=self.channels_last,
+        )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
         return loader
 
-    def eval_loader(self, dataset: Any, batch_size: int = 512, num_workers: int | None = None,
-                    resident: bool | None = None) -> DistributedLoader:
+    def eval_loader(
+        self, dataset: Any, batch_size: int = 512, num_workers: int | None = None, resident: bool | None = None
+    ) -> DistributedLoader:
         """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""
-        return eval_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank, device=self.device,
-                           num_workers=num_workers, local_world_size=self.env.local_world_size,
-                           resident=resident, channels_last=self.channels_last)
+        return eval_loader(
+            dataset,
+            batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            device=self.device,
+            num_workers=num_workers,
+            local_world_size=self.env.local_world_size,
+            resident=resident,
+            channels_last=self.channels_last,
+        )
 
     def evaluate(self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int = 512) -> dict[str, float]:
         """Accuracy and mean per-sample loss of a classifier over ALL of `data`, on every rank.
@@ -266,4 +305,3 @@ class Runtime:
         """Load a checkpoint written by `save()` (with `weights_only=True`: no code runs).
         Each target's entry is loaded into it; returns the whole loaded dict."""
         return checkpoint.load_into(path, targets, map_location=self.device)
-

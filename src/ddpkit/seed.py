@@ -55,9 +55,7 @@ def rng_state(device: torch.device, loader_generator: torch.Generator | None = N
     }
 
 
-def set_rng_state(
-    rng: dict[str, Any], device: torch.device, loader_generator: torch.Generator | None = None
-) -> None:
+def set_rng_state(rng: dict[str, Any], device: torch.device, loader_generator: torch.Generator | None = None) -> None:
     """Restore what `rng_state` captured (tensors may come back on the run's device)."""
     torch.set_rng_state(rng["torch"].cpu())
     random.setstate(_as_tuples(rng["python"]))

@@ -38,7 +38,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-DESCRIPTION = "DDP bucket size, gradient_as_bucket_view, static_graph, fp16/bf16 comm hooks: step time and bytes all-reduced"
+DESCRIPTION = (
+    "DDP bucket size, gradient_as_bucket_view, static_graph, fp16/bf16 comm hooks: step time and bytes all-reduced"
+)
 
 # name -> DDPOptions fields; "comm_hook" names the torch hook the counter wraps (none: allreduce_hook)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -71,10 +73,18 @@ class Work:
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--model", default="resnet18", help="built-in model (default resnet18: 11 M parameters)")
-    parser.add_argument("--image-size", type=int, default=0,
-                        help="synthetic images 3 x SIZE x SIZE (default 32 on CUDA; 16 on CPU, --quick 8)")
-    parser.add_argument("--batch-per-rank", type=int, default=0, help="samples per process per step "
-                        "(default 64 on CUDA; 8 on CPU, --quick 4)")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=0,
+        help="synthetic images 3 x SIZE x SIZE (default 32 on CUDA; 16 on CPU, --quick 8)",
+    )
+    parser.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=0,
+        help="samples per process per step (default 64 on CUDA; 8 on CPU, --quick 4)",
+    )
     parser.add_argument("--nproc", type=int, default=0, help="processes (default: 2 on CPU, one per GPU on CUDA)")
 
 
@@ -87,10 +97,13 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     from ..models import check
 
     extra, cuda, quick = opts.extra, device == "cuda", opts.quick
-    work = Work(model=extra.get("model", "resnet18"),
-                image_size=extra.get("image_size") or (32 if cuda else (8 if quick else 16)),
-                batch_per_rank=extra.get("batch_per_rank") or (64 if cuda else (4 if quick else 8)),
-                steps_per_repeat=10 if cuda else 2, warmup_steps=2 if quick else 3)
+    work = Work(
+        model=extra.get("model", "resnet18"),
+        image_size=extra.get("image_size") or (32 if cuda else (8 if quick else 16)),
+        batch_per_rank=extra.get("batch_per_rank") or (64 if cuda else (4 if quick else 8)),
+        steps_per_repeat=10 if cuda else 2,
+        warmup_steps=2 if quick else 3,
+    )
     check(work.model, work.shape)
     checks.positive("--batch-per-rank", work.batch_per_rank)
     gpus = torch.cuda.device_count() if cuda else 0
@@ -105,13 +118,16 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
 
 def _unavailable(work: Work, device: str, nproc: int) -> dict[str, Any]:
-    why = (f"DDP communication needs at least 2 processes; {nproc} on {device}"
-           + (" (NCCL takes one process per GPU: this machine shows one GPU; `--device cpu` measures 2 gloo "
-              "processes)" if device == "cuda" else ""))
+    why = f"DDP communication needs at least 2 processes; {nproc} on {device}" + (
+        " (NCCL takes one process per GPU: this machine shows one GPU; `--device cpu` measures 2 gloo processes)"
+        if device == "cuda"
+        else ""
+    )
     return {"method": why, "work": asdict(work), "nproc": nproc, "variants": [], "unavailable": {"all": why}}
 
 
 # -- inside the workers ---------------------------------------------------------------------------
+
 
 class Counter:
     """State of the counting hook: torch's hook for the variant, and what it all-reduced."""
@@ -120,8 +136,11 @@ class Counter:
         import torch
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        self.hook = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-                     "bf16": default_hooks.bf16_compress_hook}[hook]
+        self.hook = {
+            "none": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+        }[hook]
         self.wire_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[hook]
         self.steps: list[list[int]] = []  # bytes of every bucket all-reduced, per step
 
@@ -194,8 +213,8 @@ def _worker(work: Work, device: str, reps: int) -> list[dict[str, Any]]:
     import torch
 
     from ..data import synthetic
-    from ..runtime import Runtime
     from ..metrics import time_calls
+    from ..runtime import Runtime
 
     with Runtime(strategy="ddp", device=device) as base:  # owns the process group
         data = synthetic(work.shape, work.batch_per_rank * base.world_size * 8, work.classes, work.seed).train
@@ -212,21 +231,30 @@ def _worker(work: Work, device: str, reps: int) -> list[dict[str, Any]]:
         seconds: dict[str, list[float]] = {name: [] for name in setups}
         names = list(setups)
         for r in range(reps):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 block = functools.partial(setups[name].steps, work.steps_per_repeat)
                 seconds[name] += time_calls(block, base.device, repeats=1, warmup=0)
-        local = {"threads": torch.get_num_threads(), "backend": torch.distributed.get_backend(),
-                 "unavailable": unavailable, "variants": {}}
+        local = {
+            "threads": torch.get_num_threads(),
+            "backend": torch.distributed.get_backend(),
+            "unavailable": unavailable,
+            "variants": {},
+        }
         for name, s in setups.items():
             local["variants"][name] = {
-                "seconds": seconds[name], "bucket_bytes": s.counter.steps, "final_loss": s.loss.item(),
-                "gradient_elements": s.gradient_elements, "grad_dtype_bytes": next(s.model.parameters()).element_size(),
-                "wire_dtype": str(s.counter.wire_dtype or next(s.model.parameters()).dtype).replace("torch.", "")}
+                "seconds": seconds[name],
+                "bucket_bytes": s.counter.steps,
+                "final_loss": s.loss.item(),
+                "gradient_elements": s.gradient_elements,
+                "grad_dtype_bytes": next(s.model.parameters()).element_size(),
+                "wire_dtype": str(s.counter.wire_dtype or next(s.model.parameters()).dtype).replace("torch.", ""),
+            }
             s.rt.close()
         return base.gather_objects(local)
 
 
 # -- assembling the result ------------------------------------------------------------------------
+
 
 def _variant(work: Work, nproc: int, name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     from .common import stats
@@ -239,18 +267,21 @@ def _variant(work: Work, nproc: int, name: str, ranks: list[dict[str, Any]]) -> 
     counts = sorted({len(s) for s in steps})
     losses = [p["final_loss"] for p in per]
     return {
-        "variant": name, "ddp_options": {**VARIANTS[name], "comm_hook": VARIANTS[name].get("comm_hook", "none")},
+        "variant": name,
+        "ddp_options": {**VARIANTS[name], "comm_hook": VARIANTS[name].get("comm_hook", "none")},
         "wire_dtype": per[0]["wire_dtype"],
         "step_ms": stats([s * 1e3 for s in step_s]),
         "samples_per_second": stats([work.batch_per_rank * nproc / s for s in step_s]),
-        "bytes_per_step": totals[-1], "mb_per_step": totals[-1] / 1e6,
+        "bytes_per_step": totals[-1],
+        "mb_per_step": totals[-1] / 1e6,
         "bytes_per_step_constant": len(totals) == 1 and all(p["bucket_bytes"] == steps for p in per),
         "buckets_per_step": counts[-1],
         "bucket_mb": [b / 1e6 for b in steps[-1]],
         "counted_steps": len(steps),
         "gradient_elements": per[0]["gradient_elements"],
         "bytes_per_gradient_element": totals[-1] / per[0]["gradient_elements"],
-        "final_loss": sum(losses) / len(losses), "final_loss_per_rank": losses,
+        "final_loss": sum(losses) / len(losses),
+        "final_loss_per_rank": losses,
         "loss_finite": all(math.isfinite(v) for v in losses),
     }
 
@@ -269,10 +300,12 @@ def _result(work: Work, device: str, nproc: int, reps: int, ranks: list[dict[str
             f"trains its own copy of {work.model} (same seed) with DDP, global batch {work.batch_per_rank * nproc}. "
             f"After {work.warmup_steps} warm-up steps per variant, {reps} rounds time one block of "
             f"{work.steps_per_repeat} steps of every variant (order rotated each round; "
-            + ("CUDA events" if device == "cuda" else "host clock") + "); a block's time is its slowest rank's, "
+            + ("CUDA events" if device == "cuda" else "host clock")
+            + "); a block's time is its slowest rank's, "
             "step time = block / steps. Bytes per step: measured by a counting comm hook on rt.ddp wrapping torch's "
             "allreduce_hook / fp16_compress_hook / bf16_compress_hook, summing bucket elements x the element size "
-            "all-reduced, over the timed steps (the payload per rank; a ring all-reduce moves ~2(N-1)/N times it)."),
+            "all-reduced, over the timed steps (the payload per rank; a ring all-reduce moves ~2(N-1)/N times it)."
+        ),
         "work": asdict(work),
         "nproc": nproc,
         "global_batch": work.batch_per_rank * nproc,
@@ -287,6 +320,7 @@ def _result(work: Work, device: str, nproc: int, reps: int, ranks: list[dict[str
 
 
 # -- report ---------------------------------------------------------------------------------------
+
 
 def plot(record: dict[str, Any], path: str) -> None:
     from ..plots import pyplot, save_figure
@@ -313,13 +347,24 @@ def plot(record: dict[str, Any], path: str) -> None:
         ax.set_xlim(-0.6, max(len(names), 1) - 0.4)
         ax.grid(axis="y", alpha=0.3)
     w = r["work"]
-    fig.suptitle(f"DDP on {r['nproc']} {record.get('device', '')} processes, {w['model']} {w['image_size']}x"
-                 f"{w['image_size']}, {w['batch_per_rank']} per rank" if vs else r["method"], fontsize=10)
+    fig.suptitle(
+        f"DDP on {r['nproc']} {record.get('device', '')} processes, {w['model']} {w['image_size']}x"
+        f"{w['image_size']}, {w['batch_per_rank']} per rank"
+        if vs
+        else r["method"],
+        fontsize=10,
+    )
     save_figure(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [(v["variant"], f"{v['step_ms']['median']:.1f} ms/step ({v['step_time_vs_default']:.2f}x), "
-                           f"{v['mb_per_step']:.1f} MB/step in {v['buckets_per_step']} buckets"
-             + ("" if v["loss_finite"] else ", LOSS NOT FINITE")) for v in result["variants"]]
+    rows = [
+        (
+            v["variant"],
+            f"{v['step_ms']['median']:.1f} ms/step ({v['step_time_vs_default']:.2f}x), "
+            f"{v['mb_per_step']:.1f} MB/step in {v['buckets_per_step']} buckets"
+            + ("" if v["loss_finite"] else ", LOSS NOT FINITE"),
+        )
+        for v in result["variants"]
+    ]
     return rows + [(name, "unavailable: " + why) for name, why in result["unavailable"].items()]

@@ -62,19 +62,36 @@ def stats(values: list[float]) -> dict[str, Any]:
     if not vals:
         return {"n": 0}
     q = statistics.quantiles(vals, n=4) if len(vals) >= 2 else [vals[0]] * 3
-    return {"median": statistics.median(vals), "mean": statistics.fmean(vals),
-            "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "min": vals[0], "max": vals[-1],
-            "q1": q[0], "q3": q[2], "n": len(vals)}
+    return {
+        "median": statistics.median(vals),
+        "mean": statistics.fmean(vals),
+        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+        "min": vals[0],
+        "max": vals[-1],
+        "q1": q[0],
+        "q3": q[2],
+        "n": len(vals),
+    }
 
 
-def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Callable[[dict, str], None] | None,
-          load_before: list[float] | None = None) -> dict[str, Any]:
+def write(
+    opts: BenchOptions,
+    device: str,
+    result: dict[str, Any],
+    plot_fn: Callable[[dict, str], None] | None,
+    load_before: list[float] | None = None,
+) -> dict[str, Any]:
     """Add metadata, write the JSON (and plot), return the full record."""
     json_path, plot_path = default_paths(opts.name, device)
     json_path = opts.json_path or json_path
     plot_path = opts.plot_path or (plot_path if plot_fn else None)
-    record = {"benchmark": opts.name, "quick": opts.quick, **metadata(device),
-              "load_average": {"before": load_before, "after": load_average()}, "result": result}
+    record = {
+        "benchmark": opts.name,
+        "quick": opts.quick,
+        **metadata(device),
+        "load_average": {"before": load_before, "after": load_average()},
+        "result": result,
+    }
     if plot_fn and plot_path:
         os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
         plot_fn(record, plot_path)
@@ -82,4 +99,3 @@ def write(opts: BenchOptions, device: str, result: dict[str, Any], plot_fn: Call
     write_json(json_path, record)
     record["json"] = json_path
     return record
-

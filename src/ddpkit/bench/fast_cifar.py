@@ -36,12 +36,24 @@ CIFAR10_TRAIN = 50_000
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--synthetic-size", type=int, default=0,
-                        help="training samples (default 50000 on CUDA; 1024 on CPU, --quick 256)")
-    parser.add_argument("--epochs", type=int, default=0, help="epochs per run (default 10 on CUDA, the recipe's; 4 on "
-                        "CPU; --quick 2). The first is warm-up")
-    parser.add_argument("--batch-size", type=int, default=0,
-                        help="global batch (default: the recipe's 1024 on CUDA; 256 on CPU, --quick 128)")
+    parser.add_argument(
+        "--synthetic-size",
+        type=int,
+        default=0,
+        help="training samples (default 50000 on CUDA; 1024 on CPU, --quick 256)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=0,
+        help="epochs per run (default 10 on CUDA, the recipe's; 4 on CPU; --quick 2). The first is warm-up",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="global batch (default: the recipe's 1024 on CUDA; 256 on CPU, --quick 128)",
+    )
     parser.add_argument("--compile", action="store_true", help="also pass --compile to ddpkit train")
 
 
@@ -56,8 +68,20 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         raise UsageError(f"--epochs must be at least 2 (the first epoch is warm-up), got {epochs}")
     if size < 1 or (batch is not None and batch < 1):
         raise UsageError("--synthetic-size and --batch-size must be positive")
-    args = ["--model", "fast-cifar", "--data", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-size",
-            str(size), "--epochs", str(epochs), "--device", device]
+    args = [
+        "--model",
+        "fast-cifar",
+        "--data",
+        "synthetic",
+        "--synthetic-shape",
+        "3,32,32",
+        "--synthetic-size",
+        str(size),
+        "--epochs",
+        str(epochs),
+        "--device",
+        device,
+    ]
     args += ["--batch-size", str(batch)] if batch else []
     args += ["--compile"] if extra.get("compile") else []
     runs = [_train(args) for _ in range(opts.reps(1, 1))]
@@ -79,8 +103,13 @@ def _train(args: list[str]) -> dict[str, Any]:
             epochs = [r for r in map(json.loads, f) if r.get("type") == "epoch"]
         with open(os.path.join(out, "config.yaml")) as f:
             config = f.read()
-    return {"results": results, "epochs": epochs, "command_seconds": wall, "config_yaml": config,
-            "stdout_tail": proc.stdout[-2000:]}
+    return {
+        "results": results,
+        "epochs": epochs,
+        "command_seconds": wall,
+        "config_yaml": config,
+        "stdout_tail": proc.stdout[-2000:],
+    }
 
 
 def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,8 +127,12 @@ def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]])
             "epoch of each run left out of the median (warm-up); samples_per_second, step_time_ms, peak memory from "
             "results.json. The data are synthetic CIFAR-shaped images (3x32x32, 10 classes): test_accuracy is a "
             "sanity check on that synthetic data, not a CIFAR-10 accuracy."
-            + ("" if size == CIFAR10_TRAIN else f" seconds_per_50k_epoch is EXTRAPOLATED linearly from {size}-sample "
-               "epochs, not measured.")),
+            + (
+                ""
+                if size == CIFAR10_TRAIN
+                else f" seconds_per_50k_epoch is EXTRAPOLATED linearly from {size}-sample epochs, not measured."
+            )
+        ),
         "command": ["ddpkit", "train", *args, "--out", "TMP"],
         "synthetic_size": size,
         "test_samples": last["test_samples"],
@@ -116,7 +149,9 @@ def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]])
         "seconds_per_50k_epoch": per_50k,
         "seconds_per_50k_epoch_kind": "measured" if size == CIFAR10_TRAIN else "extrapolated",
         "samples_per_second": stats([r["results"]["samples_per_second"] for r in runs]),
-        "step_time_ms_p50": stats([r["results"]["step_time_ms"]["p50"] for r in runs if r["results"].get("step_time_ms")]),
+        "step_time_ms_p50": stats(
+            [r["results"]["step_time_ms"]["p50"] for r in runs if r["results"].get("step_time_ms")]
+        ),
         "step_time_ms": last.get("step_time_ms"),
         "compile_seconds": last.get("compile_seconds"),
         "peak_memory_mib": last.get("peak_memory_mib"),
@@ -133,6 +168,7 @@ def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]])
 
 # -- report ---------------------------------------------------------------------------------------
 
+
 def plot(record: dict[str, Any], path: str) -> None:
     from ..plots import pyplot, save_figure
 
@@ -142,16 +178,23 @@ def plot(record: dict[str, Any], path: str) -> None:
     for i, seconds in enumerate(r["epoch_seconds_per_run"]):
         epochs = range(1, len(seconds) + 1)
         ax.plot(epochs, seconds, marker="o", color=f"C{i}", label=f"run {i + 1}")
-    ax.axhline(r["median_epoch_seconds"], color="k", linestyle=":",
-               label=f"median, epochs 2+: {r['median_epoch_seconds']:.2f} s")
+    ax.axhline(
+        r["median_epoch_seconds"],
+        color="k",
+        linestyle=":",
+        label=f"median, epochs 2+: {r['median_epoch_seconds']:.2f} s",
+    )
     ax.set_xlabel("epoch (the first is warm-up)")
     ax.set_ylabel("seconds (training, evaluation excluded)")
     ax.set_ylim(0, 1.2 * max(s for seconds in r["epoch_seconds_per_run"] for s in seconds))
     ax.set_xticks(range(1, max(len(s) for s in r["epoch_seconds_per_run"]) + 1))
     kind = r["seconds_per_50k_epoch_kind"]
-    ax.set_title(f"fast-cifar recipe, {r['synthetic_size']:,} synthetic samples/epoch, batch {r['global_batch_size']}, "
-                 f"{r['world_size']} x {record.get('device', '')} {r['precision']}\n"
-                 f"50k-sample epoch: {r['seconds_per_50k_epoch']:.1f} s ({kind})", fontsize=9)
+    ax.set_title(
+        f"fast-cifar recipe, {r['synthetic_size']:,} synthetic samples/epoch, batch {r['global_batch_size']}, "
+        f"{r['world_size']} x {record.get('device', '')} {r['precision']}\n"
+        f"50k-sample epoch: {r['seconds_per_50k_epoch']:.1f} s ({kind})",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=110)
@@ -161,9 +204,17 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     kind = result["seconds_per_50k_epoch_kind"]
     acc = statistics.median(result["synthetic_test_accuracy"])
     return [
-        ("median epoch (epochs 2+)", f"{result['median_epoch_seconds']:.2f} s for {result['synthetic_size']:,} samples"),
+        (
+            "median epoch (epochs 2+)",
+            f"{result['median_epoch_seconds']:.2f} s for {result['synthetic_size']:,} samples",
+        ),
         (f"seconds per 50k-sample epoch ({kind})", f"{result['seconds_per_50k_epoch']:.1f} s"),
-        ("samples/s, step p50", (f"{result['samples_per_second']['median']:,.0f}, "
-                                 f"{result['step_time_ms_p50'].get('median', float('nan')):.1f} ms")),
+        (
+            "samples/s, step p50",
+            (
+                f"{result['samples_per_second']['median']:,.0f}, "
+                f"{result['step_time_ms_p50'].get('median', float('nan')):.1f} ms"
+            ),
+        ),
         ("test accuracy, SYNTHETIC data (not CIFAR-10)", f"{acc:.3f}"),
     ]

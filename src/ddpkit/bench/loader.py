@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from .. import data
-from ..plots import pyplot, save_figure
 from ..metrics import sync
+from ..plots import pyplot, save_figure
 from .common import BenchOptions, stats
 
 DESCRIPTION = "device-resident loader vs DataLoader path: samples/s at batch 256, plain and augmented"
@@ -83,8 +83,16 @@ def run(opts: BenchOptions, device: str) -> dict[str, Any]:
         datasets[name].augment = augment
 
     def maker(pipeline: str, resident: bool, num_workers: int = 0) -> Any:
-        return lambda: data.train_loader(datasets[pipeline], batch, world_size=1, rank=0, device=dev, seed=0,
-                                         resident=resident, num_workers=None if resident else num_workers)
+        return lambda: data.train_loader(
+            datasets[pipeline],
+            batch,
+            world_size=1,
+            rank=0,
+            device=dev,
+            seed=0,
+            resident=resident,
+            num_workers=None if resident else num_workers,
+        )
 
     variants = {}
     for pipeline in pipelines:
@@ -102,14 +110,21 @@ def run(opts: BenchOptions, device: str) -> dict[str, Any]:
         best = max(paths[f"dataloader {w} workers / {pipeline}"]["median"] for w in workers)
         speedups[pipeline] = paths[f"resident / {pipeline}"]["median"] / best
     return {
-        "image_shape": list(shape), "batch_size": batch, "dataset_samples": n, "batches_per_pass": batches,
-        "repeats": repeats, "samples_per_second": paths, "identical_batches": identical,
+        "image_shape": list(shape),
+        "batch_size": batch,
+        "dataset_samples": n,
+        "batches_per_pass": batches,
+        "repeats": repeats,
+        "samples_per_second": paths,
+        "identical_batches": identical,
         "speedup_by_pipeline": speedups,
         # the conservative figure: resident vs the best DataLoader setting, worst pipeline
-        "speedup": min(speedups.values()), "target_speedup": 5.0, "meets_target": min(speedups.values()) >= 5.0,
+        "speedup": min(speedups.values()),
+        "target_speedup": 5.0,
+        "meets_target": min(speedups.values()) >= 5.0,
         "method": "median over repeats (round robin over variants) of samples/s reading the same batches from a "
-                  "fresh loader after a warm-up pass; speedup = resident / the fastest DataLoader setting tried "
-                  "(0 or 2 workers); the headline is the lower of the two pipelines",
+        "fresh loader after a warm-up pass; speedup = resident / the fastest DataLoader setting tried "
+        "(0 or 2 workers); the headline is the lower of the two pipelines",
     }
 
 
@@ -126,8 +141,10 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("samples/s (log scale; bars: median, whiskers: min-max)")
     shape = "x".join(map(str, r["image_shape"]))
-    ax.set_title(f"loader, {shape} uint8 images, batch {r['batch_size']} on {record['device']}: "
-                 f"resident is {r['speedup']:.1f}x the best DataLoader")
+    ax.set_title(
+        f"loader, {shape} uint8 images, batch {r['batch_size']} on {record['device']}: "
+        f"resident is {r['speedup']:.1f}x the best DataLoader"
+    )
     ax.invert_yaxis()
     save_figure(fig, path, dpi=100)
 

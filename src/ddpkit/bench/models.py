@@ -45,10 +45,15 @@ class Work:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated built-in models (default {','.join(MODELS)})")
-    parser.add_argument("--batch-size", type=int, default=0, help="samples per step (default 256 on CUDA; 32 on CPU, --quick 8)")
-    parser.add_argument("--precision", default="", choices=("", "fp32", "bf16", "fp16"),
-                        help="default bf16 on CUDA, fp32 on CPU")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated built-in models (default {','.join(MODELS)})"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=0, help="samples per step (default 256 on CUDA; 32 on CPU, --quick 8)"
+    )
+    parser.add_argument(
+        "--precision", default="", choices=("", "fp32", "bf16", "fp16"), help="default bf16 on CUDA, fp32 on CPU"
+    )
     parser.add_argument("--channels-last", action="store_true", help="NHWC model and batches")
 
 
@@ -59,10 +64,14 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
     extra, cuda = opts.extra, device == "cuda"
     names = [m.strip() for m in extra.get("models", ",".join(MODELS)).split(",") if m.strip()]
-    work = Work(image_size=32, batch_size=extra.get("batch_size") or (256 if cuda else (8 if opts.quick else 32)),
-                precision=extra.get("precision") or ("bf16" if cuda else "fp32"),
-                channels_last=bool(extra.get("channels_last")), steps_per_repeat=10 if cuda else 1,
-                warmup_steps=3 if cuda else (1 if opts.quick else 2))
+    work = Work(
+        image_size=32,
+        batch_size=extra.get("batch_size") or (256 if cuda else (8 if opts.quick else 32)),
+        precision=extra.get("precision") or ("bf16" if cuda else "fp32"),
+        channels_last=bool(extra.get("channels_last")),
+        steps_per_repeat=10 if cuda else 1,
+        warmup_steps=3 if cuda else (1 if opts.quick else 2),
+    )
     for name in names:
         check(name, work.shape, what="--models")
     if not names or work.batch_size < 1:
@@ -73,6 +82,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
 
 # -- inside the worker ----------------------------------------------------------------------------
+
 
 def _cycle(loader: Any) -> Any:
     while True:
@@ -90,18 +100,18 @@ def _measure(work: Work, name: str, train: Any, device: str, reps: int) -> dict[
     import torch
     import torch.nn.functional as F
 
-    from ..metrics import flops_per_sample, peak_tflops
+    from ..metrics import flops_per_sample, peak_tflops, time_calls
     from ..models import build
     from ..runtime import Runtime
-    from ..metrics import time_calls
 
     gc.collect()
     cuda = device == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    with Runtime(strategy="single", precision=work.precision, device=device, seed=work.seed,
-                 channels_last=work.channels_last) as rt:
+    with Runtime(
+        strategy="single", precision=work.precision, device=device, seed=work.seed, channels_last=work.channels_last
+    ) as rt:
         model = build(name, work.shape, work.classes)
         params = sum(p.numel() for p in model.parameters())
         flops = flops_per_sample(model, work.shape, rt.device)
@@ -118,16 +128,22 @@ def _measure(work: Work, name: str, train: Any, device: str, reps: int) -> dict[
                 last[0] = loss.detach()
 
         seconds = time_calls(steps, rt.device, repeats=reps, warmup=work.warmup_steps)
-        out = {"model": name, "parameters": params, "flops_per_sample": flops,
-               "step_seconds": [s / work.steps_per_repeat for s in seconds], "final_loss": last[0].item(),
-               "peak_tflops": peak_tflops(rt.device, work.precision),
-               "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-               "threads": torch.get_num_threads()}
+        out = {
+            "model": name,
+            "parameters": params,
+            "flops_per_sample": flops,
+            "step_seconds": [s / work.steps_per_repeat for s in seconds],
+            "final_loss": last[0].item(),
+            "peak_tflops": peak_tflops(rt.device, work.precision),
+            "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "threads": torch.get_num_threads(),
+        }
         batches.close()
     return out
 
 
 # -- assembling the result ------------------------------------------------------------------------
+
 
 def _result(work: Work, device: str, reps: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     import statistics
@@ -140,29 +156,40 @@ def _result(work: Work, device: str, reps: int, rows: list[dict[str, Any]]) -> d
         median_rate = statistics.median(rate)
         flops, peak = row["flops_per_sample"], row["peak_tflops"]
         achieved = flops * median_rate / 1e12 if flops else None
-        models.append({**row, "step_ms": stats([s * 1e3 for s in row["step_seconds"]]),
-                       "samples_per_second": stats(rate), "achieved_tflops": achieved,
-                       "mfu": achieved / peak if achieved is not None and peak else None,
-                       "loss_finite": math.isfinite(row["final_loss"])})
+        models.append(
+            {
+                **row,
+                "step_ms": stats([s * 1e3 for s in row["step_seconds"]]),
+                "samples_per_second": stats(rate),
+                "achieved_tflops": achieved,
+                "mfu": achieved / peak if achieved is not None and peak else None,
+                "loss_finite": math.isfinite(row["final_loss"]),
+            }
+        )
     return {
         "method": (
             f"one process on {device} ({rows[0]['threads'] if rows else '?'} threads); each model trains through "
-            f"ddpkit's Runtime ({work.precision}" + (", channels_last" if work.channels_last else "")
+            f"ddpkit's Runtime ({work.precision}"
+            + (", channels_last" if work.channels_last else "")
             + f", SGD) on synthetic 3x{work.image_size}x{work.image_size} images resident on the device, batch "
             f"{work.batch_size}; {work.warmup_steps} warm-up call(s), then {reps} blocks of {work.steps_per_repeat} "
             "step(s) timed (" + ("CUDA events" if device == "cuda" else "host clock") + "). flops_per_sample: "
             "torch FlopCounterMode, forward + backward of one sample. achieved_tflops = flops_per_sample x median "
             "samples/s; mfu = achieved / the device's dense peak for the precision (metrics.peak_tflops; none for "
-            "a CPU)."),
+            "a CPU)."
+        ),
         "work": asdict(work),
         "repeats": reps,
         "peak_tflops": rows[0]["peak_tflops"] if rows else None,
-        "mfu_note": None if rows and rows[0]["peak_tflops"] else "n/a (no GPU peak): ddpkit knows dense peaks of GPUs only",
+        "mfu_note": None
+        if rows and rows[0]["peak_tflops"]
+        else "n/a (no GPU peak): ddpkit knows dense peaks of GPUs only",
         "models": models,
     }
 
 
 # -- report ---------------------------------------------------------------------------------------
+
 
 def plot(record: dict[str, Any], path: str) -> None:
     from ..plots import pyplot, save_figure
@@ -171,8 +198,10 @@ def plot(record: dict[str, Any], path: str) -> None:
     r = record["result"]
     ms = r["models"]
     med = [m["samples_per_second"]["median"] for m in ms]
-    err = [[v - m["samples_per_second"]["q1"] for v, m in zip(med, ms)],
-           [m["samples_per_second"]["q3"] - v for v, m in zip(med, ms)]]
+    err = [
+        [v - m["samples_per_second"]["q1"] for v, m in zip(med, ms)],
+        [m["samples_per_second"]["q3"] - v for v, m in zip(med, ms)],
+    ]
     fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(ms)), 4.4))
     ax.bar(range(len(ms)), med, yerr=err, capsize=3, color="C0")
     ax.set_yscale("log")
@@ -184,9 +213,11 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_ylabel("samples / s (median, quartiles; log scale)")
     ax.set_ylim(top=max(med) * 4 if med else None)
     w = r["work"]
-    ax.set_title(f"training throughput at 3x{w['image_size']}x{w['image_size']}, batch {w['batch_size']}, "
-                 f"{w['precision']} on {record.get('device', '')}" + ("" if r["peak_tflops"] else " (no GPU peak: MFU n/a)"),
-                 fontsize=10)
+    ax.set_title(
+        f"training throughput at 3x{w['image_size']}x{w['image_size']}, batch {w['batch_size']}, "
+        f"{w['precision']} on {record.get('device', '')}" + ("" if r["peak_tflops"] else " (no GPU peak: MFU n/a)"),
+        fontsize=10,
+    )
     ax.grid(axis="y", alpha=0.3, which="both")
     save_figure(fig, path, dpi=110)
 

@@ -35,7 +35,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-DESCRIPTION = "fp32 / bf16 / fp16 (+GradScaler) x channels_last, torch.compile, cudnn.benchmark: step time, speedup, memory"
+DESCRIPTION = (
+    "fp32 / bf16 / fp16 (+GradScaler) x channels_last, torch.compile, cudnn.benchmark: step time, speedup, memory"
+)
 
 CPU_VARIANT_BUDGET_S = 6.0  # timed seconds per variant on CPU, at most (about)
 MIN_REPEATS = 3
@@ -73,17 +75,32 @@ class Variant:
 
 
 BASELINE = Variant("fp32")
-VARIANTS = (BASELINE, Variant("fp32", True), Variant("bf16"), Variant("bf16", True), Variant("fp16"),
-            Variant("fp16", True), Variant("fp32", compile=True), Variant("bf16", compile=True),
-            Variant("fp32", cudnn_benchmark=False))
+VARIANTS = (
+    BASELINE,
+    Variant("fp32", True),
+    Variant("bf16"),
+    Variant("bf16", True),
+    Variant("fp16"),
+    Variant("fp16", True),
+    Variant("fp32", compile=True),
+    Variant("bf16", compile=True),
+    Variant("fp32", cudnn_benchmark=False),
+)
 
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--model", default="", help="built-in model (default: resnet18 on CUDA, cnn on CPU)")
-    parser.add_argument("--batch-size", type=int, default=0, help="samples per step (default 256 on CUDA; 32 on CPU, --quick 16)")
-    parser.add_argument("--image-size", type=int, default=0, help="synthetic images 3 x SIZE x SIZE (default 32; --quick on CPU 16)")
-    parser.add_argument("--all-variants", action="store_true",
-                        help="on CPU also measure bf16+compile (slow to compile) instead of skipping it")
+    parser.add_argument(
+        "--batch-size", type=int, default=0, help="samples per step (default 256 on CUDA; 32 on CPU, --quick 16)"
+    )
+    parser.add_argument(
+        "--image-size", type=int, default=0, help="synthetic images 3 x SIZE x SIZE (default 32; --quick on CPU 16)"
+    )
+    parser.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="on CPU also measure bf16+compile (slow to compile) instead of skipping it",
+    )
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
@@ -94,8 +111,14 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     extra, cuda, quick = opts.extra, device == "cuda", opts.quick
     batch = extra.get("batch_size") or (256 if cuda else (16 if quick else 32))
     size = extra.get("image_size") or (16 if quick and not cuda else 32)
-    work = Work(model=extra.get("model") or ("resnet18" if cuda else "cnn"), image_size=size, batch_size=batch,
-                steps_per_repeat=10 if cuda else 1, warmup_steps=3 if cuda else 2, samples=batch * 8)
+    work = Work(
+        model=extra.get("model") or ("resnet18" if cuda else "cnn"),
+        image_size=size,
+        batch_size=batch,
+        steps_per_repeat=10 if cuda else 1,
+        warmup_steps=3 if cuda else 2,
+        samples=batch * 8,
+    )
     check(work.model, work.shape)
     checks.positive("--batch-size", work.batch_size)
     measured, skipped = _plan(device, extra.get("all_variants", False))
@@ -114,14 +137,17 @@ def _plan(device: str, all_variants: bool) -> tuple[list[Variant], dict[str, str
         if v.cudnn_benchmark is False and device != "cuda":
             skipped[v.name] = "cuDNN (and its autotuner, cudnn.benchmark) is CUDA-only"
         elif v.compile and v.precision != "fp32" and device != "cuda" and not all_variants:
-            skipped[v.name] = ("inductor compiles for tens of seconds per model on a few CPU cores; one compiled "
-                               "variant (fp32+compile) is measured on CPU. --all-variants measures it too")
+            skipped[v.name] = (
+                "inductor compiles for tens of seconds per model on a few CPU cores; one compiled "
+                "variant (fp32+compile) is measured on CPU. --all-variants measures it too"
+            )
         else:
             measured.append(v)
     return measured, skipped
 
 
 # -- inside the worker ----------------------------------------------------------------------------
+
 
 def _worker(work: Work, variants: list[Variant], device: str, reps: int, budget: float | None) -> list[dict[str, Any]]:
     import torch
@@ -143,17 +169,24 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
     import torch
     import torch.nn.functional as F
 
+    from ..metrics import sync, time_calls
     from ..models import build
     from ..runtime import Runtime
-    from ..metrics import sync, time_calls
 
     gc.collect()
     cuda = device == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    with Runtime(strategy="single", precision=v.precision, device=device, seed=work.seed,
-                 channels_last=v.channels_last, compile=v.compile, cudnn_benchmark=v.cudnn_benchmark) as rt:
+    with Runtime(
+        strategy="single",
+        precision=v.precision,
+        device=device,
+        seed=work.seed,
+        channels_last=v.channels_last,
+        compile=v.compile,
+        cudnn_benchmark=v.cudnn_benchmark,
+    ) as rt:
         model = build(work.model, work.shape, work.classes)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=work.momentum))
         batches = _cycle(rt.loader(train, batch_size=work.batch_size, resident=True))
@@ -176,11 +209,17 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
             warmup.append(time.perf_counter() - t)
         n = reps if budget is None else min(reps, max(MIN_REPEATS, int(budget / (warmup[-1] * work.steps_per_repeat))))
         seconds = time_calls(lambda: steps(work.steps_per_repeat), rt.device, repeats=n, warmup=0)
-        out = {"variant": v.name, **asdict(v), "repeats": n, "warmup_step_seconds": warmup,
-               "step_seconds": [s / work.steps_per_repeat for s in seconds],
-               "first_loss": losses[0].item(), "final_loss": losses[-1].item(),
-               "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-               "grad_scale": rt.precision.scaler.get_scale() if rt.precision.scaler else None}
+        out = {
+            "variant": v.name,
+            **asdict(v),
+            "repeats": n,
+            "warmup_step_seconds": warmup,
+            "step_seconds": [s / work.steps_per_repeat for s in seconds],
+            "first_loss": losses[0].item(),
+            "final_loss": losses[-1].item(),
+            "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "grad_scale": rt.precision.scaler.get_scale() if rt.precision.scaler else None,
+        }
         batches.close()
     if v.compile:
         torch.compiler.reset()  # drop the compiled graphs before the next variant
@@ -189,8 +228,10 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
 
 # -- assembling the result ------------------------------------------------------------------------
 
-def _result(work: Work, device: str, reps: int, budget: float | None, rows: list[dict[str, Any]],
-            skipped: dict[str, str]) -> dict[str, Any]:
+
+def _result(
+    work: Work, device: str, reps: int, budget: float | None, rows: list[dict[str, Any]], skipped: dict[str, str]
+) -> dict[str, Any]:
     import statistics
 
     from .common import stats
@@ -199,11 +240,20 @@ def _result(work: Work, device: str, reps: int, budget: float | None, rows: list
     for row in rows:
         step = statistics.median(row["step_seconds"])
         throughput = [work.batch_size / s for s in row["step_seconds"]]
-        compile_s = (max(0.0, sum(row["warmup_step_seconds"]) - len(row["warmup_step_seconds"]) * step)
-                     if row["compile"] else None)
-        variants.append({**row, "step_ms": stats([s * 1e3 for s in row["step_seconds"]]),
-                         "samples_per_second": stats(throughput), "compile_seconds": compile_s,
-                         "loss_finite": math.isfinite(row["final_loss"])})
+        compile_s = (
+            max(0.0, sum(row["warmup_step_seconds"]) - len(row["warmup_step_seconds"]) * step)
+            if row["compile"]
+            else None
+        )
+        variants.append(
+            {
+                **row,
+                "step_ms": stats([s * 1e3 for s in row["step_seconds"]]),
+                "samples_per_second": stats(throughput),
+                "compile_seconds": compile_s,
+                "loss_finite": math.isfinite(row["final_loss"]),
+            }
+        )
     base = next(v for v in variants if v["variant"] == BASELINE.name)["samples_per_second"]["median"]
     for v in variants:
         v["speedup_vs_fp32"] = v["samples_per_second"]["median"] / base
@@ -217,10 +267,15 @@ def _result(work: Work, device: str, reps: int, budget: float | None, rows: list
             + "; step time = block / steps, median and quartiles over blocks. compile_seconds = warm-up time minus "
             "as many median steps (compilation happens in the first steps; kept out of the step statistics). "
             "speedup = median samples/s over fp32 eager's. peak_memory_mib: torch.cuda.max_memory_allocated over "
-            "the variant (resident dataset included)" + ("" if device == "cuda" else " -- n/a on CPU")
+            "the variant (resident dataset included)"
+            + ("" if device == "cuda" else " -- n/a on CPU")
             + ". final_loss: the last timed step's loss."
-            + (f" CPU: timed steps per variant capped at ~{budget:g} s (at least {MIN_REPEATS} blocks)."
-               if budget else "")),
+            + (
+                f" CPU: timed steps per variant capped at ~{budget:g} s (at least {MIN_REPEATS} blocks)."
+                if budget
+                else ""
+            )
+        ),
         "work": asdict(work),
         "repeats": reps,
         "cudnn_benchmark_default": device == "cuda",
@@ -232,6 +287,7 @@ def _result(work: Work, device: str, reps: int, budget: float | None, rows: list
 
 # -- report ---------------------------------------------------------------------------------------
 
+
 def plot(record: dict[str, Any], path: str) -> None:
     from ..plots import pyplot, save_figure
 
@@ -239,15 +295,18 @@ def plot(record: dict[str, Any], path: str) -> None:
     r = record["result"]
     names = [v["variant"] for v in r["variants"]] + list(r["skipped"])
     med = [v["samples_per_second"]["median"] for v in r["variants"]]
-    err = [[m - v["samples_per_second"]["q1"] for m, v in zip(med, r["variants"])],
-           [v["samples_per_second"]["q3"] - m for m, v in zip(med, r["variants"])]]
+    err = [
+        [m - v["samples_per_second"]["q1"] for m, v in zip(med, r["variants"])],
+        [v["samples_per_second"]["q3"] - m for m, v in zip(med, r["variants"])],
+    ]
     fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(names)), 4.6))
     color = {"fp32": "C0", "bf16": "C1", "fp16": "C2"}
     bars = ax.bar(range(len(med)), med, yerr=err, capsize=3, color=[color[v["precision"]] for v in r["variants"]])
     for v, bar in zip(r["variants"], bars):
         bar.set_hatch("//" if v["compile"] else "")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in color.values()] + [
-        plt.Rectangle((0, 0), 1, 1, fill=False, hatch="//")]
+        plt.Rectangle((0, 0), 1, 1, fill=False, hatch="//")
+    ]
     ax.legend(handles, [*color, "compiled"], fontsize=8, loc="upper right")
     for i, v in enumerate(r["variants"]):
         label = f"{v['speedup_vs_fp32']:.2f}x"
@@ -260,8 +319,11 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("samples / s (median, quartiles)")
     w = r["work"]
-    ax.set_title(f"{w['model']}, batch {w['batch_size']}, {w['image_size']}x{w['image_size']} on "
-                 f"{record.get('device', '')} (label: speedup over fp32)", fontsize=10)
+    ax.set_title(
+        f"{w['model']}, batch {w['batch_size']}, {w['image_size']}x{w['image_size']} on "
+        f"{record.get('device', '')} (label: speedup over fp32)",
+        fontsize=10,
+    )
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path, dpi=110)
 
@@ -269,8 +331,10 @@ def plot(record: dict[str, Any], path: str) -> None:
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for v in result["variants"]:
-        value = (f"{v['samples_per_second']['median']:,.0f} samples/s, {v['step_ms']['median']:.1f} ms/step, "
-                 f"{v['speedup_vs_fp32']:.2f}x")
+        value = (
+            f"{v['samples_per_second']['median']:,.0f} samples/s, {v['step_ms']['median']:.1f} ms/step, "
+            f"{v['speedup_vs_fp32']:.2f}x"
+        )
         if v["compile_seconds"] is not None:
             value += f", compile {v['compile_seconds']:.1f} s"
         if v["peak_memory_mib"] is not None:

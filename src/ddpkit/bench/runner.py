@@ -48,7 +48,9 @@ def run_one(name: str, options: dict[str, Any], registry: dict[str, str]) -> dic
     return record
 
 
-def run_all(options: dict[str, Any], registry: dict[str, str], table: str = "bench-all", command: str = "ddpkit bench all") -> int:
+def run_all(
+    options: dict[str, Any], registry: dict[str, str], table: str = "bench-all", command: str = "ddpkit bench all"
+) -> int:
     """Every benchmark of `registry` in turn; a failing one is reported and the others still
     run. The summary table goes to benchmarks/results/ and between the `table` markers of
     benchmarks/README.md."""
@@ -102,9 +104,11 @@ def _where(record: dict[str, Any], command: str) -> str:
         return ""
     cpu, gpu, v = record["cpu"], record.get("gpu"), record["versions"]
     device = f"{gpu['count']} x {gpu['name']}" if gpu else f"{cpu['model']}, {cpu['usable_cores']} cores, no GPU"
-    return (f"`{command}` on {record['date'][:10]}: {device}; PyTorch {v['torch']}, Python {v['python']}, "
-            f"ddpkit {v['ddpkit']} ({record.get('git_commit') or 'no git'}). Per-benchmark JSON (with medians, "
-            f"spread and the full record) and plots are beside this table in benchmarks/results/.\n\n")
+    return (
+        f"`{command}` on {record['date'][:10]}: {device}; PyTorch {v['torch']}, Python {v['python']}, "
+        f"ddpkit {v['ddpkit']} ({record.get('git_commit') or 'no git'}). Per-benchmark JSON (with medians, "
+        f"spread and the full record) and plots are beside this table in benchmarks/results/.\n\n"
+    )
 
 
 def markdown_table(rows: list[tuple[str, str, str]]) -> str:

@@ -47,25 +47,35 @@ class Work:
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--model", default="cnn", help="built-in model (default cnn)")
-    parser.add_argument("--image-size", type=int, default=0, help="synthetic images 3 x SIZE x SIZE (default 32; --quick 16)")
-    parser.add_argument("--batch-per-device", type=int, default=0,
-                        help="samples per device per step; the global batch is N times this (default 32; --quick 16)")
-    parser.add_argument("--max-devices", type=int, default=0,
-                        help="largest N (default: every GPU, or on CPU every usable core)")
+    parser.add_argument(
+        "--image-size", type=int, default=0, help="synthetic images 3 x SIZE x SIZE (default 32; --quick 16)"
+    )
+    parser.add_argument(
+        "--batch-per-device",
+        type=int,
+        default=0,
+        help="samples per device per step; the global batch is N times this (default 32; --quick 16)",
+    )
+    parser.add_argument(
+        "--max-devices", type=int, default=0, help="largest N (default: every GPU, or on CPU every usable core)"
+    )
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
-    from ..errors import UsageError
     from ..device import cpu_count
+    from ..errors import UsageError
     from ..launcher import launch
     from ..models import check
 
     extra = opts.extra
-    work = Work(model=extra.get("model", "cnn"), image_size=extra.get("image_size") or (16 if opts.quick else 32),
-                batch_per_device=extra.get("batch_per_device") or (16 if opts.quick else 32),
-                steps=4 if opts.quick else 10)
+    work = Work(
+        model=extra.get("model", "cnn"),
+        image_size=extra.get("image_size") or (16 if opts.quick else 32),
+        batch_per_device=extra.get("batch_per_device") or (16 if opts.quick else 32),
+        steps=4 if opts.quick else 10,
+    )
     check(work.model, work.shape)
     if work.batch_per_device < 1 or extra.get("max_devices", 0) < 0:
         raise UsageError("--batch-per-device must be positive and --max-devices at least 0")
@@ -87,12 +97,11 @@ def run(opts: Any, device: str) -> dict[str, Any]:
                 measured["dp"][n] = launch(_worker, work, ["dp"], device, reps, nproc=1, device=device)[0]["dp"]
     else:
         del measured["dp"]
-        unavailable["dp"] = ("nn.DataParallel drives several GPUs from one process: it needs at least 2 CUDA GPUs; "
-                             + ("this run is on CPU" if device == "cpu" else f"{gpus} is visible"))
+        unavailable["dp"] = "nn.DataParallel drives several GPUs from one process: it needs at least 2 CUDA GPUs; " + (
+            "this run is on CPU" if device == "cpu" else f"{gpus} is visible"
+        )
     result = _result(work, device, available, top, reps, measured, unavailable)
     return result
-
-
 
 
 @contextlib.contextmanager
@@ -113,6 +122,7 @@ def _visible_gpus(n: int) -> Iterator[None]:
 
 
 # -- inside the workers ---------------------------------------------------------------------------
+
 
 def _cycle(loader: Any) -> Iterator[Any]:
     while True:
@@ -137,48 +147,73 @@ def _measure(work: Work, name: str, device: str, reps: int) -> dict[str, Any]:
     import torch
     from torch.utils.data import TensorDataset
 
+    from ..metrics import time_calls
     from ..models import build
     from ..runtime import Runtime
-    from ..metrics import time_calls
 
     with Runtime(strategy=name, device=device, seed=work.seed) as rt:
         devices = rt.world_size * (torch.cuda.device_count() if rt.strategy == "dp" else 1)
         global_batch = work.batch_per_device * devices
         g = torch.Generator().manual_seed(work.seed)
         n = global_batch * 8  # a few steps per epoch: the loader's epoch turn-over is part of the work
-        data = TensorDataset(torch.randn((n, *work.shape), generator=g), torch.randint(0, work.classes, (n,), generator=g))
+        data = TensorDataset(
+            torch.randn((n, *work.shape), generator=g), torch.randint(0, work.classes, (n,), generator=g)
+        )
         model = build(work.model, work.shape, work.classes)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=0.9))
         batches = _cycle(rt.loader(data, batch_size=global_batch, shuffle=True))
-        seconds = time_calls(lambda: _train_steps(rt, model, opt, batches, work.steps), rt.device, repeats=reps, warmup=1)
+        seconds = time_calls(
+            lambda: _train_steps(rt, model, opt, batches, work.steps), rt.device, repeats=reps, warmup=1
+        )
         batches.close()
-        return {"runs_as": rt.strategy, "processes": rt.world_size, "devices": devices, "global_batch": global_batch,
-                "threads_per_process": torch.get_num_threads(), "seconds": rt.gather_objects(seconds)}
+        return {
+            "runs_as": rt.strategy,
+            "processes": rt.world_size,
+            "devices": devices,
+            "global_batch": global_batch,
+            "threads_per_process": torch.get_num_threads(),
+            "seconds": rt.gather_objects(seconds),
+        }
 
 
 # -- assembling the result ----------------------------------------------------------------------
+
 
 def _throughputs(work: Work, m: dict[str, Any]) -> list[float]:
     """Samples per second of every repetition, over the slowest rank's time."""
     return [m["global_batch"] * work.steps / max(per_rank) for per_rank in zip(*m["seconds"])]
 
 
-def _result(work: Work, device: str, available: int, top: int, reps: int, measured: dict[str, dict[int, Any]],
-            unavailable: dict[str, str]) -> dict[str, Any]:
+def _result(
+    work: Work,
+    device: str,
+    available: int,
+    top: int,
+    reps: int,
+    measured: dict[str, dict[int, Any]],
+    unavailable: dict[str, str],
+) -> dict[str, Any]:
     from .common import stats
 
-    throughput = {s: {str(n): stats(_throughputs(work, m)) for n, m in sorted(by_n.items())} for s, by_n in measured.items()}
+    throughput = {
+        s: {str(n): stats(_throughputs(work, m)) for n, m in sorted(by_n.items())} for s, by_n in measured.items()
+    }
     efficiency = {}
     for s, by_n in throughput.items():
         base = by_n["1"]["median"]
         efficiency[s] = {n: 1.0 if n == "1" else v["median"] / (int(n) * base) for n, v in by_n.items()}
     result = {
-        "method": ("weak scaling: every device gets the same per-device batch, so N devices train a global batch of "
-                   "N x per-device; scaling efficiency(N) = throughput(N) / (N x throughput(1)) of the same strategy. "
-                   "Each repetition times a block of training steps (data, forward, backward, all-reduce, optimizer "
-                   "step) after a warm-up block; throughput = global batch x steps / the slowest rank's time. "
-                   + ("N counts processes on CPU, each with cores // N threads." if device == "cpu" else
-                      "N counts GPUs (ddp: one process per GPU; dp: one process, CUDA_VISIBLE_DEVICES limited to N).")),
+        "method": (
+            "weak scaling: every device gets the same per-device batch, so N devices train a global batch of "
+            "N x per-device; scaling efficiency(N) = throughput(N) / (N x throughput(1)) of the same strategy. "
+            "Each repetition times a block of training steps (data, forward, backward, all-reduce, optimizer "
+            "step) after a warm-up block; throughput = global batch x steps / the slowest rank's time. "
+            + (
+                "N counts processes on CPU, each with cores // N threads."
+                if device == "cpu"
+                else "N counts GPUs (ddp: one process per GPU; dp: one process, CUDA_VISIBLE_DEVICES limited to N)."
+            )
+        ),
         "scaling": "weak",
         "unit": "processes" if device == "cpu" else "GPUs",
         "available": available,
@@ -189,21 +224,28 @@ def _result(work: Work, device: str, available: int, top: int, reps: int, measur
         "scaling_efficiency": efficiency,
         "unavailable": unavailable,
         "runs_as": {s: {str(n): m["runs_as"] for n, m in sorted(by_n.items())} for s, by_n in measured.items()},
-        "global_batch": {s: {str(n): m["global_batch"] for n, m in sorted(by_n.items())} for s, by_n in measured.items()},
-        "threads_per_process": {s: {str(n): m["threads_per_process"] for n, m in sorted(by_n.items())}
-                                for s, by_n in measured.items()},
+        "global_batch": {
+            s: {str(n): m["global_batch"] for n, m in sorted(by_n.items())} for s, by_n in measured.items()
+        },
+        "threads_per_process": {
+            s: {str(n): m["threads_per_process"] for n, m in sorted(by_n.items())} for s, by_n in measured.items()
+        },
         "note": "ddp on one process runs the bare model (ddpkit does not wrap a one-process job in DDP), so ddp's N=1 "
-                "is single's configuration measured again: the gap between the two is the measurement's noise.",
+        "is single's configuration measured again: the gap between the two is the measurement's noise.",
     }
     result["table"] = table(result)
     result["warnings"] = [
         f"{s} at N={n}: efficiency {e:.2f} > 1.1 is superlinear; usually throughput(1) was measured too low "
         "(on CPU: its cores // 1 threads competing with other load on the machine)"
-        for s, by_n in efficiency.items() for n, e in by_n.items() if e > 1.1]
+        for s, by_n in efficiency.items()
+        for n, e in by_n.items()
+        if e > 1.1
+    ]
     return result
 
 
 # -- report ---------------------------------------------------------------------------------------
+
 
 def plot(record: dict[str, Any], path: str) -> None:
     from ..plots import pyplot, save_figure
@@ -219,8 +261,10 @@ def plot(record: dict[str, Any], path: str) -> None:
         ns = sorted(int(n) for n in r["throughput"][s])
         top = max(top, *ns)
         med = [r["throughput"][s][str(n)]["median"] for n in ns]
-        err = [[m - r["throughput"][s][str(n)]["q1"] for m, n in zip(med, ns)],
-               [r["throughput"][s][str(n)]["q3"] - m for m, n in zip(med, ns)]]
+        err = [
+            [m - r["throughput"][s][str(n)]["q1"] for m, n in zip(med, ns)],
+            [r["throughput"][s][str(n)]["q3"] - m for m, n in zip(med, ns)],
+        ]
         left.errorbar(ns, med, yerr=err, marker=styles[s], capsize=3, label=s)
         right.plot(ns, [r["scaling_efficiency"][s][str(n)] for n in ns], marker=styles[s], label=s)
     base = r["throughput"]["single"]["1"]["median"]
@@ -238,8 +282,11 @@ def plot(record: dict[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     missing = "; ".join(f"{s}: unavailable" for s in r["unavailable"])
-    fig.suptitle(f"{r['work']['model']} on {record.get('device', '')}, {r['work']['batch_per_device']} samples per device"
-                 + (f" ({missing})" if missing else ""), fontsize=10)
+    fig.suptitle(
+        f"{r['work']['model']} on {record.get('device', '')}, {r['work']['batch_per_device']} samples per device"
+        + (f" ({missing})" if missing else ""),
+        fontsize=10,
+    )
     save_figure(fig, path, dpi=110)
 
 
@@ -258,7 +305,9 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for s in STRATEGY_ORDER:
         for n, v in result["throughput"].get(s, {}).items():
-            rows.append((f"{s} N={n} samples/s (efficiency)", f"{v['median']:,.0f} ({result['scaling_efficiency'][s][n]:.2f})"))
+            rows.append(
+                (f"{s} N={n} samples/s (efficiency)", f"{v['median']:,.0f} ({result['scaling_efficiency'][s][n]:.2f})")
+            )
         if s in result["unavailable"]:
             rows.append((f"{s}", "unavailable: " + result["unavailable"][s]))
     return rows

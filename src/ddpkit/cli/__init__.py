@@ -15,8 +15,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from ..version import __version__
 from ..errors import UsageError, WorkerFailed
+from ..version import __version__
 
 USAGE = f"""ddpkit {__version__}: PyTorch training on 1 CPU, 1 GPU, all GPUs or many machines.
 
@@ -32,8 +32,14 @@ commands:
 """
 
 # command -> the module whose main(argv) runs it (imported on use: `ddpkit --help` stays fast)
-COMMANDS: dict[str, str] = {"train": "train", "run": "run", "env": "env", "bench": "bench",
-                            "find-batch-size": "find_batch_size", "report": "report"}
+COMMANDS: dict[str, str] = {
+    "train": "train",
+    "run": "run",
+    "env": "env",
+    "bench": "bench",
+    "find-batch-size": "find_batch_size",
+    "report": "report",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,8 +12,9 @@ from ..errors import UsageError
 from .parsing import ArgumentParser
 
 
-def main(argv: Sequence[str], registry: dict[str, str] | None = None, prog: str = "ddpkit bench",
-         table: str = "bench-all") -> int:
+def main(
+    argv: Sequence[str], registry: dict[str, str] | None = None, prog: str = "ddpkit bench", table: str = "bench-all"
+) -> int:
     from ..bench import BENCHES
     from ..bench.runner import module, run_all, run_one
 
@@ -23,8 +24,12 @@ def main(argv: Sequence[str], registry: dict[str, str] | None = None, prog: str 
         return 0 if argv else 2
     name = checks.choice("benchmark", argv[0], [*registry, "all"])
     parser = ArgumentParser(prog=f"{prog} {name}")
-    parser.add_argument("--json", metavar="FILE", help="where to write the result (default benchmarks/results/NAME-DEVICE.json)")
-    parser.add_argument("--plot", metavar="FILE.png", help="where to draw the plot (default benchmarks/results/NAME-DEVICE.png)")
+    parser.add_argument(
+        "--json", metavar="FILE", help="where to write the result (default benchmarks/results/NAME-DEVICE.json)"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="where to draw the plot (default benchmarks/results/NAME-DEVICE.png)"
+    )
     parser.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)} (default auto)")
     parser.add_argument("--repeats", type=int, default=0, help="timed repetitions (default: the benchmark's own)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes: a smoke run")
@@ -46,8 +51,10 @@ def main(argv: Sequence[str], registry: dict[str, str] | None = None, prog: str 
 def _usage(registry: dict[str, str], prog: str) -> None:
     from ..bench.runner import module
 
-    print(f"usage: {prog} NAME [--json FILE] [--plot FILE.png] [--device auto|cpu|cuda] [--repeats N] "
-          "[--quick] [NAME's options]\n\nbenchmarks:")
+    print(
+        f"usage: {prog} NAME [--json FILE] [--plot FILE.png] [--device auto|cpu|cuda] [--repeats N] "
+        "[--quick] [NAME's options]\n\nbenchmarks:"
+    )
     for name in registry:
         try:
             description = module(name, registry).DESCRIPTION

@@ -9,7 +9,9 @@ from .parsing import ArgumentParser
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = ArgumentParser(prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults.")
+    parser = ArgumentParser(
+        prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults."
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     from ..env import render, report

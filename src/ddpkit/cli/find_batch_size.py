@@ -18,14 +18,17 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="ddpkit find-batch-size",
-                       description="Find the largest per-device batch that fits on every rank (doubling, then "
-                                   "bisection; out-of-memory caught), with the throughput of each size tried. On CPU "
-                                   f"the pick is the knee: the smallest size reaching {KNEE_PERCENT}% of the best "
-                                   "throughput.")
+    p = ArgumentParser(
+        prog="ddpkit find-batch-size",
+        description="Find the largest per-device batch that fits on every rank (doubling, then "
+        "bisection; out-of-memory caught), with the throughput of each size tried. On CPU "
+        f"the pick is the knee: the smallest size reaching {KNEE_PERCENT}% of the best "
+        "throughput.",
+    )
     p.add_argument("--model", default="cnn", help="a built-in model (default cnn; see ddpkit train --help)")
-    p.add_argument("--data", default="digits",
-                   help="gives the input shape and number of classes; batches are synthetic either way")
+    p.add_argument(
+        "--data", default="digits", help="gives the input shape and number of classes; batches are synthetic either way"
+    )
     p.add_argument("--synthetic-shape", default="3,32,32", metavar="C,H,W", help="input shape with --data synthetic")
     p.add_argument("--num-classes", type=int, default=10, help="classes with --data synthetic")
     p.add_argument("--nproc", default="auto", help="processes: N, or auto (one per GPU; on CPU one per 4 cores)")
@@ -36,10 +39,17 @@ def _parser() -> ArgumentParser:
     p.add_argument("--max-batch", type=int, default=65536, help="largest per-device batch to try (default 65536)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per size (default 5; the median counts)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per size before those (default 2)")
-    p.add_argument("--criterion", default="auto",
-                   help="which size to recommend: largest (that fits) or knee; auto: largest on CUDA, knee on CPU")
-    p.add_argument("--plateau", type=int, default=2,
-                   help="knee search: stop doubling after N sizes in a row without 5%% more throughput (0: never)")
+    p.add_argument(
+        "--criterion",
+        default="auto",
+        help="which size to recommend: largest (that fits) or knee; auto: largest on CUDA, knee on CPU",
+    )
+    p.add_argument(
+        "--plateau",
+        type=int,
+        default=2,
+        help="knee search: stop doubling after N sizes in a row without 5%% more throughput (0: never)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the result and the trials here")
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput against per-device batch here")
     return p

@@ -17,16 +17,28 @@ def main(argv: Sequence[str]) -> int:
     from ..launcher import Nodes, run_script
 
     nodes = Nodes(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.run_id)
-    run_script(a.script, a.args, nproc=a.nproc, max_restarts=a.max_restarts, nodes=nodes,
-               output="rank0" if a.rank0_only else "prefixed", module=a.module)
+    run_script(
+        a.script,
+        a.args,
+        nproc=a.nproc,
+        max_restarts=a.max_restarts,
+        nodes=nodes,
+        output="rank0" if a.rank0_only else "prefixed",
+        module=a.module,
+    )
     return 0
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="ddpkit run", description="Run a script written for torchrun (or ddpkit.Runtime) on N "
-                       "processes per node through torch's elastic agent. On one machine the rendezvous port is "
-                       "picked by the OS on the loopback address; on several, every node runs the same command.")
-    p.add_argument("--nproc", default="auto", help="processes on this node: N, or auto (one per GPU; on CPU one per 4 cores)")
+    p = ArgumentParser(
+        prog="ddpkit run",
+        description="Run a script written for torchrun (or ddpkit.Runtime) on N "
+        "processes per node through torch's elastic agent. On one machine the rendezvous port is "
+        "picked by the OS on the loopback address; on several, every node runs the same command.",
+    )
+    p.add_argument(
+        "--nproc", default="auto", help="processes on this node: N, or auto (one per GPU; on CPU one per 4 cores)"
+    )
     p.add_argument("--nnodes", default="1", help="number of nodes, N or MIN:MAX (default 1)")
     p.add_argument("--node-rank", type=int, help="0 on the node that hosts the rendezvous (optional)")
     p.add_argument("--master-addr", help="address of the rendezvous host (needed when --nnodes > 1)")

@@ -38,9 +38,15 @@ def _parser(defaults: Any) -> Any:
     class Parser(OneLineErrors, simple_parsing.ArgumentParser):
         pass
 
-    parser = Parser(prog="ddpkit train", description=TrainConfig.__doc__,
-                    add_option_string_dash_variants=simple_parsing.DashVariant.DASH)
-    parser.add_argument("--config", metavar="FILE.yaml",
-                        help="YAML file of options (keys as the flags without '--'); flags on the command line override it")
+    parser = Parser(
+        prog="ddpkit train",
+        description=TrainConfig.__doc__,
+        add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="YAML file of options (keys as the flags without '--'); flags on the command line override it",
+    )
     parser.add_arguments(TrainConfig, dest="cfg", default=defaults)
     return parser

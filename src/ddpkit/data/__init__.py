@@ -16,7 +16,29 @@ from .images import Augment, ImageSet, augment_keys
 from .loader import DistributedLoader, Resident, eval_loader, fits_on, move, train_loader
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler, check_global_batch, share
 
-__all__ = ["DATASETS", "FILE_DATASETS", "NORMALIZATION", "Augment", "DistributedLoader", "GlobalBatchSampler",
-           "ImageSet", "MicroBatch", "Resident", "ShardSampler", "Splits", "augment_keys", "check_global_batch",
-           "digits", "eval_loader", "fits_on", "load", "move", "prepare", "shape_of", "share", "synthetic", "toy",
-           "train_loader"]
+__all__ = [
+    "DATASETS",
+    "FILE_DATASETS",
+    "NORMALIZATION",
+    "Augment",
+    "DistributedLoader",
+    "GlobalBatchSampler",
+    "ImageSet",
+    "MicroBatch",
+    "Resident",
+    "ShardSampler",
+    "Splits",
+    "augment_keys",
+    "check_global_batch",
+    "digits",
+    "eval_loader",
+    "fits_on",
+    "load",
+    "move",
+    "prepare",
+    "shape_of",
+    "share",
+    "synthetic",
+    "toy",
+    "train_loader",
+]

@@ -71,8 +71,9 @@ def digits() -> Splits:
     y = torch.from_numpy(table[:, 64].astype(np.int64))
     train = x[train_idx].float()
     mean, std = train.mean().item(), train.std().item()
-    return Splits(ImageSet(x[train_idx], y[train_idx], mean, std), ImageSet(x[test_idx], y[test_idx], mean, std),
-                  (1, 8, 8), 10)
+    return Splits(
+        ImageSet(x[train_idx], y[train_idx], mean, std), ImageSet(x[test_idx], y[test_idx], mean, std), (1, 8, 8), 10
+    )
 
 
 def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0) -> Splits:
@@ -92,17 +93,20 @@ def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0
     # Images are made a chunk at a time: a float copy of 50,000 CIFAR-sized images is 600 MB.
     x = torch.empty((size + n_test, *shape), dtype=torch.uint8)
     for start in range(0, len(x), 4096):
-        labels = y[start:start + 4096]
+        labels = y[start : start + 4096]
         chunk = templates[labels] + 1.5 * torch.randn((len(labels), *shape), generator=g)
-        x[start:start + 4096] = (127.5 + 32.0 * chunk).round().clamp(0, 255).to(torch.uint8)
+        x[start : start + 4096] = (127.5 + 32.0 * chunk).round().clamp(0, 255).to(torch.uint8)
     train = x[:size]
     mean = torch.stack([train[:, c].float().mean() for c in range(shape[0])])
     std = torch.stack([train[:, c].float().std() for c in range(shape[0])])
-    return Splits(ImageSet(x[:size], y[:size], mean, std), ImageSet(x[size:], y[size:], mean, std), tuple(shape),
-                  num_classes)
+    return Splits(
+        ImageSet(x[:size], y[:size], mean, std), ImageSet(x[size:], y[size:], mean, std), tuple(shape), num_classes
+    )
 
 
-def shape_of(name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10) -> tuple[tuple[int, ...], int]:
+def shape_of(
+    name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
+) -> tuple[tuple[int, ...], int]:
     """(input shape, number of classes) of a dataset without loading it."""
     if name in FILE_DATASETS:
         return FILE_DATASETS[name]
@@ -115,8 +119,9 @@ def toy() -> Splits:
     """The two-class toy problem of the PyTorch DDP tutorials (S. Raschka's DDP script)."""
     train_x = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
     test_x = torch.tensor([[-0.8, 2.8], [2.6, -1.6]])
-    return Splits(TensorDataset(train_x, torch.tensor([0, 0, 0, 1, 1])), TensorDataset(test_x, torch.tensor([0, 1])),
-                  (2,), 2)
+    return Splits(
+        TensorDataset(train_x, torch.tensor([0, 0, 0, 1, 1])), TensorDataset(test_x, torch.tensor([0, 1])), (2,), 2
+    )
 
 
 def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
@@ -128,7 +133,7 @@ def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
             return [extracted], []
         candidates = [[f] for f in download.SOURCES[name].files]
     else:  # train images, train labels, test images, test labels
-        candidates = [[f, f[:-len(".gz")]] for f in download.SOURCES[name].files]
+        candidates = [[f, f[: -len(".gz")]] for f in download.SOURCES[name].files]
     found, missing = [], []
     for names in candidates:
         paths = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
@@ -160,16 +165,22 @@ def _read_files(name: str, data_dir: str | None) -> Splits:
     folder = download.dataset_dir(name, data_dir)
     paths, missing = _local_files(name, folder)
     if missing:
-        raise UsageError(f"dataset {name}: {', '.join(missing)} not in {folder}: place them there (from "
-                         f"{download.urls(name)[0]}), let `ddpkit train` download them, or pass --data-dir")
+        raise UsageError(
+            f"dataset {name}: {', '.join(missing)} not in {folder}: place them there (from "
+            f"{download.urls(name)[0]}), let `ddpkit train` download them, or pass --data-dir"
+        )
     key = (name, *((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths))
     if key not in _READ:
         _READ.clear()  # one dataset at a time: a process that switches does not keep both
         _READ[key] = _parse_files(name, paths)
     train_x, train_y, test_x, test_y = _READ[key]
     mean, std = (torch.tensor(v) * 255 for v in NORMALIZATION[name])
-    return Splits(ImageSet(train_x, train_y, mean, std), ImageSet(test_x, test_y, mean, std),
-                  FILE_DATASETS[name][0], FILE_DATASETS[name][1])
+    return Splits(
+        ImageSet(train_x, train_y, mean, std),
+        ImageSet(test_x, test_y, mean, std),
+        FILE_DATASETS[name][0],
+        FILE_DATASETS[name][1],
+    )
 
 
 def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
@@ -182,12 +193,23 @@ def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
     for path, x in ((paths[0], train_x), (paths[-1], test_x)):
         if tuple(x.shape[1:]) != shape:
             raise UsageError(f"{path}: images of shape {tuple(x.shape[1:])}, expected {shape} for dataset {name}")
-    return (torch.from_numpy(train_x.copy()), torch.from_numpy(train_y), torch.from_numpy(test_x.copy()),
-            torch.from_numpy(test_y))
+    return (
+        torch.from_numpy(train_x.copy()),
+        torch.from_numpy(train_y),
+        torch.from_numpy(test_x.copy()),
+        torch.from_numpy(test_y),
+    )
 
 
-def load(name: str, *, data_dir: str | None = None, synthetic_shape: tuple[int, ...] = (3, 32, 32),
-         synthetic_size: int = 4096, num_classes: int = 10, seed: int = 0) -> Splits:
+def load(
+    name: str,
+    *,
+    data_dir: str | None = None,
+    synthetic_shape: tuple[int, ...] = (3, 32, 32),
+    synthetic_size: int = 4096,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> Splits:
     """Dataset `name`. File datasets are read, never downloaded, here (see `prepare`)."""
     if name == "digits":
         return digits()

@@ -33,13 +33,18 @@ class Source:
     files: tuple[str, ...]  # what to download from each
 
 
-_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+_MNIST_FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
 
 SOURCES: dict[str, Source] = {
     # The mirror torchvision uses, then the original page (which often refuses robots).
-    "mnist": Source(("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
-                    _MNIST_FILES),
+    "mnist": Source(
+        ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"), _MNIST_FILES
+    ),
     "fashion-mnist": Source(("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",), _MNIST_FILES),
     "cifar10": Source(("https://www.cs.toronto.edu/~kriz/",), ("cifar-10-python.tar.gz",)),
 }
@@ -104,8 +109,10 @@ def fetch(name: str, folder: str, files: list[str]) -> None:
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 failures.append(f"no network: {getattr(err, 'reason', None) or err}")
         else:
-            raise UsageError(f"dataset {name}: not in {folder} and cannot be downloaded ({failures[0]}): "
-                             f"place {', '.join(files)} in {folder} (from {urls(name)[0]}), or pass --data-dir")
+            raise UsageError(
+                f"dataset {name}: not in {folder} and cannot be downloaded ({failures[0]}): "
+                f"place {', '.join(files)} in {folder} (from {urls(name)[0]}), or pass --data-dir"
+            )
 
 
 def _download(url: str, folder: str, filename: str, md5: str) -> None:
@@ -116,8 +123,10 @@ def _download(url: str, folder: str, filename: str, md5: str) -> None:
         try:
             digest = _copy(response, fd, total, filename)
             if digest != md5:
-                raise UsageError(f"{os.path.join(folder, filename)}: checksum mismatch for the download from {url}: "
-                                 f"expected MD5 {md5}, got {digest}")
+                raise UsageError(
+                    f"{os.path.join(folder, filename)}: checksum mismatch for the download from {url}: "
+                    f"expected MD5 {md5}, got {digest}"
+                )
             os.replace(tmp, os.path.join(folder, filename))
         finally:
             if os.path.exists(tmp):
@@ -134,8 +143,17 @@ def _copy(response, fd: int, total: int, filename: str) -> str:
     tqdm.monitor_interval = 0
     md5 = hashlib.md5()
     # disable=None: a bar only when stderr is a terminal; never for small files.
-    with os.fdopen(fd, "wb") as out, tqdm(total=total or None, unit="B", unit_scale=True, desc=filename,
-                                           file=sys.stderr, disable=None if total >= 8 * _CHUNK else True) as bar:
+    with (
+        os.fdopen(fd, "wb") as out,
+        tqdm(
+            total=total or None,
+            unit="B",
+            unit_scale=True,
+            desc=filename,
+            file=sys.stderr,
+            disable=None if total >= 8 * _CHUNK else True,
+        ) as bar,
+    ):
         while chunk := response.read(_CHUNK):
             md5.update(chunk)
             out.write(chunk)

@@ -47,7 +47,7 @@ class Augment:
     NAMES = ("none", "crop", "flip", "crop-flip")
 
     @classmethod
-    def parse(cls, name: str, crop_padding: int = 4) -> "Augment | None":
+    def parse(cls, name: str, crop_padding: int = 4) -> Augment | None:
         checks.choice("--augment", name, cls.NAMES)
         if name == "none":
             return None
@@ -79,15 +79,14 @@ class ImageSet(Dataset):
     whole batch at once on the device the images are on (the resident path).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Any, std: Any,
-                 augment: Augment | None = None):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: Any, std: Any, augment: Augment | None = None):
         if images.dim() != 4:
             raise ValueError(f"ImageSet wants images shaped (N, C, H, W), got {tuple(images.shape)}")
         self.images, self.labels, self.augment = images, labels, augment
         channels = images.shape[1]
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
-        self._resident: dict[str, "ImageSet"] = {}
+        self._resident: dict[str, ImageSet] = {}
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -116,12 +115,13 @@ class ImageSet(Dataset):
     def nbytes(self) -> int:
         return self.images.numel() * self.images.element_size() + self.labels.numel() * self.labels.element_size()
 
-    def to(self, device: torch.device) -> "ImageSet":
+    def to(self, device: torch.device) -> ImageSet:
         """A copy living on `device` (made once, then reused)."""
         if self.images.device == device:
             return self
         key = str(device)
         if key not in self._resident:
-            self._resident[key] = ImageSet(self.images.to(device), self.labels.to(device), self.mean.to(device),
-                                           self.std.to(device), self.augment)
+            self._resident[key] = ImageSet(
+                self.images.to(device), self.labels.to(device), self.mean.to(device), self.std.to(device), self.augment
+            )
         return self._resident[key]

@@ -43,6 +43,7 @@ class _Collate:
 def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
     """Move the tensors of a (nested) batch to `device`, asynchronously from pinned memory on CUDA;
     4-D float batches (images) in channels-last layout if asked."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.to(device, non_blocking=True)
         if channels_last and t.dim() == 4 and t.is_floating_point():
@@ -76,8 +77,10 @@ class Resident:
         else:
             batch = [t[indices] for t in self.tensors]
         if self.channels_last:
-            batch = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
-                     for t in batch]
+            batch = [
+                t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
+                for t in batch
+            ]
         return batch
 
 
@@ -94,9 +97,22 @@ class DistributedLoader:
     (a DataLoader over the sampler); both yield the same samples in the same order.
     """
 
-    def __init__(self, dataset: Dataset, sampler: Any, device: torch.device, loader: DataLoader | None = None,
-                 resident: Resident | None = None, channels_last: bool = False):
-        self.dataset, self._sampler, self.device, self.loader, self.resident = dataset, sampler, device, loader, resident
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: Any,
+        device: torch.device,
+        loader: DataLoader | None = None,
+        resident: Resident | None = None,
+        channels_last: bool = False,
+    ):
+        self.dataset, self._sampler, self.device, self.loader, self.resident = (
+            dataset,
+            sampler,
+            device,
+            loader,
+            resident,
+        )
         self.channels_last = channels_last
         self.epoch = self.position = 0
         self.current: MicroBatch | None = None
@@ -145,7 +161,7 @@ class DistributedLoader:
             if self.on_batch is not None:
                 self.on_batch(self)
 
-    def _train_batches(self, sampler: "GlobalBatchSampler") -> Iterator[tuple[Any, MicroBatch]]:
+    def _train_batches(self, sampler: GlobalBatchSampler) -> Iterator[tuple[Any, MicroBatch]]:
         if self.resident is None:
             plan = (info for _, _, info in sampler.spans())
             for batch, info in zip(self.loader, plan):
@@ -175,8 +191,9 @@ class DistributedLoader:
         self.epoch, self.position = int(state["epoch"]), int(state.get("position", 0))
 
 
-def loader_options(dataset: Dataset, device: torch.device, num_workers: int | None,
-                   local_world_size: int) -> dict[str, Any]:
+def loader_options(
+    dataset: Dataset, device: torch.device, num_workers: int | None, local_world_size: int
+) -> dict[str, Any]:
     """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
     only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
     if num_workers is None:
@@ -197,7 +214,11 @@ def fits_on(dataset: Dataset, device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return True
-    size = dataset.nbytes() if isinstance(dataset, ImageSet) else sum(t.numel() * t.element_size() for t in dataset.tensors)
+    size = (
+        dataset.nbytes()
+        if isinstance(dataset, ImageSet)
+        else sum(t.numel() * t.element_size() for t in dataset.tensors)
+    )
     return size < torch.cuda.get_device_properties(device).total_memory // 4
 
 
@@ -205,33 +226,73 @@ def _use_resident(dataset: Dataset, device: torch.device, resident: bool | None,
     if resident is None:  # auto: the device path whenever it can, unless workers were asked for
         return not num_workers and fits_on(dataset, device)
     if resident and not Resident.supports(dataset):
-        raise UsageError(f"a resident loader needs an ImageSet or TensorDataset, not {type(dataset).__name__}; "
-                         "use the DataLoader path")
+        raise UsageError(
+            f"a resident loader needs an ImageSet or TensorDataset, not {type(dataset).__name__}; "
+            "use the DataLoader path"
+        )
     return resident
 
 
-def train_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, micro_batch_size: int | None = None,
-                 num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
-                 channels_last: bool = False) -> DistributedLoader:
-    sampler = GlobalBatchSampler(len(dataset), global_batch, world_size, rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last, micro_batch_size=micro_batch_size)
+def train_loader(
+    dataset: Dataset,
+    global_batch: int,
+    *,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    micro_batch_size: int | None = None,
+    num_workers: int | None = None,
+    local_world_size: int = 1,
+    resident: bool | None = None,
+    channels_last: bool = False,
+) -> DistributedLoader:
+    sampler = GlobalBatchSampler(
+        len(dataset),
+        global_batch,
+        world_size,
+        rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        micro_batch_size=micro_batch_size,
+    )
     if _use_resident(dataset, device, resident, num_workers):
         return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))
     sampler.keys = isinstance(dataset, ImageSet) and dataset.augment is not None
     generator = loader_generator(seed, rank)  # per-rank worker seeds
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset), worker_init_fn=seed_worker,
-                        generator=generator, **loader_options(dataset, device, num_workers, local_world_size))
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=_Collate(dataset),
+        worker_init_fn=seed_worker,
+        generator=generator,
+        **loader_options(dataset, device, num_workers, local_world_size),
+    )
     return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)
 
 
-def eval_loader(dataset: Dataset, global_batch: int, *, world_size: int, rank: int, device: torch.device,
-                num_workers: int | None = None, local_world_size: int = 1, resident: bool | None = None,
-                channels_last: bool = False) -> DistributedLoader:
+def eval_loader(
+    dataset: Dataset,
+    global_batch: int,
+    *,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    num_workers: int | None = None,
+    local_world_size: int = 1,
+    resident: bool | None = None,
+    channels_last: bool = False,
+) -> DistributedLoader:
     batch = max(1, math.ceil(global_batch / world_size))
     sampler = ShardSampler(len(dataset), world_size, rank, batch)
     if _use_resident(dataset, device, resident, num_workers):
-        return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last))
-    loader = DataLoader(dataset, batch_size=batch, sampler=sampler,
-                        **loader_options(dataset, device, num_workers, local_world_size))
+        return DistributedLoader(
+            dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last)
+        )
+    loader = DataLoader(
+        dataset, batch_size=batch, sampler=sampler, **loader_options(dataset, device, num_workers, local_world_size)
+    )
     return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)

@@ -53,7 +53,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
         raise _corrupted(path, f"expected IDX magic 0x{magic:08x}, found {got}")
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
-    dims = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     expected = header + int(np.prod(dims))
     if len(raw) != expected:
         raise _corrupted(path, f"header says {'x'.join(map(str, dims))} = {expected} bytes, file has {len(raw)}")
@@ -73,12 +73,19 @@ def read_idx_pair(images_path: str, labels_path: str, num_classes: int = 10) -> 
 class _ArrayUnpickler(pickle.Unpickler):
     """Resolves only what a pickled NumPy array (of any NumPy version) and bytes need."""
 
-    ALLOWED = frozenset({
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
-    })
+    ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy.core.multiarray", "scalar"),
+            ("numpy._core.multiarray", "scalar"),
+            ("numpy.core.numeric", "_frombuffer"),
+            ("numpy._core.numeric", "_frombuffer"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("_codecs", "encode"),
+        }
+    )
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:

@@ -79,8 +79,18 @@ class GlobalBatchSampler(Sampler[list[int]]):
     and a run can stop after any step and continue on any number of processes.
     """
 
-    def __init__(self, length: int, global_batch: int, world_size: int, rank: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, micro_batch_size: int | None = None):
+    def __init__(
+        self,
+        length: int,
+        global_batch: int,
+        world_size: int,
+        rank: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        micro_batch_size: int | None = None,
+    ):
         check_global_batch(global_batch, world_size)
         if micro_batch_size is not None:
             checks.positive("--micro-batch-size", micro_batch_size)

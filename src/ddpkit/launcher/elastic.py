@@ -61,8 +61,16 @@ def run_function(topo: Topology, fn: Callable[..., Any], *args: Any, **kwargs: A
     return dict(sorted(results.items()))  # the agent lists them in the order workers finished
 
 
-def run_script(script: str, args: list[str], *, nproc: int | str = "auto", max_restarts: int = 0,
-               nodes: Nodes = Nodes(), output: str = "prefixed", module: bool = False) -> None:
+def run_script(
+    script: str,
+    args: list[str],
+    *,
+    nproc: int | str = "auto",
+    max_restarts: int = 0,
+    nodes: Nodes = Nodes(),
+    output: str = "prefixed",
+    module: bool = False,
+) -> None:
     """Run a script written for torchrun (or for ddpkit's Runtime) on `nproc` processes per
     node: `python -u SCRIPT ARGS...` (or `-m MODULE`) with RANK, WORLD_SIZE, MASTER_ADDR, ...
     set. `output` is 'prefixed' ("[rank3]: ..." per line) or 'rank0' (other local ranks'
@@ -104,8 +112,12 @@ def _elastic(topo: Topology, entrypoint: Any, args: tuple, output: str, start_me
         # A store shared between rendezvous and workers keeps the previous attempt's keys, so
         # restarted workers can read stale peer addresses (pytorch/pytorch#135712): let each
         # attempt's workers have a store of their own.
-        with _env("OMP_NUM_THREADS", str(threads_per_process(n))), _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"), \
-                _quiet_elastic_logs(), main_hidden() if start_method == "spawn" else gc_frozen():
+        with (
+            _env("OMP_NUM_THREADS", str(threads_per_process(n))),
+            _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+            _quiet_elastic_logs(),
+            main_hidden() if start_method == "spawn" else gc_frozen(),
+        ):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         raise as_worker_failed(err, logs) from None

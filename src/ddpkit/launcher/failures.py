@@ -12,11 +12,17 @@ from typing import Any
 
 from ..errors import WorkerFailed
 
-
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
-_PEER_LOSS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-              "DistBackendError", "DistNetworkError", "failed to recv", "NCCL communicator was aborted",
-              "remote process exited")
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "remote worker crashing",
+    "Connection reset by peer",
+    "DistBackendError",
+    "DistNetworkError",
+    "failed to recv",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
 
 
 def as_worker_failed(err: Any, logs: str) -> WorkerFailed:

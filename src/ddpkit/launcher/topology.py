@@ -44,15 +44,22 @@ class Nodes:
         if self.range()[1] == 1:
             # Port 0 on loopback: the OS picks a free port when the store binds, so two jobs
             # never collide, and nothing listens beyond this machine.
-            return {"rdzv_endpoint": "127.0.0.1:0", "rdzv_configs": {"is_host": True}, "local_addr": "127.0.0.1",
-                    "run_id": f"ddpkit-{uuid.uuid4().hex[:12]}"}
+            return {
+                "rdzv_endpoint": "127.0.0.1:0",
+                "rdzv_configs": {"is_host": True},
+                "local_addr": "127.0.0.1",
+                "run_id": f"ddpkit-{uuid.uuid4().hex[:12]}",
+            }
         addr = self.master_addr or os.environ.get("MASTER_ADDR")
         if not addr:
             raise UsageError("--nnodes above 1 needs --master-addr: the address of the node that hosts the rendezvous")
         configs = {} if self.node_rank is None else {"is_host": self.node_rank == 0}
-        return {"rdzv_endpoint": f"{addr}:{self.master_port}", "rdzv_configs": configs,
-                "run_id": self.run_id or f"ddpkit-{addr}-{self.master_port}",
-                "local_addr": route_address(addr, self.master_port)}
+        return {
+            "rdzv_endpoint": f"{addr}:{self.master_port}",
+            "rdzv_configs": configs,
+            "run_id": self.run_id or f"ddpkit-{addr}-{self.master_port}",
+            "local_addr": route_address(addr, self.master_port),
+        }
 
 
 def route_address(host: str, port: int) -> str:
@@ -117,8 +124,13 @@ def local(device_type: str, nproc: str | int = "auto", nodes: Nodes = Nodes(), m
     return Topology(device_type, n, nodes, max_restarts, "ddpkit", n * nodes.range()[0], nodes.rendezvous())
 
 
-def resolve(device: str, nproc: str | int = "auto", nodes: Nodes = Nodes(), max_restarts: int = 0,
-            one_process: str | None = None) -> Topology:
+def resolve(
+    device: str,
+    nproc: str | int = "auto",
+    nodes: Nodes = Nodes(),
+    max_restarts: int = 0,
+    one_process: str | None = None,
+) -> Topology:
     """The job's processes for a command's flags, checked against this machine and against a
     launcher that already started them. `one_process` names what forces a single process
     (for example '--strategy dp'), if anything."""
@@ -142,9 +154,12 @@ def _check_allocation(env: Any, device_type: str, nproc: str | int, nodes: Nodes
     mismatch, reported now rather than discovered as a hang at the first collective."""
     launcher = "srun" if env.source == "slurm" else "torchrun"
     if str(nproc) not in ("auto", "1") or nodes.nnodes != "1" or max_restarts:
-        raise UsageError(f"under {launcher} each process is one worker ({env.world_size} in all): drop --nproc, "
-                         f"--nnodes and --max-restarts and size the job with {launcher}'s own options")
+        raise UsageError(
+            f"under {launcher} each process is one worker ({env.world_size} in all): drop --nproc, "
+            f"--nnodes and --max-restarts and size the job with {launcher}'s own options"
+        )
     gpus = devices.gpu_count()
     if device_type == "cuda" and gpus > 1 and env.local_world_size > gpus:
-        raise UsageError(f"{launcher} started {env.local_world_size} processes on this node but only "
-                         f"{gpus} GPUs are visible")
+        raise UsageError(
+            f"{launcher} started {env.local_world_size} processes on this node but only {gpus} GPUs are visible"
+        )

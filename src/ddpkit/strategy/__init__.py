@@ -18,8 +18,19 @@ from .single import Single
 
 STRATEGIES = ("ddp", "dp", "single")
 
-__all__ = ["COMM_HOOKS", "STRATEGIES", "DDPOptions", "Strategy", "comm_hook", "eval_view", "find_ddp",
-           "no_sync", "resolve", "resolve_name", "unwrap"]
+__all__ = [
+    "COMM_HOOKS",
+    "STRATEGIES",
+    "DDPOptions",
+    "Strategy",
+    "comm_hook",
+    "eval_view",
+    "find_ddp",
+    "no_sync",
+    "resolve",
+    "resolve_name",
+    "unwrap",
+]
 
 
 def resolve_name(name: str, world_size: int, device: torch.device, what: str = "--strategy") -> str:
@@ -28,8 +39,10 @@ def resolve_name(name: str, world_size: int, device: torch.device, what: str = "
     if name == "ddp" and world_size == 1:
         return "single"
     if name == "single" and world_size > 1:
-        raise UsageError(f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
-                         "copies; use --strategy ddp, or one process")
+        raise UsageError(
+            f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
+            "copies; use --strategy ddp, or one process"
+        )
     if name == "dp":
         if world_size > 1:
             raise UsageError("--strategy dp runs in one process; use --nproc 1, or --strategy ddp")

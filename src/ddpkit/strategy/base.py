@@ -10,7 +10,8 @@ torch.compile's `_orig_mod.` prefixes never reach a file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ class Strategy:
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def no_sync(self, model: nn.Module) -> Callable[[], ContextManager[Any]] | None:
+    def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
         """What makes a context that skips the gradient reduction of the backward passes inside
         it (all but the last micro-batch of a step), or None where nothing is reduced."""
         return None

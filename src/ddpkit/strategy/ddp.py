@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +107,6 @@ class DDP(Strategy):
             ddp.register_comm_hook(state=None, hook=hook)
         return ddp
 
-    def no_sync(self, model: nn.Module) -> Callable[[], ContextManager[Any]] | None:
+    def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
         ddp = find_ddp(model)
         return ddp.no_sync if ddp is not None else None

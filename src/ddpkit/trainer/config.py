@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from .. import device as devices
 from ..errors import UsageError
@@ -22,14 +22,14 @@ class TrainConfig:
     """Train a built-in model on a built-in dataset over all local devices."""
 
     data: str = "digits"  # dataset: digits (offline default), synthetic, toy, mnist, fashion-mnist or cifar10
-    data_dir: Optional[str] = None  # dataset files: DIR/<dataset>/ (default $DDPKIT_DATA, else ~/.cache/ddpkit/data)
+    data_dir: str | None = None  # dataset files: DIR/<dataset>/ (default $DDPKIT_DATA, else ~/.cache/ddpkit/data)
     model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar (a recipe: see README), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
     strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # GLOBAL batch: samples per optimizer step over all processes together
-    micro_batch_size: Optional[int] = None  # most samples per forward on one process; more accumulate
+    micro_batch_size: int | None = None  # most samples per forward on one process; more accumulate
     lr: float = 0.05  # learning rate at --reference-batch-size (peak; cosine decay to zero)
     lr_scaling: str = "none"  # none, linear or sqrt: scale --lr by (batch-size / reference-batch-size)
     reference_batch_size: int = 64  # the global batch --lr was tuned for (used by --lr-scaling)
@@ -40,18 +40,18 @@ class TrainConfig:
     weight_decay: float = 5e-4  # L2 penalty
     precision: str = "fp32"  # fp32, bf16 or fp16 (fp16 uses a GradScaler)
     seed: int = 0  # seeds model init, shuffling and synthetic data
-    out: Optional[str] = None  # output directory (default: runs/<date>-<time>)
-    resume: Optional[str] = None  # auto (newest checkpoint in --out) or a checkpoint file
+    out: str | None = None  # output directory (default: runs/<date>-<time>)
+    resume: str | None = None  # auto (newest checkpoint in --out) or a checkpoint file
     checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at epoch ends only)
     keep_checkpoints: int = 2  # newest checkpoints kept in --out/checkpoints
-    max_steps: Optional[int] = None  # stop (with a checkpoint) after this many optimizer steps
+    max_steps: int | None = None  # stop (with a checkpoint) after this many optimizer steps
     max_restarts: int = 0  # when a worker dies, restart all of them (up to N times) from the newest checkpoint
     nnodes: str = "1"  # machines: N, or MIN:MAX; each runs the same command with --master-addr
-    node_rank: Optional[int] = None  # 0 on the machine that hosts the rendezvous
-    master_addr: Optional[str] = None  # address of that machine (needed with --nnodes > 1)
+    node_rank: int | None = None  # 0 on the machine that hosts the rendezvous
+    master_addr: str | None = None  # address of that machine (needed with --nnodes > 1)
     master_port: int = 29500  # rendezvous port on that machine
     eval_batch_size: int = 512  # global batch for evaluation
-    num_workers: Optional[int] = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
+    num_workers: int | None = None  # DataLoader workers per process (default: 0 on CPU, up to 4 on CUDA)
     log_every: int = 10  # write a step record to metrics.jsonl every N optimizer steps
     timeout: float = 600.0  # seconds a collective may wait for the slowest rank
     on_nonfinite: str = "stop"  # a NaN/inf loss: stop (naming step and rank), or skip that step on all ranks
@@ -66,7 +66,7 @@ class TrainConfig:
     label_smoothing: float = 0.0  # cross-entropy label smoothing (0 to 1)
     channels_last: bool = False  # NHWC model and batches (faster convolutions with bf16/fp16 on GPUs)
     compile: bool = False  # torch.compile the model (compile time is reported apart from step times)
-    bucket_cap_mb: Optional[float] = None  # DDP gradient bucket size in MiB (torch default 25)
+    bucket_cap_mb: float | None = None  # DDP gradient bucket size in MiB (torch default 25)
     gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
     comm_hook: str = "none"  # DDP gradient compression for the all-reduce: none, fp16 or bf16
@@ -83,10 +83,19 @@ RECIPES: dict[str, dict[str, Any]] = {
     # In the spirit of the CIFAR-10 speed runs: a large batch with a short warmup and cosine
     # decay, label smoothing, crop (2 px) + flip augmentation done on the device, and on GPUs
     # bf16 with channels_last.
-    "fast-cifar": {"batch_size": 1024, "reference_batch_size": 1024, "lr": 0.4, "warmup_epochs": 1.0,
-                   "epochs": 10, "label_smoothing": 0.2, "augment": "crop-flip", "crop_padding": 2,
-                   "weight_decay": 5e-4, "eval_batch_size": 2048,
-                   "cuda": {"precision": "bf16", "channels_last": True}},
+    "fast-cifar": {
+        "batch_size": 1024,
+        "reference_batch_size": 1024,
+        "lr": 0.4,
+        "warmup_epochs": 1.0,
+        "epochs": 10,
+        "label_smoothing": 0.2,
+        "augment": "crop-flip",
+        "crop_padding": 2,
+        "weight_decay": 5e-4,
+        "eval_batch_size": 2048,
+        "cuda": {"precision": "bf16", "channels_last": True},
+    },
 }
 
 

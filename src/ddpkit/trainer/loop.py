@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import data, dist, models
-from ..version import __version__
 from ..launcher import run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
 from ..strategy import unwrap
+from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
 from .plan import RunPlan, make_plan
@@ -40,8 +40,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
     """One worker's whole run. Every rank returns the same results dict."""
     cfg = plan.cfg
-    with Runtime(cfg.strategy, cfg.precision, plan.topology.device_type, seed=cfg.seed, timeout_s=cfg.timeout,
-                 channels_last=cfg.channels_last, compile=cfg.compile, ddp=plan.ddp) as rt:
+    with Runtime(
+        cfg.strategy,
+        cfg.precision,
+        plan.topology.device_type,
+        seed=cfg.seed,
+        timeout_s=cfg.timeout,
+        channels_last=cfg.channels_last,
+        compile=cfg.compile,
+        ddp=plan.ddp,
+    ) as rt:
         # Under torchrun each rank made its own plan and clock: rank 0's win.
         if rt.is_main and (restart := after_restart(cfg, plan.in_shape, plan.num_classes)):
             plan = dataclasses.replace(plan, resume=restart)
@@ -49,9 +57,11 @@ def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
         loop = Loop(rt, plan)  # rt.setup() inside gives each rank its own random stream
         if plan.resume is not None:
             loop.restore(plan.resume)
-        rt.print(f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
-                 f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
-                 f"global batch {cfg.batch_size}, {cfg.precision}")
+        rt.print(
+            f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
+            f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
+            f"global batch {cfg.batch_size}, {cfg.precision}"
+        )
         resumed_at = (loop.run.step, loop.run.epoch) if plan.resume else None
         with Outputs(plan.cfg, rt.is_main, resumed_step=resumed_at) as out:
             results = loop.run_all(out, t0)
@@ -67,8 +77,14 @@ class Loop:
         cfg = plan.cfg
         self.rt, self.plan, self.cfg = rt, plan, cfg
         # (For --data synthetic the input shape is the synthetic shape; other sets ignore it.)
-        self.splits = data.load(cfg.data, data_dir=cfg.data_dir, synthetic_shape=plan.in_shape,
-                                synthetic_size=cfg.synthetic_size, num_classes=plan.num_classes, seed=cfg.seed)
+        self.splits = data.load(
+            cfg.data,
+            data_dir=cfg.data_dir,
+            synthetic_shape=plan.in_shape,
+            synthetic_size=cfg.synthetic_size,
+            num_classes=plan.num_classes,
+            seed=cfg.seed,
+        )
         if isinstance(self.splits.train, data.ImageSet):
             self.splits.train.augment = data.Augment.parse(cfg.augment, cfg.crop_padding)
         model = models.build(cfg.model, plan.in_shape, plan.num_classes)
@@ -76,10 +92,16 @@ class Loop:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         opt = build_optimizer(cfg.optimizer, model.parameters(), plan.peak_lr, cfg.momentum, cfg.weight_decay)
         self.model, self.opt = rt.setup(model, opt)
-        self.train_loader = rt.loader(self.splits.train, cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-                                      num_workers=cfg.num_workers, resident=plan.resident)
-        self.test_loader = rt.eval_loader(self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers,
-                                          resident=plan.resident)
+        self.train_loader = rt.loader(
+            self.splits.train,
+            cfg.batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            num_workers=cfg.num_workers,
+            resident=plan.resident,
+        )
+        self.test_loader = rt.eval_loader(
+            self.splits.test, cfg.eval_batch_size, num_workers=cfg.num_workers, resident=plan.resident
+        )
         self.timer = StepTimer(rt.device)
         self.gpu_util: GpuUtilization | None = None
         steps = self.train_loader.steps_per_epoch
@@ -95,17 +117,25 @@ class Loop:
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
 
     def restore(self, path: str) -> None:
-        state = self.rt.load(path, model=self.model, optimizer=self.opt, scheduler=self.sched,
-                             precision=self.rt.precision, loader=self.train_loader)
+        state = self.rt.load(
+            path,
+            model=self.model,
+            optimizer=self.opt,
+            scheduler=self.sched,
+            precision=self.rt.precision,
+            loader=self.train_loader,
+        )
         self.run.restore(state, self.rt)
         self.step_t.fill_(self.run.step)
-        self.rt.print(f"resumed from {path} at step {self.run.step} (epoch {self.run.epoch + 1}, "
-                      f"step {self.train_loader.position} of {self.train_loader.steps_per_epoch})")
+        self.rt.print(
+            f"resumed from {path} at step {self.run.step} (epoch {self.run.epoch + 1}, "
+            f"step {self.train_loader.position} of {self.train_loader.steps_per_epoch})"
+        )
 
     def stopped(self) -> bool:
         return self.cfg.max_steps is not None and self.run.step >= self.cfg.max_steps
 
-    def run_all(self, out: "Outputs", t0: float) -> dict[str, Any]:
+    def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         train_time = 0.0
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
         while self.run.epoch < self.cfg.epochs and not self.stopped():
@@ -123,7 +153,7 @@ class Loop:
         out.finish(results, self.model, self.run.history)
         return results
 
-    def train_epoch(self, out: "Outputs") -> bool:
+    def train_epoch(self, out: Outputs) -> bool:
         """Train until the epoch ends (True) or --max-steps is reached (False). The epoch's
         loss and accuracy sums stay on the device, summed per sample; one all-reduce at its end."""
         rt, cfg, run = self.rt, self.cfg, self.run
@@ -168,8 +198,16 @@ class Loop:
                 value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_size
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
                 t_log = now
-                out.log({"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": value,
-                         "lr": self.sched.get_last_lr()[0], "samples_per_second": rate})
+                out.log(
+                    {
+                        "type": "step",
+                        "epoch": run.epoch + 1,
+                        "step": run.step,
+                        "loss": value,
+                        "lr": self.sched.get_last_lr()[0],
+                        "samples_per_second": rate,
+                    }
+                )
                 if hasattr(batches, "set_postfix"):
                     batches.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
             step_loss.zero_()
@@ -179,7 +217,7 @@ class Loop:
                 self.save(out)
         return True
 
-    def _skip_step(self, out: "Outputs") -> bool:
+    def _skip_step(self, out: Outputs) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
         Collective: one scalar all-reduce per step, paid only with --on-nonfinite skip."""
         bad = self.rt.all_reduce(self.bad_now.double(), op="max").item() > 0
@@ -187,16 +225,19 @@ class Loop:
         if bad:
             self.opt.zero_grad(set_to_none=True)
             self.run.skipped += 1
-            out.log({"type": "skip", "epoch": self.run.epoch + 1, "step": self.run.step + 1,
-                     "reason": "non-finite loss"})
+            out.log(
+                {"type": "skip", "epoch": self.run.epoch + 1, "step": self.run.step + 1, "reason": "non-finite loss"}
+            )
         return bad
 
     def _oom_advice(self, n: int) -> str:
         micro = max(1, n // 2)
-        return (f"CUDA out of memory on rank {self.rt.rank} with {n} samples per forward (global batch "
-                f"{self.cfg.batch_size} over {self.rt.world_size} processes). The global batch can stay: add "
-                f"--micro-batch-size {micro} to accumulate gradients over smaller forwards (same result), "
-                f"or use --precision bf16")
+        return (
+            f"CUDA out of memory on rank {self.rt.rank} with {n} samples per forward (global batch "
+            f"{self.cfg.batch_size} over {self.rt.world_size} processes). The global batch can stay: add "
+            f"--micro-batch-size {micro} to accumulate gradients over smaller forwards (same result), "
+            f"or use --precision bf16"
+        )
 
     def check_finite(self) -> None:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
@@ -207,37 +248,59 @@ class Loop:
         if not seen:
             params_ok = torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()
             if self.rt.all_reduce(params_ok.double(), op="min").item() < 1:
-                raise FloatingPointError(f"the weights hold NaN or inf after step {self.run.step}; stopped before "
-                                         f"saving them. Try a lower --lr or --warmup-epochs")
+                raise FloatingPointError(
+                    f"the weights hold NaN or inf after step {self.run.step}; stopped before "
+                    f"saving them. Try a lower --lr or --warmup-epochs"
+                )
         if seen:
             step = min(seen)
             ranks = ", ".join(str(r) for r, f in enumerate(firsts) if f == step)
             hint = "a lower --lr or --warmup-epochs" + (", or --precision fp32" if self.cfg.precision != "fp32" else "")
-            raise FloatingPointError(f"non-finite training loss at step {step} on rank {ranks} (peak lr "
-                                     f"{self.plan.peak_lr:g}); stopped before saving it. Try {hint}")
+            raise FloatingPointError(
+                f"non-finite training loss at step {step} on rank {ranks} (peak lr "
+                f"{self.plan.peak_lr:g}); stopped before saving it. Try {hint}"
+            )
 
-    def end_epoch(self, out: "Outputs", seconds: float) -> None:
+    def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
         loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
         run.sums.zero_()
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
         ev = rt.evaluate(self.model, self.test_loader)
-        record = {"type": "epoch", "epoch": run.epoch + 1, "step": run.step, "train_loss": loss / count,
-                  "train_accuracy": correct / count, "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
-                  "test_samples": ev["samples"], "epoch_seconds": seconds, "lr": self.sched.get_last_lr()[0]}
+        record = {
+            "type": "epoch",
+            "epoch": run.epoch + 1,
+            "step": run.step,
+            "train_loss": loss / count,
+            "train_accuracy": correct / count,
+            "test_loss": ev["loss"],
+            "test_accuracy": ev["accuracy"],
+            "test_samples": ev["samples"],
+            "epoch_seconds": seconds,
+            "lr": self.sched.get_last_lr()[0],
+        }
         run.history.append(record)
         run.epoch += 1
         out.log(record)
-        rt.print(f"epoch {run.epoch:>3}/{self.cfg.epochs}  train loss {loss / count:.4f}  acc {correct / count:.4f}"
-                 f"  |  test loss {ev['loss']:.4f}  acc {ev['accuracy']:.4f}  ({ev['samples']} samples)")
+        rt.print(
+            f"epoch {run.epoch:>3}/{self.cfg.epochs}  train loss {loss / count:.4f}  acc {correct / count:.4f}"
+            f"  |  test loss {ev['loss']:.4f}  acc {ev['accuracy']:.4f}  ({ev['samples']} samples)"
+        )
 
-    def save(self, out: "Outputs") -> None:
+    def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
         Collective: every rank calls it at the same step. Never saves weights trained on NaN."""
         self.check_finite()
         run_state = self.run.state_dict(self.rt)
-        self.rt.save(out.checkpoint_path(self.run.step), model=self.model, optimizer=self.opt, scheduler=self.sched,
-                     precision=self.rt.precision, loader=self.train_loader, run=run_state)
+        self.rt.save(
+            out.checkpoint_path(self.run.step),
+            model=self.model,
+            optimizer=self.opt,
+            scheduler=self.sched,
+            precision=self.rt.precision,
+            loader=self.train_loader,
+            run=run_state,
+        )
         out.prune_checkpoints()
 
     def performance(self, rate: float) -> dict[str, Any]:
@@ -247,12 +310,16 @@ class Loop:
         rt, cfg = self.rt, self.cfg
         timing = self.timer.summary()
         memory = [round(m, 1) for m in rt.gather_objects(peak_memory_mib(rt.device))]
-        perf: dict[str, Any] = {**timing, "peak_memory_mib": memory,
-                                "peak_memory_kind": "cuda_max_allocated" if rt.device.type == "cuda" else "rss"}
+        perf: dict[str, Any] = {
+            **timing,
+            "peak_memory_mib": memory,
+            "peak_memory_kind": "cuda_max_allocated" if rt.device.type == "cuda" else "rss",
+        }
         if cfg.compile and "step_time_ms" in timing:
             # Warm-up steps cost a step plus the compilation of their shape.
-            perf["compile_seconds"] = max(0.0, timing["warmup_seconds"]
-                                          - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3)
+            perf["compile_seconds"] = max(
+                0.0, timing["warmup_seconds"] - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3
+            )
         flops = flops_per_sample(unwrap(self.model), self.plan.in_shape, rt.device) if rt.is_main else None
         flops = rt.broadcast_object(flops)
         perf["flops_per_sample"] = flops
@@ -270,14 +337,31 @@ class Loop:
         cfg, run, rt = self.cfg, self.run, self.rt
         last = run.history[-1] if run.history else {}
         return {
-            "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_samples": ev["samples"],
-            "train_samples": len(self.splits.train), "world_size": rt.world_size,
-            "global_batch_size": cfg.batch_size, "micro_batch_size": cfg.micro_batch_size, "epochs": cfg.epochs,
-            "epochs_completed": run.epoch, "steps": run.step, "stopped_early": self.stopped() and run.epoch < cfg.epochs,
-            "final_train_loss": last.get("train_loss"), "final_train_accuracy": last.get("train_accuracy"),
-            "samples_per_second": rate, "wall_seconds": wall, "device": rt.device.type, "strategy": rt.strategy,
-            "precision": cfg.precision, "seed": cfg.seed, "lr": cfg.lr, "peak_lr": self.plan.peak_lr,
-            "model": cfg.model, "data": cfg.data, "resumed_from_step": run.start_step,
+            "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+            "test_samples": ev["samples"],
+            "train_samples": len(self.splits.train),
+            "world_size": rt.world_size,
+            "global_batch_size": cfg.batch_size,
+            "micro_batch_size": cfg.micro_batch_size,
+            "epochs": cfg.epochs,
+            "epochs_completed": run.epoch,
+            "steps": run.step,
+            "stopped_early": self.stopped() and run.epoch < cfg.epochs,
+            "final_train_loss": last.get("train_loss"),
+            "final_train_accuracy": last.get("train_accuracy"),
+            "samples_per_second": rate,
+            "wall_seconds": wall,
+            "device": rt.device.type,
+            "strategy": rt.strategy,
+            "precision": cfg.precision,
+            "seed": cfg.seed,
+            "lr": cfg.lr,
+            "peak_lr": self.plan.peak_lr,
+            "model": cfg.model,
+            "data": cfg.data,
+            "resumed_from_step": run.start_step,
             "skipped_steps": run.skipped,
-            "ddpkit_version": __version__, "torch_version": torch.__version__,
+            "ddpkit_version": __version__,
+            "torch_version": torch.__version__,
         }

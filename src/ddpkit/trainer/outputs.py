@@ -43,11 +43,12 @@ class Outputs:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a previous attempt wrote after the checkpoint resumed from
-            self._tb = SummaryWriter(os.path.join(self.dir, "tensorboard"),
-                                     purge_step=resumed_step[0] + 1 if resumed_step else None)
+            self._tb = SummaryWriter(
+                os.path.join(self.dir, "tensorboard"), purge_step=resumed_step[0] + 1 if resumed_step else None
+            )
         write_yaml(os.path.join(self.dir, "config.yaml"), cfg.to_dict())
 
-    def __enter__(self) -> "Outputs":
+    def __enter__(self) -> Outputs:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -80,7 +81,7 @@ class Outputs:
         if not self.is_main:
             return
         folder = os.path.join(self.dir, "checkpoints")
-        for name in checkpoint_names(folder)[:-self.cfg.keep_checkpoints]:
+        for name in checkpoint_names(folder)[: -self.cfg.keep_checkpoints]:
             os.unlink(os.path.join(folder, name))
 
     def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
@@ -92,16 +93,27 @@ class Outputs:
 
     def summary(self, r: dict[str, Any]) -> str:
         """The `done:` line (scripts parse it), then an aligned table of the run's results."""
-        done = (f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
-                f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
-                f"{r['wall_seconds']:.1f} s | outputs in {self.dir}")
+        done = (
+            f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
+            f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
+            f"{r['wall_seconds']:.1f} s | outputs in {self.dir}"
+        )
         rows = summary_rows(r)
         width = max(len(k) for k, _ in rows)
         return "\n".join([done, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
-CSV_FIELDS = ("epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_samples",
-              "epoch_seconds", "lr")
+CSV_FIELDS = (
+    "epoch",
+    "step",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "test_samples",
+    "epoch_seconds",
+    "lr",
+)
 
 
 def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
@@ -121,11 +133,13 @@ def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
 
 def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The final summary table of a results dict, as (label, value) rows."""
-    rows = [("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
-            ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
-            ("train loss", f"{r['final_train_loss']:.4f}" if r.get("final_train_loss") is not None else "-"),
-            ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
-            ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}")]
+    rows = [
+        ("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
+        ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
+        ("train loss", f"{r['final_train_loss']:.4f}" if r.get("final_train_loss") is not None else "-"),
+        ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
+        ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}"),
+    ]
     if r.get("step_time_ms"):
         t = r["step_time_ms"]
         rows.append(("step time", f"p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms"))

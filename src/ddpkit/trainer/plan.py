@@ -33,13 +33,34 @@ LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Run
 LR_SCALINGS = ("none", "linear", "sqrt")
 ONE_PROCESS = ("dp", "single")  # strategies that run in one process
 
-# Each setting's own rule (the rules between settings are in `make_plan`).
-CHOICES = {"data": data.DATASETS, "strategy": STRATEGIES, "precision": PRECISIONS,
-           "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS, "on_nonfinite": ("stop", "skip"),
-           "loader": tuple(LOADERS), "augment": Augment.NAMES, "comm_hook": COMM_HOOKS}
-POSITIVE = ("epochs", "batch_size", "lr", "eval_batch_size", "log_every", "timeout", "synthetic_size",
-            "num_classes", "reference_batch_size", "keep_checkpoints", "micro_batch_size", "max_steps",
-            "bucket_cap_mb")  # the last three may also be left unset
+# Each setting's own rule (the rules between settings are in `resolve`). POSITIVE settings that
+# may be left unset (micro_batch_size, max_steps, bucket_cap_mb) are checked only when set.
+CHOICES = {
+    "data": data.DATASETS,
+    "strategy": STRATEGIES,
+    "precision": PRECISIONS,
+    "optimizer": OPTIMIZERS,
+    "lr_scaling": LR_SCALINGS,
+    "on_nonfinite": ("stop", "skip"),
+    "loader": tuple(LOADERS),
+    "augment": Augment.NAMES,
+    "comm_hook": COMM_HOOKS,
+}
+POSITIVE = (
+    "epochs",
+    "batch_size",
+    "lr",
+    "eval_batch_size",
+    "log_every",
+    "timeout",
+    "synthetic_size",
+    "num_classes",
+    "reference_batch_size",
+    "keep_checkpoints",
+    "micro_batch_size",
+    "max_steps",
+    "bucket_cap_mb",
+)
 AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
 FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
 
@@ -100,8 +121,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
     peak_lr = cfg.lr * _lr_scale(cfg)
     scale = peak_lr / cfg.lr
-    return RunPlan(cfg, topology, in_shape, num_classes, peak_lr, 1.0 / scale if scale > 1 else 0.0,
-                   LOADERS[cfg.loader], ddp, checkpoint)
+    warmup_start = 1.0 / scale if scale > 1 else 0.0
+    return RunPlan(cfg, topology, in_shape, num_classes, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint)
 
 
 def check_settings(cfg: TrainConfig) -> None:
@@ -124,8 +145,9 @@ def check_settings(cfg: TrainConfig) -> None:
 
 def _data_shape(cfg: TrainConfig) -> tuple[tuple[int, ...], int]:
     """The dataset's (input shape, classes), checked against the model and the augmentation."""
-    in_shape, num_classes = data.shape_of(cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape),
-                                          cfg.num_classes)
+    in_shape, num_classes = data.shape_of(
+        cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes
+    )
     if cfg.augment != "none" and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
     models.check(cfg.model, in_shape, num_classes)
@@ -143,8 +165,11 @@ def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) 
         raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'")
     if cfg.precision == "fp16" and device_type == "cpu":
         # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
-        print("ddpkit train: warning: --precision fp16 on CPU is usually much slower than fp32 (few CPUs have fast "
-              "fp16 kernels); bf16 is faster on CPUs with native bf16 (AVX-512 BF16, AMX)", file=sys.stderr)
+        print(
+            "ddpkit train: warning: --precision fp16 on CPU is usually much slower than fp32 (few CPUs have fast "
+            "fp16 kernels); bf16 is faster on CPUs with native bf16 (AVX-512 BF16, AMX)",
+            file=sys.stderr,
+        )
 
 
 def _lr_scale(cfg: TrainConfig) -> float:

@@ -33,8 +33,10 @@ def starting_point(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int
     path = resume_path(cfg, in_shape, num_classes)
     if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
-        raise UsageError(f"--out {cfg.out} already holds a run's checkpoints: continue it with --resume auto, "
-                         f"or choose another --out")
+        raise UsageError(
+            f"--out {cfg.out} already holds a run's checkpoints: continue it with --resume auto, "
+            f"or choose another --out"
+        )
     return path
 
 
@@ -52,8 +54,9 @@ def restarted() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def resume_path(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int,
-                allow_finished: bool = False) -> str | None:
+def resume_path(
+    cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int, allow_finished: bool = False
+) -> str | None:
     """The checkpoint to resume from: `--resume PATH` (checked), or with `--resume auto` the
     newest usable one in `--out`/checkpoints (None when there is none yet). `allow_finished`
     accepts a checkpoint of the last epoch (a restart after training, before the outputs)."""
@@ -79,8 +82,9 @@ def resume_path(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int,
     return None
 
 
-def check_resumable(path: str, cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int,
-                    allow_finished: bool = False) -> None:
+def check_resumable(
+    path: str, cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int, allow_finished: bool = False
+) -> None:
     """Raise UsageError unless `path` is a readable training checkpoint that this config can
     continue: same model, optimizer and dataset, and epochs left to run."""
     state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
@@ -94,25 +98,45 @@ def check_resumable(path: str, cfg: TrainConfig, in_shape: tuple[int, ...], num_
     for key in RESUME_MUST_MATCH:
         if key in run and run[key] != getattr(cfg, key):
             flag = "--" + key.replace("_", "-")
-            raise IncompatibleCheckpoint(f"checkpoint {path}: was trained with {flag} {run[key]}; "
-                                         f"this run has {flag} {getattr(cfg, key)}")
+            raise IncompatibleCheckpoint(
+                f"checkpoint {path}: was trained with {flag} {run[key]}; this run has {flag} {getattr(cfg, key)}"
+            )
     if run["epoch"] >= cfg.epochs and not (allow_finished and run["epoch"] == cfg.epochs):
-        raise IncompatibleCheckpoint(f"checkpoint {path}: the run already finished its {run['epoch']} epochs; "
-                                     f"raise --epochs to continue it")
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path}: the run already finished its {run['epoch']} epochs; raise --epochs to continue it"
+        )
     model = models.build(cfg.model, in_shape, num_classes)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0]
-        raise IncompatibleCheckpoint(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})") from None
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})"
+        ) from None
 
 
 # The optimizer's and scheduler's saved state would silently override a changed --lr,
 # --weight-decay or scaling, so those must match too. --epochs may grow (that is how a finished
 # run continues); the cosine schedule then stretches over the new total.
-RESUME_MUST_MATCH = ("model", "optimizer", "data", "batch_size", "seed", "num_classes", "synthetic_shape",
-                     "synthetic_size", "lr", "weight_decay", "lr_scaling", "reference_batch_size", "warmup_epochs",
-                     "augment", "crop_padding", "label_smoothing", "momentum")
+RESUME_MUST_MATCH = (
+    "model",
+    "optimizer",
+    "data",
+    "batch_size",
+    "seed",
+    "num_classes",
+    "synthetic_shape",
+    "synthetic_size",
+    "lr",
+    "weight_decay",
+    "lr_scaling",
+    "reference_batch_size",
+    "warmup_epochs",
+    "augment",
+    "crop_padding",
+    "label_smoothing",
+    "momentum",
+)
 
 
 def checkpoint_names(folder: str) -> list[str]:
@@ -138,9 +162,13 @@ class RunState:
     def state_dict(self, rt: Runtime) -> dict[str, Any]:
         """Collective (all-reduces the sums, gathers the random states); rank 0 keeps the result."""
         return {
-            "epoch": self.epoch, "step": self.step, "history": self.history, "skipped": self.skipped,
+            "epoch": self.epoch,
+            "step": self.step,
+            "history": self.history,
+            "skipped": self.skipped,
             **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
-            "sums": rt.all_reduce(self.sums.clone()).cpu(), "world_size": rt.world_size,
+            "sums": rt.all_reduce(self.sums.clone()).cpu(),
+            "world_size": rt.world_size,
             "rng": rt.gather_objects(rng_state(rt.device, self.loader_generator)),
         }
 

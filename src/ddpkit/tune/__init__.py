@@ -22,16 +22,29 @@ from .plan import Settings, resolve
 from .probe import Tuner
 from .search import Trial, knee, largest_fit, pick, search
 
-__all__ = ["Settings", "Trial", "Tuner", "find", "knee", "largest_fit", "pick", "resolve", "run", "search",
-           "summarize", "worker"]
+__all__ = [
+    "Settings",
+    "Trial",
+    "Tuner",
+    "find",
+    "knee",
+    "largest_fit",
+    "pick",
+    "resolve",
+    "run",
+    "search",
+    "summarize",
+    "worker",
+]
 
 
 def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The search on this rank; every rank returns the same result, plus what it saw alone."""
     from ..runtime import Runtime
 
-    with Runtime(strategy="ddp", precision=settings.precision, device=settings.device, seed=0,
-                 timeout_s=settings.timeout_s) as rt:
+    with Runtime(
+        strategy="ddp", precision=settings.precision, device=settings.device, seed=0, timeout_s=settings.timeout_s
+    ) as rt:
         tuner = Tuner(rt, settings, probe_hook)
         criterion = settings.resolved_criterion(rt.device.type)
         start = max(settings.start, tuner.smallest)

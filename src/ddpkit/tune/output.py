@@ -9,11 +9,15 @@ from typing import Any
 from .plan import Settings
 from .search import CRITERIA, KNEE_FRACTION, Trial, largest_fit, pick
 
+
 def summarize(trials: list[Trial], settings: Settings, criterion: str, world: int, device: str) -> dict[str, Any]:
     chosen, largest = pick(trials, criterion), largest_fit(trials)
     failed = any(not t.fits for t in trials)
-    stop = "did not fit" if failed else ("--max-batch" if largest and largest.per_device_batch >= settings.max_batch
-                                         else "plateau")
+    stop = (
+        "did not fit"
+        if failed
+        else ("--max-batch" if largest and largest.per_device_batch >= settings.max_batch else "plateau")
+    )
     best = max((t for t in trials if t.fits), key=lambda t: t.samples_per_s or 0.0, default=None)
     return {
         "per_device_batch": chosen.per_device_batch if chosen else None,
@@ -37,9 +41,11 @@ TABLE_HEADER = f"{'per-device':>10} {'global':>8} {'samples/s':>11} {'step ms':>
 
 def header(s: Settings, world: int, device: str, strategy: str) -> str:
     shape = "x".join(map(str, s.in_shape))
-    return (f"ddpkit find-batch-size: {s.model} on {s.data} {shape} ({s.num_classes} classes), {world} x {device} "
-            f"{strategy}, {s.precision}, {s.optimizer}; per size: 1 probe step, then {s.warmup} warm-up and "
-            f"{s.steps} timed training steps on a synthetic batch")
+    return (
+        f"ddpkit find-batch-size: {s.model} on {s.data} {shape} ({s.num_classes} classes), {world} x {device} "
+        f"{strategy}, {s.precision}, {s.optimizer}; per size: 1 probe step, then {s.warmup} warm-up and "
+        f"{s.steps} timed training steps on a synthetic batch"
+    )
 
 
 def row(t: Trial) -> str:
@@ -47,14 +53,18 @@ def row(t: Trial) -> str:
         ranks = ",".join(map(str, t.failed_ranks))
         blank = f"{'-':>11} {'-':>9} {'-':>9}"
         return f"{t.per_device_batch:>10,} {t.global_batch:>8,} {blank}  no: {t.reason}, rank {ranks}"
-    return (f"{t.per_device_batch:>10,} {t.global_batch:>8,} {t.samples_per_s:>11,.0f} {t.step_ms:>9.2f} "
-            f"{t.peak_memory_mib:>9,.0f}  yes")
+    return (
+        f"{t.per_device_batch:>10,} {t.global_batch:>8,} {t.samples_per_s:>11,.0f} {t.step_ms:>9.2f} "
+        f"{t.peak_memory_mib:>9,.0f}  yes"
+    )
 
 
 def nothing_fits(r: dict[str, Any]) -> str:
     smallest = min(r["trials"], key=lambda t: t["per_device_batch"])
-    return (f"no per-device batch fits on every rank: even {smallest['per_device_batch']} did not "
-            f"({smallest['reason']} on rank {','.join(map(str, smallest['failed_ranks']))})")
+    return (
+        f"no per-device batch fits on every rank: even {smallest['per_device_batch']} did not "
+        f"({smallest['reason']} on rank {','.join(map(str, smallest['failed_ranks']))})"
+    )
 
 
 def conclusion(r: dict[str, Any]) -> list[str]:
@@ -64,17 +74,24 @@ def conclusion(r: dict[str, Any]) -> list[str]:
     bad = [t for t in r["trials"] if not t["fits"]]
     if bad:
         first_bad = min(t["per_device_batch"] for t in bad)
-        lines.append(f"largest that fits on every rank: per-device {largest:,} (global {largest * r['world_size']:,}); "
-                     f"{first_bad:,} did not fit")
+        lines.append(
+            f"largest that fits on every rank: per-device {largest:,} (global {largest * r['world_size']:,}); "
+            f"{first_bad:,} did not fit"
+        )
     else:
         hint = "; raise it to look further" if r["search_stopped_by"] == "--max-batch" else ""
-        lines.append(f"everything tried fitted, up to per-device {largest:,} (search stopped by "
-                     f"{r['search_stopped_by']}{hint})")
+        lines.append(
+            f"everything tried fitted, up to per-device {largest:,} (search stopped by {r['search_stopped_by']}{hint})"
+        )
     if r["criterion"] == "knee":
-        lines.append(f"knee: per-device {b:,} is the smallest size reaching >= {r['knee_fraction']:.0%} of the best "
-                     f"{r['best_samples_per_s']:,.0f} samples/s (at per-device {r['best_per_device_batch']:,})")
-    lines.append(f"use --batch-size {g} (per device {b}) on {r['world_size']} process"
-                 f"{'es' if r['world_size'] > 1 else ''} [criterion: {r['criterion']}]")
+        lines.append(
+            f"knee: per-device {b:,} is the smallest size reaching >= {r['knee_fraction']:.0%} of the best "
+            f"{r['best_samples_per_s']:,.0f} samples/s (at per-device {r['best_per_device_batch']:,})"
+        )
+    lines.append(
+        f"use --batch-size {g} (per device {b}) on {r['world_size']} process"
+        f"{'es' if r['world_size'] > 1 else ''} [criterion: {r['criterion']}]"
+    )
     return lines
 
 
@@ -90,12 +107,22 @@ def plot(result: dict[str, Any], path: str) -> None:
     if bad:
         ax.plot([t["per_device_batch"] for t in bad], [0] * len(bad), "rx", markersize=10, label="did not fit")
     if result["criterion"] == "knee" and result["best_samples_per_s"]:
-        ax.axhline(result["knee_fraction"] * result["best_samples_per_s"], color="gray", linestyle="--",
-                   label=f"{result['knee_fraction']:.0%} of best")
+        ax.axhline(
+            result["knee_fraction"] * result["best_samples_per_s"],
+            color="gray",
+            linestyle="--",
+            label=f"{result['knee_fraction']:.0%} of best",
+        )
     chosen = next((t for t in fits if t["per_device_batch"] == result["per_device_batch"]), None)
     if chosen:
-        ax.plot([chosen["per_device_batch"]], [chosen["samples_per_s"]], "*", color="tab:orange", markersize=16,
-                label=f"pick ({result['criterion']}): {chosen['per_device_batch']}")
+        ax.plot(
+            [chosen["per_device_batch"]],
+            [chosen["samples_per_s"]],
+            "*",
+            color="tab:orange",
+            markersize=16,
+            label=f"pick ({result['criterion']}): {chosen['per_device_batch']}",
+        )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(lambda value, _: f"{value:g}")  # 1, 2, 4 ... rather than 2^0, 2^1 ...
     ax.set_xlabel("per-device batch")

@@ -42,8 +42,12 @@ class Settings:
         checks.choice("--precision", self.precision, PRECISIONS)
         checks.choice("--optimizer", self.optimizer, OPTIMIZERS)
         checks.choice("--criterion", self.criterion, ("auto", *CRITERIA))
-        for flag, value in (("--start", self.start), ("--max-batch", self.max_batch), ("--steps", self.steps),
-                            ("--num-classes", self.num_classes)):
+        for flag, value in (
+            ("--start", self.start),
+            ("--max-batch", self.max_batch),
+            ("--steps", self.steps),
+            ("--num-classes", self.num_classes),
+        ):
             checks.positive(flag, value)
         if self.start > self.max_batch:
             raise UsageError(f"--start {self.start} is larger than --max-batch {self.max_batch}")
@@ -65,10 +69,21 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     # A default start never exceeds a small --max-batch; a --start that does is refused.
     cuda = topology.device_type == "cuda"
     start = a.start if a.start is not None else min(8 if cuda else 1, max(1, a.max_batch))
-    settings = Settings(model=a.model, data=name, in_shape=in_shape, num_classes=classes,
-                        device=topology.device_type, precision=a.precision, optimizer=a.optimizer, start=start,
-                        max_batch=a.max_batch, steps=a.steps, warmup=a.warmup, criterion=a.criterion,
-                        plateau=a.plateau)
+    settings = Settings(
+        model=a.model,
+        data=name,
+        in_shape=in_shape,
+        num_classes=classes,
+        device=topology.device_type,
+        precision=a.precision,
+        optimizer=a.optimizer,
+        start=start,
+        max_batch=a.max_batch,
+        steps=a.steps,
+        warmup=a.warmup,
+        criterion=a.criterion,
+        plateau=a.plateau,
+    )
     if a.plot and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
     for flag, path in (("--json", a.json), ("--plot", a.plot)):

@@ -80,8 +80,10 @@ class Tuner:
 
     def batch(self, n: int) -> tuple[Any, Any]:
         device = self.rt.device
-        return (torch.randn((n, *self.s.in_shape), device=device),
-                torch.randint(0, self.s.num_classes, (n,), device=device))
+        return (
+            torch.randn((n, *self.s.in_shape), device=device),
+            torch.randint(0, self.s.num_classes, (n,), device=device),
+        )
 
     def __call__(self, size: int, phase: str) -> Trial:
         code = self.probe(size)
@@ -100,8 +102,15 @@ class Tuner:
         worst = torch.tensor([step_s, peak], dtype=torch.float64, device=self.rt.device)
         self.rt.all_reduce(worst, op="max")
         step_s, peak = worst.tolist()
-        return Trial(size, size * world, True, samples_per_s=size * world / step_s, step_ms=1000 * step_s,
-                     peak_memory_mib=round(peak, 1), phase=phase)
+        return Trial(
+            size,
+            size * world,
+            True,
+            samples_per_s=size * world / step_s,
+            step_ms=1000 * step_s,
+            peak_memory_mib=round(peak, 1),
+            phase=phase,
+        )
 
     def probe(self, size: int) -> int:
         """0 if one forward and backward of `size` samples fits on this rank, else a reason code."""
@@ -133,8 +142,10 @@ class Tuner:
             times = self._time_steps(size)
         except Exception as err:
             if is_oom(err):  # the peers are inside the DDP step: this run cannot go on
-                raise RuntimeError(f"out of memory in the DDP step at per-device batch {size}, after a probe of "
-                                   f"that size fitted; rerun with --max-batch {max(1, size - 1)}") from None
+                raise RuntimeError(
+                    f"out of memory in the DDP step at per-device batch {size}, after a probe of "
+                    f"that size fitted; rerun with --max-batch {max(1, size - 1)}"
+                ) from None
             raise
         peak = peak_memory_mib(self.rt.device)
         self._release()

@@ -34,8 +34,9 @@ class Trial:
     phase: str = "doubling"  # doubling or bisect
 
 
-def search(trial: Callable[[int, str], Trial], start: int, max_batch: int, plateau: int = 0,
-           smallest: int = 1) -> list[Trial]:
+def search(
+    trial: Callable[[int, str], Trial], start: int, max_batch: int, plateau: int = 0, smallest: int = 1
+) -> list[Trial]:
     """Double from `start` until a size fails or `max_batch` is reached (or, with `plateau`,
     until that many doublings in a row gained nothing); then bisect between the last size that
     fitted (or `smallest` - 1) and the first that failed. Returns every trial, in the order run."""
