@@ -65,9 +65,7 @@ BLOCK = re.compile(
     r"(?P<open><!-- transcript: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close><!-- /transcript -->)",
     re.DOTALL,
 )
-FILE = re.compile(
-    r"<!-- file: (?P<name>[\w./-]+) -->\n```\w*\n(?P<text>.*?)```", re.DOTALL
-)
+FILE = re.compile(r"<!-- file: (?P<name>[\w./-]+) -->\n```\w*\n(?P<text>.*?)```", re.DOTALL)
 EPOCH = re.compile(r"^(\[rank\d+\]: )?epoch\s")
 
 
@@ -160,42 +158,26 @@ TRANSCRIPTS: dict[str, Transcript] = {
             Step("ddpkit train --epochs 2 --nproc 1 --out /tmp/inv/n1"),
             Step("ddpkit train --epochs 2 --nproc 2 --out /tmp/inv/n2"),
             Step("ddpkit train --epochs 2 --nproc 3 --out /tmp/inv/n3"),
-            Step(
-                "ddpkit train --epochs 2 --nproc 3 --micro-batch-size 8 --out /tmp/inv/n3-micro8 > /dev/null"
-            ),
-            Step(
-                "OMP_NUM_THREADS=1 ddpkit train --epochs 2 --nproc 1 --out /tmp/inv/n1-1thread > /dev/null"
-            ),
+            Step("ddpkit train --epochs 2 --nproc 3 --micro-batch-size 8 --out /tmp/inv/n3-micro8 > /dev/null"),
+            Step("OMP_NUM_THREADS=1 ddpkit train --epochs 2 --nproc 1 --out /tmp/inv/n1-1thread > /dev/null"),
         ]
     ),
     "invariance-resume": Transcript(
         [
-            Step(
-                "ddpkit train --epochs 2 --nproc 2 --max-steps 30 --out /tmp/inv/stop2-resume3"
-            ),
-            Step(
-                "ddpkit train --epochs 2 --nproc 3 --resume auto --out /tmp/inv/stop2-resume3"
-            ),
-            Step(
-                "ddpkit train --epochs 2 --nproc 2 --max-steps 30 --out /tmp/inv/stop2-resume2 > /dev/null"
-            ),
-            Step(
-                "ddpkit train --epochs 2 --nproc 2 --resume auto --out /tmp/inv/stop2-resume2 > /dev/null"
-            ),
+            Step("ddpkit train --epochs 2 --nproc 2 --max-steps 30 --out /tmp/inv/stop2-resume3"),
+            Step("ddpkit train --epochs 2 --nproc 3 --resume auto --out /tmp/inv/stop2-resume3"),
+            Step("ddpkit train --epochs 2 --nproc 2 --max-steps 30 --out /tmp/inv/stop2-resume2 > /dev/null"),
+            Step("ddpkit train --epochs 2 --nproc 2 --resume auto --out /tmp/inv/stop2-resume2 > /dev/null"),
         ]
     ),
-    "invariance-compare": Transcript(
-        [Step(COMPARE)], needs=["invariance-runs", "invariance-resume"]
-    ),
+    "invariance-compare": Transcript([Step(COMPARE)], needs=["invariance-runs", "invariance-resume"]),
     "resume": Transcript(
         [
             Step("ddpkit train --epochs 4 --out /tmp/dkr > /dev/null"),
             Step("ddpkit train --epochs 6 --out /tmp/dkr --resume auto"),
         ]
     ),
-    "metrics-jsonl": Transcript(
-        [Step("head -n 3 /tmp/dk1/metrics.jsonl")], needs=["train"], check="shape"
-    ),
+    "metrics-jsonl": Transcript([Step("head -n 3 /tmp/dk1/metrics.jsonl")], needs=["train"], check="shape"),
     "report": Transcript(
         [
             Step("ddpkit train --nproc 2 --out cnn-2proc > /dev/null"),
@@ -237,15 +219,9 @@ TRANSCRIPTS: dict[str, Transcript] = {
         ],
         needs=["train", "resume"],
     ),
-    "fp16-warning": Transcript(
-        [Step("ddpkit train --precision fp16 --epochs 1 --out /tmp/dkfp16 > /dev/null")]
-    ),
-    "find-batch-size": Transcript(
-        [Step("ddpkit find-batch-size --nproc 2 --max-batch 1024")], check="head"
-    ),
-    "runtime-digits": Transcript(
-        [Step("python train_digits.py")], files={"train_digits.py": ""}
-    ),
+    "fp16-warning": Transcript([Step("ddpkit train --precision fp16 --epochs 1 --out /tmp/dkfp16 > /dev/null")]),
+    "find-batch-size": Transcript([Step("ddpkit find-batch-size --nproc 2 --max-batch 1024")], check="head"),
+    "runtime-digits": Transcript([Step("python train_digits.py")], files={"train_digits.py": ""}),
     "collectives": Transcript([Step(COLLECTIVES)]),
     "fail": Transcript([Step("python fail.py")], files={"fail.py": ""}),
     "run-allreduce": Transcript(
@@ -277,9 +253,7 @@ def page_files() -> dict[str, str]:
         for m in FILE.finditer(page.read_text()):
             name, text = m["name"], m["text"]
             if found.setdefault(name, text) != text:
-                sys.exit(
-                    f"{page.relative_to(ROOT)}: file {name} differs from its other copy"
-                )
+                sys.exit(f"{page.relative_to(ROOT)}: file {name} differs from its other copy")
     return found
 
 
@@ -321,11 +295,7 @@ class Session:
         return text
 
     def step(self, name: str, s: Step) -> str:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in CLEARED and not k.startswith("SLURM_")
-        }
+        env = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("SLURM_")}
         env["PYTHONPATH"] = str(self.cwd)
         proc = subprocess.run(
             ["bash", "-c", self.real(s.cmd)],
@@ -338,9 +308,7 @@ class Session:
         )
         out = self.shown(proc.stdout)
         if proc.returncode != s.rc:
-            sys.exit(
-                f"transcript {name}: `{s.cmd}` exited {proc.returncode}, expected {s.rc}:\n{out}"
-            )
+            sys.exit(f"transcript {name}: `{s.cmd}` exited {proc.returncode}, expected {s.rc}:\n{out}")
         lines = [line.rstrip() for line in out.splitlines()]
         if s.epochs:
             lines = elide(lines, *s.epochs)
@@ -387,13 +355,9 @@ def render(body: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description="Regenerate (or --check) the docs' console transcripts."
-    )
+    p = argparse.ArgumentParser(description="Regenerate (or --check) the docs' console transcripts.")
     p.add_argument("names", nargs="*", help="transcripts to run (default: all)")
-    p.add_argument(
-        "--check", action="store_true", help="report stale blocks; write nothing"
-    )
+    p.add_argument("--check", action="store_true", help="report stale blocks; write nothing")
     p.add_argument(
         "--list",
         action="store_true",
@@ -405,9 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     for page, text in texts.items():
         for m in BLOCK.finditer(text):
             used.setdefault(m["name"], []).append(str(page.relative_to(ROOT)))
-    unknown = sorted(set(used) - set(TRANSCRIPTS)) + [
-        n for n in a.names if n not in TRANSCRIPTS
-    ]
+    unknown = sorted(set(used) - set(TRANSCRIPTS)) + [n for n in a.names if n not in TRANSCRIPTS]
     if unknown:
         sys.exit(f"unknown transcript(s): {', '.join(unknown)}")
     if a.list:
@@ -442,16 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     for page, name, old, new in stale:
         print(f"{'stale' if a.check else 'updated'}: {page.relative_to(ROOT)}: {name}")
         if a.check:
-            diff = difflib.unified_diff(
-                old.splitlines(), new.splitlines(), "page", "now", lineterm="", n=1
-            )
+            diff = difflib.unified_diff(old.splitlines(), new.splitlines(), "page", "now", lineterm="", n=1)
             print("\n".join(diff))
     if a.check:
-        print(
-            f"{len(stale)} stale transcript block(s)"
-            if stale
-            else "every transcript is current"
-        )
+        print(f"{len(stale)} stale transcript block(s)" if stale else "every transcript is current")
         return 1 if stale else 0
     return 0
 

@@ -23,7 +23,7 @@ class TrainConfig:
 
     data: str = "digits"  # dataset: digits (offline default), synthetic, toy, mnist, fashion-mnist or cifar10
     data_dir: str | None = None  # dataset files: DIR/<dataset>/ (default $DDPKIT_DATA, else ~/.cache/ddpkit/data)
-    model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar (a recipe: see README), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
+    model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar (a recipe: see docs/flags.md), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
     strategy: str = "ddp"  # ddp, dp (nn.DataParallel, one process) or single

@@ -86,7 +86,7 @@ class Loop:
             seed=cfg.seed,
         )
         if isinstance(self.splits.train, data.ImageSet):
-            self.splits.train.augment = data.Augment.parse(cfg.augment, cfg.crop_padding)
+            self.splits.train.augment = plan.augment
         model = models.build(cfg.model, plan.in_shape, plan.num_classes)
         if cfg.sync_batchnorm and rt.world_size > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

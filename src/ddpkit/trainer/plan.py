@@ -72,15 +72,16 @@ class RunPlan:
     cfg holds the settings as given (with `--out` filled in): the global batch
     (`cfg.batch_size`), micro-batch, strategy, precision and every plain knob of the loop.
     The rest is derived here, once: where the processes run (`topology`: device type,
-    process count, world size, nodes), the dataset's input shape and classes, the peak
-    learning rate and where warmup starts, the data path (`resident`), the DDP options, and
-    the checkpoint to resume from.
+    process count, world size, nodes), the dataset's input shape and classes, the training
+    augmentation, the peak learning rate and where warmup starts, the data path (`resident`),
+    the DDP options, and the checkpoint to resume from.
     """
 
     cfg: TrainConfig
     topology: Topology
     in_shape: tuple[int, ...]
     num_classes: int
+    augment: Augment | None  # for image data; None: no augmentation
     peak_lr: float
     warmup_start: float  # the LR factor warmup starts from (Goyal et al.: the reference LR)
     resident: bool | None  # Runtime.loader's `resident`: None lets the loader choose
@@ -122,7 +123,10 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     peak_lr = cfg.lr * _lr_scale(cfg)
     scale = peak_lr / cfg.lr
     warmup_start = 1.0 / scale if scale > 1 else 0.0
-    return RunPlan(cfg, topology, in_shape, num_classes, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint)
+    augment = Augment.parse(cfg.augment, cfg.crop_padding)
+    return RunPlan(
+        cfg, topology, in_shape, num_classes, augment, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint
+    )
 
 
 def check_settings(cfg: TrainConfig) -> None:

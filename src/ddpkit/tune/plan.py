@@ -69,6 +69,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     # A default start never exceeds a small --max-batch; a --start that does is refused.
     cuda = topology.device_type == "cuda"
     start = a.start if a.start is not None else min(8 if cuda else 1, max(1, a.max_batch))
+    criterion = ("largest" if cuda else "knee") if a.criterion == "auto" else a.criterion
     settings = Settings(
         model=a.model,
         data=name,
@@ -81,7 +82,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         max_batch=a.max_batch,
         steps=a.steps,
         warmup=a.warmup,
-        criterion=a.criterion,
+        criterion=criterion,
         plateau=a.plateau,
     )
     if a.plot and not a.plot.lower().endswith(".png"):
