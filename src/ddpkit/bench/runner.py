@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import device as devices
+from ..files import write_text
 from .common import RESULTS_DIR, BenchOptions, load_average, write
 
 
@@ -69,9 +70,7 @@ def run_all(
         meta = meta or record
     text = _where(meta, command) + markdown_table(rows)
     path = os.path.join(RESULTS_DIR, "SUMMARY.md" if table == "bench-all" else f"SUMMARY-{table}.md")
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    write_text(path, text)
     print(f"\nsummary table: {path}")
     readme = os.path.join(os.path.dirname(RESULTS_DIR), "README.md")
     if _replace_between_markers(readme, text, table):
@@ -94,8 +93,7 @@ def _replace_between_markers(path: str, text: str, table: str) -> bool:
         return False
     head, rest = doc.split(start, 1)
     _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{start}\n{text}{end}{tail}")
+    write_text(path, f"{head}{start}\n{text}{end}{tail}")
     return True
 
 

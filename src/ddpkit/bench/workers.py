@@ -87,16 +87,10 @@ def _worker_counts() -> list[int]:
 
 
 def _batch_sizes(opts: Any) -> list[int]:
-    from ..errors import UsageError
+    from .. import checks
 
     text = opts.extra.get("batch_sizes") or ("32,128" if opts.quick else "64,256")
-    try:
-        sizes = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise UsageError(f"--batch-sizes must be positive integers separated by commas, got {text!r}")
-    return sizes
+    return list(checks.int_list("--batch-sizes", text, "64,256"))
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from .. import checks
 from ..errors import UsageError, WorkerFailed
 from ..version import __version__
 
@@ -52,8 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"ddpkit: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return run_command("ddpkit", lambda _: checks.choice("command", name, COMMANDS), rest)
     command = importlib.import_module(f"{__name__}.{COMMANDS[name]}")
     return run_command(f"ddpkit {name}", command.main, rest)
 
