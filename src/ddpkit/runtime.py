@@ -38,7 +38,10 @@ __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank
 
 
 class Runtime:
-    """Process group, device, strategy and precision for one worker; see the module docstring.
+    """Process group, device, strategy and precision for one worker.
+
+    A `with` block (or `close()`) tears down the process group it created. The same code runs
+    as one process, under `ddpkit.launch`, `ddpkit run`, torchrun or srun.
 
     Args:
         strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'dp'
@@ -69,6 +72,8 @@ class Runtime:
         ddp: DDPOptions | dict | None = None,
         cudnn_benchmark: bool | None = None,
     ):
+        self._model: nn.Module | None = None
+        self._acc: Accumulation | None = None  # made once the world size is known
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank, what="Runtime(device=...)")
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -90,7 +95,6 @@ class Runtime:
         self.seed, self.channels_last, self.compile = seed, channels_last, compile
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
-        self._model: nn.Module | None = None
         self._acc = Accumulation(self.world_size)
         if seed is not None:
             seed_everything(seed)
@@ -98,24 +102,28 @@ class Runtime:
     # -- where we are -------------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's global rank (0 without a process group)."""
         return dist.rank()
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the job (1 without a process group)."""
         return dist.world_size()
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its machine: the GPU it binds to."""
         return self.env.local_rank
 
     @property
     def is_main(self) -> bool:
+        """True on global rank 0, the process that prints and writes files."""
         return dist.is_main()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group if this runtime created it. Safe to call twice."""
-        if hasattr(self, "_acc"):
+        if self._acc is not None:
             self._acc.leave()
             self._acc.no_sync = None
         self._model = None  # the caller may drop the model: do not keep it alive
@@ -159,7 +167,7 @@ class Runtime:
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
-        """The bare model under DDP / DataParallel / torch.compile."""
+        """The bare model under DDP / DataParallel / the autocast wrapper / torch.compile."""
         return strategies.unwrap(model)
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -274,6 +282,7 @@ class Runtime:
         print0(*args, **kwargs)
 
     def barrier(self) -> None:
+        """Wait until every rank gets here."""
         dist.barrier()
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
@@ -288,9 +297,11 @@ class Runtime:
         return dist.all_gather(tensor)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s picklable object, on every rank."""
         return dist.broadcast_object(obj, src)
 
     def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order, on every rank."""
         return dist.gather_objects(obj)
 
     # -- checkpoints ----------------------------------------------------------------------------

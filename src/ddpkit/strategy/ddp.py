@@ -23,14 +23,15 @@ COMM_HOOKS = ("none", "fp16", "bf16")
 class DDPOptions:
     """DistributedDataParallel's tuning knobs, as flags (`ddpkit bench comm` measures them).
 
-    bucket_cap_mb: gradients are all-reduced in buckets of this size while backward still
-        runs (torch's default 25); bigger buckets mean fewer, larger messages.
-    gradient_as_bucket_view: gradients are views into the buckets: saves one copy of the
-        gradients in memory and a copy per step.
-    static_graph: the set of used parameters never changes between steps, so DDP can skip
-        re-checking it (and overlap better); wrong for models with data-dependent branches.
-    comm_hook: 'fp16' or 'bf16' all-reduces gradients compressed to 16 bits (half the bytes),
-        decompressed before the optimizer step; 'none' all-reduces them as they are.
+    Attributes:
+        bucket_cap_mb: gradients are all-reduced in buckets of this size while backward still
+            runs (torch's default 25); bigger buckets mean fewer, larger messages.
+        gradient_as_bucket_view: gradients are views into the buckets: saves one copy of the
+            gradients in memory and a copy per step.
+        static_graph: the set of used parameters never changes between steps, so DDP can skip
+            re-checking it (and overlap better); wrong for models with data-dependent branches.
+        comm_hook: 'fp16' or 'bf16' all-reduces gradients compressed to 16 bits (half the
+            bytes), decompressed before the optimizer step; 'none' all-reduces them as they are.
     """
 
     bucket_cap_mb: float | None = None
