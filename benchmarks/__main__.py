@@ -10,7 +10,7 @@ from . import COMPARISONS
 if __name__ == "__main__":
     sys.exit(
         run_command(
-            "benchmarks",
+            "python -m benchmarks",
             lambda argv: main(argv, COMPARISONS, prog="python -m benchmarks", table="compare"),
             sys.argv[1:],
         )
