@@ -1,16 +1,49 @@
-"""Shared fixtures. Every test starts with no launcher/SLURM variables and no process group,
-so one test's distributed state never leaks into the next."""
+"""Shared fixtures and helpers. Every test starts with no launcher/SLURM variables and no process
+group, so one test's distributed state never leaks into the next.
+
+Every test is marked with its kind (see pyproject.toml): `unit` (one process, no subprocess, no
+launched workers), `distributed` (real gloo processes through ddpkit.launch) or `cli` (real
+subprocesses of `python -m ddpkit` or `python -m benchmarks`), and `slow` besides when it takes
+more than about ten seconds. Collection fails on a test without a kind, so
+`python -m pytest -m unit` runs every fast test there is.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+)
+KINDS = ("unit", "distributed", "cli")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
+def pytest_collection_modifyitems(config, items):
+    unclassified = [item.nodeid for item in items if not any(item.get_closest_marker(k) for k in KINDS)]
+    mixed = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("unit") and any(item.get_closest_marker(k) for k in ("distributed", "cli", "slow"))
+    ]
+    problems = [f"{nodeid}: no kind (mark it unit, distributed or cli)" for nodeid in unclassified]
+    problems += [f"{nodeid}: unit, yet marked distributed, cli or slow as well" for nodeid in mixed]
+    if problems:
+        raise pytest.UsageError("tests/conftest.py: unclassified tests:\n" + "\n".join(problems))
 
 
 @pytest.fixture(autouse=True)
@@ -26,16 +59,35 @@ def clean_dist_env(monkeypatch):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src")
 
 
-def run_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None,
-            stdin: str | None = None, module: str = "ddpkit") -> subprocess.CompletedProcess:
+def clean_env() -> dict:
+    """This process's environment without launcher or SLURM variables: a fresh job's."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+
+
+def run_cli(
+    *args: str,
+    timeout: float = 240,
+    env: dict | None = None,
+    cwd: str | None = None,
+    stdin: str | None = None,
+    module: str = "ddpkit",
+) -> subprocess.CompletedProcess:
     """Run `python -m ddpkit ARGS...` (or another module: `benchmarks` runs from the repository
     root) as a real subprocess; returns the completed process."""
-    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    full_env = clean_env()
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd, input=stdin)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        input=stdin,
+    )
 
 
 def run_comparison(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -48,6 +100,17 @@ def cli():
     return run_cli
 
 
+def run_train(tmp_path, name, *extra):
+    """`ddpkit train --device cpu --out TMP/NAME EXTRA...`; returns (results.json, model.pt's
+    state dict, the out directory)."""
+    import torch
+
+    out = tmp_path / name
+    proc = run_cli("train", "--device", "cpu", "--out", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), torch.load(out / "model.pt", weights_only=True), out
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,11 +118,20 @@ def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300, comparison
     """`ddpkit bench NAME --quick --repeats 1` (or `python -m benchmarks NAME ...` for a
     comparison) on CPU as a subprocess; checks the PNG and the record's metadata, returns the
     benchmark's result payload."""
-    import json
-
     out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
-    args = (name, "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
-            *flags)
+    args = (
+        name,
+        "--device",
+        "cpu",
+        "--quick",
+        "--repeats",
+        "1",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        *flags,
+    )
     proc = run_comparison(*args, timeout=timeout) if comparison else run_cli("bench", *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = out_png.read_bytes()
@@ -67,3 +139,21 @@ def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300, comparison
     record = json.loads(out_json.read_text())
     assert record["benchmark"] == name and record["device"] == "cpu" and record["versions"]["torch"]
     return record["result"]
+
+
+HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Two short real runs: A on 2 processes (with --tensorboard when it is installed), B on one.
+    Shared by the tests of their outputs (trainer/test_outputs.py) and of `ddpkit report`
+    (cli/test_report.py): made once per session."""
+    root = tmp_path_factory.mktemp("runs")
+    a, b = root / "A", root / "B"
+    extra = ["--tensorboard"] if HAVE_TENSORBOARD else []
+    proc_a = run_cli("train", "--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(a), *extra)
+    proc_b = run_cli("train", "--epochs", "2", "--nproc", "1", "--device", "cpu", "--seed", "1", "--out", str(b))
+    for proc in (proc_a, proc_b):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, (a, proc_a), (b, proc_b)

@@ -21,11 +21,15 @@ def _cuda_steps(precision: str) -> dict:
         for x, y in rt.loader(workers.toy_data(64), batch_size=16 * rt.world_size):
             rt.backward(F.cross_entropy(model(x), y))
             rt.step(opt)
-        return {"device": str(rt.device), "scaler": rt.precision.scaler is not None,
-                "finite": bool(torch.isfinite(workers.flat_params(model)).all()),
-                "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None}
+        return {
+            "device": str(rt.device),
+            "scaler": rt.precision.scaler is not None,
+            "finite": bool(torch.isfinite(workers.flat_params(model)).all()),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_cuda_single_process_precisions(precision):
     out = _cuda_steps(precision)
@@ -33,6 +37,7 @@ def test_cuda_single_process_precisions(precision):
     assert out["scaler"] == (precision == "fp16")
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL DDP needs at least 2 GPUs")
 def test_nccl_ddp_on_all_visible_gpus():
     n = torch.cuda.device_count()
@@ -41,7 +46,7 @@ def test_nccl_ddp_on_all_visible_gpus():
     assert {out[r]["backend"] for r in range(n)} == {"nccl"}
 
 
-
+@pytest.mark.unit
 def test_cuda_resident_loader_matches_dataloader_path_with_augmentation():
     from ddpkit import data
 
@@ -55,18 +60,41 @@ def test_cuda_resident_loader_matches_dataloader_path_with_augmentation():
         assert torch.equal(xa, xb) and torch.equal(ya, yb)  # the hash gives the same crops on GPU
 
 
-@pytest.mark.parametrize("precision,channels_last,compile", [("bf16", True, False), ("fp16", True, False),
-                                                             ("bf16", True, True)])
+@pytest.mark.cli
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "precision,channels_last,compile", [("bf16", True, False), ("fp16", True, False), ("bf16", True, True)]
+)
 def test_cuda_fast_cifar_trains_with_speed_flags(tmp_path, precision, channels_last, compile):
     import json
 
     from tests.conftest import run_cli
 
     out = tmp_path / "out"
-    flags = ["--precision", precision] + (["--channels-last"] if channels_last else []) + (["--compile"] if compile else [])
-    proc = run_cli("train", "--device", "cuda", "--nproc", "1", "--model", "fast-cifar", "--data", "synthetic",
-                   "--synthetic-size", "4096", "--batch-size", "512", "--epochs", "3", "--out", str(out), *flags,
-                   timeout=600)
+    flags = (
+        ["--precision", precision] + (["--channels-last"] if channels_last else []) + (["--compile"] if compile else [])
+    )
+    proc = run_cli(
+        "train",
+        "--device",
+        "cuda",
+        "--nproc",
+        "1",
+        "--model",
+        "fast-cifar",
+        "--data",
+        "synthetic",
+        "--synthetic-size",
+        "4096",
+        "--batch-size",
+        "512",
+        "--epochs",
+        "3",
+        "--out",
+        str(out),
+        *flags,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
     assert r["test_accuracy"] > 0.3  # synthetic class templates: well above the 0.1 of chance

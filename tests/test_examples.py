@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.cli
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -18,7 +20,10 @@ RUNS = {
     "dataparallel_randn.py": (["--epochs", "1", "--size", "16"], "finished: 1 epochs on 2 process(es)"),
     "d2l_resnet18_fashion_mnist.py": (["--epochs", "1", "--size", "32", "--batch-size", "16"], "sec/epoch on 2 x cpu"),
     "cifar10_augment.py": (["--epochs", "1", "--size", "64", "--batch-size", "32"], "done: cnn on 64 images"),
-    "lenet_mnist.py": (["--epochs", "1", "--size", "128", "--batch-size", "32", "--log-every", "2"], "Finished Training"),
+    "lenet_mnist.py": (
+        ["--epochs", "1", "--size", "128", "--batch-size", "32", "--log-every", "2"],
+        "Finished Training",
+    ),
 }
 
 
@@ -32,6 +37,7 @@ def run_example(name: str, *flags: str) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(RUNS) - {"toy_ddp.py"}))  # toy: below
 def test_example_runs_on_two_processes(name):
     flags, final = RUNS[name]

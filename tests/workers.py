@@ -44,8 +44,14 @@ def train_steps(steps: int = 5, global_batch: int = 12, precision: str = "fp32")
                 done += 1
                 if done == steps:
                     break
-        return {"rank": rt.rank, "world": rt.world_size, "strategy": rt.strategy,
-                "start": start, "end": flat_params(model), "batch": x.shape[0]}
+        return {
+            "rank": rt.rank,
+            "world": rt.world_size,
+            "strategy": rt.strategy,
+            "start": start,
+            "end": flat_params(model),
+            "batch": x.shape[0],
+        }
 
 
 def evaluate_odd(n: int) -> dict:
@@ -66,9 +72,15 @@ def collectives() -> dict:
         gathered = rt.all_gather(torch.full((r + 1, 2), float(r)))
         obj = rt.broadcast_object({"from": r, "list": [1, 2]} if r == 0 else None)
         objs = rt.gather_objects(f"rank{r}")
-        return {"sum": summed.item(), "mean": mean, "max": biggest.item(),
-                "shapes": [tuple(t.shape) for t in gathered], "values": [t.unique().tolist() for t in gathered],
-                "obj": obj, "objs": objs}
+        return {
+            "sum": summed.item(),
+            "mean": mean,
+            "max": biggest.item(),
+            "shapes": [tuple(t.shape) for t in gathered],
+            "values": [t.unique().tolist() for t in gathered],
+            "obj": obj,
+            "objs": objs,
+        }
 
 
 def save_under_ddp(path: str) -> dict:
@@ -189,8 +201,9 @@ def ddp_options_weights(options: dict, steps: int = 6) -> torch.Tensor:
     from ddpkit import data
 
     with ddpkit.Runtime(device="cpu", seed=4, ddp=options) as rt:
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                                    torch.nn.Linear(8 * 8 * 8, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 10)
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, opt = rt.setup(model, opt)
         train = data.synthetic((3, 8, 8), 96, 10, seed=1).train

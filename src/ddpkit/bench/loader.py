@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import data
+from .. import checks, data
 from ..metrics import sync
 from ..plots import pyplot, save_figure
 from .common import BenchOptions, stats
@@ -69,9 +69,9 @@ def _same_batches(a: data.DistributedLoader, b: data.DistributedLoader, count: i
 
 
 def run(opts: BenchOptions, device: str) -> dict[str, Any]:
-    shape = tuple(int(v) for v in str(opts.extra.get("shape", "1,28,28")).split(","))
-    batch = int(opts.extra.get("batch_size", 256))
-    n = int(opts.extra.get("samples") or (8192 if opts.quick else 60000))
+    shape = checks.shape("--shape", opts.extra.get("shape", "1,28,28"))
+    batch = checks.positive("--batch-size", int(opts.extra.get("batch_size", 256)))
+    n = checks.positive("--samples", int(opts.extra.get("samples") or (8192 if opts.quick else 60000)))
     repeats = opts.reps(default=5, quick=2)
     dev = torch.device(device)
     batches = max(4, min(n // batch, 16 if opts.quick else 40))

@@ -1,0 +1,221 @@
+"""Bad input to `ddpkit train`: exit 2, one line on stderr naming the flag or file, no traceback,
+no --out made, and no code run from a malicious checkpoint. No training starts, except the
+shared `run1` (tests/cli/conftest.py) whose files some cases point at."""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+
+import pytest
+import torch
+
+from tests.cli.helpers import ok
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.cli
+
+
+class _Evil:
+    """Unpickling this runs os.system(command): what a code-carrying checkpoint looks like."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _evil_checkpoint(path, marker) -> None:
+    torch.save({"model": {"w": torch.zeros(1)}, "payload": _Evil(f"touch {shlex.quote(str(marker))}")}, path)
+
+
+def _make_input(kind: str, tmp_path, run1) -> str:
+    """Create the file a bad-input case points at; returns its path."""
+    if kind == "missing.yaml":
+        return str(tmp_path / "missing.yaml")
+    if kind == "invalid.yaml":
+        (tmp_path / kind).write_text("epochs: [1, 2\nlr: 0.1\n")
+    elif kind == "list.yaml":
+        (tmp_path / kind).write_text("- epochs\n- 1\n")
+    elif kind == "unknown-key.yaml":
+        (tmp_path / kind).write_text("epochs: 1\nnosuch_option: 3\n")
+    elif kind == "wrong-type.yaml":
+        (tmp_path / kind).write_text('epochs: "ten"\n')
+    elif kind == "missing.pt":
+        return str(tmp_path / "missing.pt")
+    elif kind == "truncated.pt":
+        out, proc = run1
+        ok(proc)
+        blob = (out / "checkpoints" / "step-00000046.pt").read_bytes()
+        (tmp_path / kind).write_bytes(blob[: len(blob) // 2])
+    elif kind.startswith("random-"):  # random-SEED.pt: 4096 bytes from random.Random(SEED)
+        seed = int(kind.split("-")[1].split(".")[0])
+        (tmp_path / kind).write_bytes(random.Random(seed).randbytes(4096))
+    elif kind == "model.pt":  # a readable weights file that is not a training checkpoint
+        out, proc = run1
+        ok(proc)
+        shutil.copy(out / "model.pt", tmp_path / kind)
+    elif kind == "a-file":
+        (tmp_path / kind).write_text("not a directory\n")
+    elif kind == "cnn-checkpoint.pt":  # a real training checkpoint, of another model
+        out, proc = run1
+        ok(proc)
+        shutil.copy(out / "checkpoints" / "step-00000046.pt", tmp_path / kind)
+    else:
+        raise AssertionError(kind)
+    return str(tmp_path / kind)
+
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def case(id_, args, kind, needle, marks=()):
+    """One bad-input case: `args` with {FILE} for the created input, the input kind (or None),
+    and what the stderr line must name (a string or a tuple of strings)."""
+    needles = (needle,) if isinstance(needle, str) else tuple(needle)
+    return pytest.param(args, kind, needles, id=id_, marks=marks)
+
+
+BAD_INPUT = [
+    case("data", ["train", "--data", "no-such-set"], None, "--data"),
+    case("model", ["train", "--model", "nope"], None, "--model"),
+    case("strategy", ["train", "--strategy", "nope"], None, "--strategy"),
+    case("epochs-0", ["train", "--epochs", "0"], None, "--epochs"),
+    case("batch-size-0", ["train", "--batch-size", "0"], None, "--batch-size"),
+    case("batch-size-negative", ["train", "--batch-size", "-3"], None, "--batch-size"),
+    case("lr-0", ["train", "--lr", "0"], None, "--lr"),
+    # NaN passes a naive `value <= 0` check; it must be refused, not trained to chance accuracy.
+    case("lr-nan", ["train", "--lr", "nan", "--epochs", "1", "--nproc", "1", "--device", "cpu"], None, "--lr"),
+    case("nproc-0", ["train", "--nproc", "0"], None, "--nproc"),
+    case("nproc-abc", ["train", "--nproc", "abc"], None, "--nproc"),
+    case(
+        "device-cuda",
+        ["train", "--device", "cuda"],
+        None,
+        "--device",
+        marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible"),
+    ),
+    case("config-missing", ["train", "--config", "{FILE}"], "missing.yaml", "--config"),
+    case("config-invalid-yaml", ["train", "--config", "{FILE}"], "invalid.yaml", "--config"),
+    case("config-list", ["train", "--config", "{FILE}"], "list.yaml", "--config"),
+    case("config-unknown-key", ["train", "--config", "{FILE}"], "unknown-key.yaml", ("--config", "nosuch_option")),
+    case("config-wrong-type", ["train", "--config", "{FILE}"], "wrong-type.yaml", ("--config", "epochs", "ten")),
+    case(
+        "batch-smaller-than-world",
+        ["train", "--batch-size", "1", "--nproc", "2", "--device", "cpu"],
+        None,
+        "--batch-size",
+    ),
+    case("resume-missing", ["train", "--resume", "{FILE}", "--device", "cpu"], "missing.pt", "{FILE}"),
+    case("resume-truncated", ["train", "--resume", "{FILE}", "--device", "cpu"], "truncated.pt", "{FILE}"),
+    case("resume-random-bytes-seed0", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-0.pt", "{FILE}"),
+    # Garbage that makes torch's weights-only unpickler raise IndexError ("pop from empty list").
+    case("resume-random-bytes-seed2", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-2.pt", "{FILE}"),
+    # ...and KeyError (a memo lookup of an entry never stored).
+    case("resume-random-bytes-seed20", ["train", "--resume", "{FILE}", "--device", "cpu"], "random-20.pt", "{FILE}"),
+    # A readable weights file that is not a training checkpoint (the run's own model.pt) must be
+    # refused before anything starts, not fail inside fit().
+    case(
+        "resume-not-a-checkpoint",
+        ["train", "--resume", "{FILE}", "--nproc", "1", "--epochs", "1", "--device", "cpu"],
+        "model.pt",
+        "{FILE}",
+    ),
+    # A cnn checkpoint resumed as an mlp: refused up front, naming the model flag.
+    case(
+        "resume-model-mismatch",
+        ["train", "--resume", "{FILE}", "--model", "mlp", "--nproc", "2", "--device", "cpu"],
+        "cnn-checkpoint.pt",
+        ("{FILE}", "--model mlp"),
+    ),
+    case(
+        "resume-other-optimizer",
+        ["train", "--resume", "{FILE}", "--optimizer", "adamw", "--device", "cpu"],
+        "cnn-checkpoint.pt",
+        ("{FILE}", "--optimizer adamw"),
+    ),
+    case(
+        "resume-nothing-left",
+        ["train", "--resume", "{FILE}", "--epochs", "2", "--device", "cpu"],
+        "cnn-checkpoint.pt",
+        ("{FILE}", "--epochs"),
+    ),
+    case("resume-auto-without-out", ["train", "--resume", "auto"], None, "--out", marks=pytest.mark.no_out),
+    case("out-is-a-file", ["train", "--device", "cpu", "--out", "{FILE}"], "a-file", "--out", marks=pytest.mark.no_out),
+    case(
+        "lenet-on-tiny-images",
+        ["train", "--data", "synthetic", "--synthetic-shape", "3,2,2", "--model", "lenet"],
+        None,
+        "--model",
+    ),
+    case("sync-batchnorm-on-cpu", ["train", "--sync-batchnorm", "true", "--device", "cpu"], None, "--sync-batchnorm"),
+    case("micro-batch-size-0", ["train", "--micro-batch-size", "0"], None, "--micro-batch-size"),
+    case("lr-scaling-unknown", ["train", "--lr-scaling", "cubic"], None, "--lr-scaling"),
+    case("unknown-command", ["nosuch"], None, "nosuch"),
+]
+
+
+@pytest.mark.parametrize("args, kind, needles", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(args, kind, needles, tmp_path, request):
+    if kind is not None:
+        run1 = request.getfixturevalue("run1") if kind in ("truncated.pt", "model.pt", "cnn-checkpoint.pt") else None
+        path = _make_input(kind, tmp_path, run1)
+        args = [a.replace("{FILE}", path) for a in args]
+        needles = tuple(n.replace("{FILE}", path) for n in needles)
+    # Cases marked no_out bring their own --out (or must go without): then nothing may appear
+    # in the working directory, where the default runs/ folder would go.
+    own_out = request.node.get_closest_marker("no_out") is not None
+    out = tmp_path / ("runs" if own_out else "out")
+    proc = run_cli(*args, *([] if own_out else ["--out", str(out)]), cwd=str(tmp_path))
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{proc.stderr}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not named in: {lines[0]}"
+    assert not out.exists(), "--out was created although the input was rejected"
+
+
+def test_malicious_checkpoint_is_refused_without_running_its_code(tmp_path):
+    # First prove the payload is live: an unsafe load of a twin file does run it.
+    twin, twin_marker = tmp_path / "twin.pt", tmp_path / "twin-ran"
+    _evil_checkpoint(twin, twin_marker)
+    torch.load(twin, weights_only=False)
+    assert twin_marker.exists(), "test setup: the malicious pickle did not run its payload"
+
+    evil, marker = tmp_path / "evil.pt", tmp_path / "pwned"
+    _evil_checkpoint(evil, marker)
+    out = tmp_path / "out"
+    for nproc in ("1", "2"):
+        proc = run_cli(
+            "train", "--resume", str(evil), "--nproc", nproc, "--device", "cpu", "--out", str(out), cwd=str(tmp_path)
+        )
+        assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert not marker.exists(), "loading the checkpoint ran code from it"
+        assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(evil) in lines[0], proc.stderr
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (("--augment", "crop-flip", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "20"), "--augment"),
+        (("--comm-hook", "int8"), "--comm-hook"),
+        (("--comm-hook", "bf16", "--device", "cpu"), "--comm-hook bf16 needs CUDA"),
+        (("--label-smoothing", "1.5"), "--label-smoothing"),
+        (("--loader", "disk"), "--loader"),
+        (("--bucket-cap-mb", "0"), "--bucket-cap-mb"),
+    ],
+    ids=["augment-non-image", "comm-hook", "bf16-hook-on-cpu", "label-smoothing", "loader", "bucket"],
+)
+def test_bad_speed_flags_exit_2_with_one_line(tmp_path, flags, needle):
+    proc = run_cli("train", "--out", str(tmp_path / "o"), *flags)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()

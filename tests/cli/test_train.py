@@ -1,0 +1,329 @@
+"""`ddpkit train` end to end, run as real subprocesses (`python -m ddpkit train`): the files and
+keys in --out, one report from rank 0, resume after a stop and after a crash, the default run's
+accuracy, a config file under the flags, the strategies, and --help.
+
+Multi-process training is expensive on a 2-core machine, so one `ddpkit train --nproc 2
+--epochs 2` run (the `run1` fixture, tests/cli/conftest.py) is shared by every test that only
+reads its outputs (and by the bad-input cases that point at its files); the resume test works
+on its own copy of that directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+import ddpkit
+from ddpkit import data as ddpkit_data
+from ddpkit import models as ddpkit_models
+from ddpkit import strategy as ddpkit_strategy
+from tests.cli.helpers import DIGITS_TEST, DIGITS_TRAIN, ok
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.cli
+
+
+RESULT_KEYS = (
+    "test_accuracy",
+    "test_samples",
+    "train_samples",
+    "world_size",
+    "global_batch_size",
+    "epochs",
+    "steps",
+    "final_train_loss",
+    "samples_per_second",
+    "wall_seconds",
+    "device",
+    "strategy",
+    "precision",
+    "seed",
+    "ddpkit_version",
+    "torch_version",
+)
+
+
+def _results(out) -> dict:
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]  # every line must be JSON
+
+
+def test_run1_exits_zero(run1):
+    out, proc = run1
+    ok(proc)
+    assert "Traceback" not in proc.stderr
+
+
+def test_run1_results_json(run1):
+    out, proc = run1
+    ok(proc)
+    r = _results(out)
+    missing = [k for k in RESULT_KEYS if k not in r]
+    assert not missing, f"results.json lacks {missing}"
+    assert r["world_size"] == 2
+    assert r["test_samples"] == DIGITS_TEST
+    assert r["train_samples"] == DIGITS_TRAIN
+    assert r["strategy"] == "ddp"
+    assert r["global_batch_size"] == 64
+    assert r["epochs"] == 2
+    assert r["steps"] == 2 * math.ceil(DIGITS_TRAIN / 64) == 46
+    assert r["device"] == "cpu"
+    assert r["precision"] == "fp32"
+    assert r["seed"] == 0
+    assert r["ddpkit_version"] == ddpkit.__version__
+    assert r["torch_version"] == torch.__version__
+    assert 0.0 <= r["test_accuracy"] <= 1.0
+    assert r["test_accuracy"] > 0.5  # two epochs on digits learn far more than chance (0.1)
+    assert math.isfinite(r["final_train_loss"]) and r["final_train_loss"] > 0
+    assert r["samples_per_second"] > 0
+    assert r["wall_seconds"] > 0
+
+
+def test_run1_metrics_jsonl(run1):
+    out, proc = run1
+    ok(proc)
+    records = _metrics(out)
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    steps = [r for r in records if r.get("type") == "step"]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert [r["step"] for r in epochs] == [23, 46]
+    assert all(r["test_samples"] == DIGITS_TEST for r in epochs)
+    assert steps, "no step records"
+    assert [r["step"] for r in steps] == sorted(r["step"] for r in steps)
+    assert all(r["step"] % 10 == 0 for r in steps)  # --log-every defaults to 10
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    # the last epoch record is what results.json reports
+    assert epochs[-1]["test_accuracy"] == pytest.approx(_results(out)["test_accuracy"], abs=1e-12)
+
+
+def test_run1_model_pt_is_a_plain_state_dict_of_the_bare_model(run1):
+    out, proc = run1
+    ok(proc)
+    state = torch.load(out / "model.pt", weights_only=True, map_location="cpu")
+    assert isinstance(state, dict) and state
+    prefixed = [k for k in state if k.startswith(("module.", "_orig_mod."))]
+    assert not prefixed, f"wrapper prefixes in model.pt: {prefixed}"
+    model = ddpkit_models.build("cnn", (1, 8, 8), 10)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    test = ddpkit_data.digits().test
+    x, y = test.tensors
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == y).double().mean().item()
+    assert len(y) == DIGITS_TEST
+    assert abs(acc - _results(out)["test_accuracy"]) <= 1e-6
+
+
+def test_run1_curves_png(run1):
+    out, proc = run1
+    ok(proc)
+    png = (out / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(png) > 1000
+
+
+def test_run1_config_yaml(run1):
+    out, proc = run1
+    ok(proc)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["batch_size"] == 64
+    assert cfg["epochs"] == 2
+    assert cfg["device"] == "cpu"
+    assert str(cfg["nproc"]) == "2"
+
+
+def test_run1_checkpoints(run1):
+    out, proc = run1
+    ok(proc)
+    names = sorted(os.listdir(out / "checkpoints"))
+    assert "step-00000046.pt" in names
+    assert not [n for n in names if n.startswith(".tmp")], f"temp files left behind: {names}"
+    ckpt = torch.load(out / "checkpoints" / "step-00000046.pt", weights_only=True, map_location="cpu")
+    assert ckpt["run"]["epoch"] == 2
+    assert ckpt["run"]["step"] == 46
+
+
+def test_run1_only_rank0_prints(run1):
+    out, proc = run1
+    ok(proc)
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("done:") for line in lines) == 1, proc.stdout
+    assert sum(line.startswith("epoch   1/2") for line in lines) == 1, proc.stdout
+    assert sum(line.startswith("epoch   2/2") for line in lines) == 1, proc.stdout
+    assert sum(line.startswith("ddpkit train:") for line in lines) == 1, proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_auto_continues_to_epoch_3(run1, tmp_path):
+    src, proc1 = run1
+    ok(proc1)
+    out = tmp_path / "resumed"
+    shutil.copytree(src, out)  # run1's own files stay as they were for the other tests
+    proc = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--resume",
+        "auto",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        cwd=str(tmp_path),
+    )
+    ok(proc)
+    assert "resumed from" in proc.stdout
+    r = _results(out)
+    assert r["resumed_from_step"] == 46
+    assert r["epochs"] == 3
+    assert r["steps"] == 69
+    assert r["test_samples"] == DIGITS_TEST
+    records = _metrics(out)
+    epochs = [rec["epoch"] for rec in records if rec.get("type") == "epoch"]
+    assert epochs == [1, 2, 3]  # appended, not rewritten
+    assert (out / "checkpoints" / "step-00000069.pt").is_file()
+    # epochs 1 and 2 were not run again
+    assert "epoch   1/3" not in proc.stdout and "epoch   2/3" not in proc.stdout
+    assert sum(line.startswith("epoch   3/3") for line in proc.stdout.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
+    # A 3-epoch run, and the same run "crashed" during epoch 3: its last checkpoint and final
+    # outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
+    # restore model, optimizer, scheduler, loader position and RNG so the end is bit-identical.
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    ok(run_cli("train", "--nproc", "2", "--epochs", "3", "--device", "cpu", "--out", str(full), cwd=str(tmp_path)))
+    shutil.copytree(full, crashed)
+    for name in ("checkpoints/step-00000069.pt", "model.pt", "results.json"):
+        (crashed / name).unlink()
+    kept = [
+        line
+        for line in (crashed / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["step"] <= 46 or json.loads(line)["type"] == "step"
+    ]
+    (crashed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    proc = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--device",
+        "cpu",
+        "--resume",
+        "auto",
+        "--out",
+        str(crashed),
+        cwd=str(tmp_path),
+    )
+    ok(proc)
+    a = torch.load(full / "model.pt", weights_only=True)
+    b = torch.load(crashed / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _results(crashed)["test_accuracy"] == _results(full)["test_accuracy"]
+    assert _results(crashed)["resumed_from_step"] == 46
+    steps = [(r["type"], r["step"]) for r in _metrics(crashed)]
+    assert steps == [(r["type"], r["step"]) for r in _metrics(full)]  # lost epoch's records not doubled
+
+
+def test_default_run_reaches_97_percent(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path))
+    ok(proc)
+    r = _results(out)
+    assert r["epochs"] == 10
+    assert r["world_size"] == 1
+    assert r["test_samples"] == DIGITS_TEST
+    assert r["test_accuracy"] >= 0.97, r
+
+
+def test_config_file_and_command_line_override(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text("epochs: 1\nbatch-size: 32\nmodel: mlp\n")
+    out = tmp_path / "out"
+    proc = run_cli(
+        "train",
+        "--config",
+        str(config),
+        "--batch-size",
+        "16",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        cwd=str(tmp_path),
+    )
+    ok(proc)
+    r = _results(out)
+    assert r["epochs"] == 1  # from the file
+    assert r["model"] == "mlp"  # from the file
+    assert r["global_batch_size"] == 16  # the flag beats the file's 32
+    assert r["steps"] == math.ceil(DIGITS_TRAIN / 16)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["batch_size"] == 16
+    assert cfg["epochs"] == 1
+    assert cfg["model"] == "mlp"
+    state = torch.load(out / "model.pt", weights_only=True)
+    ddpkit_models.build("mlp", (1, 8, 8), 10).load_state_dict(state, strict=True)
+
+
+def test_strategy_single(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(
+        "train",
+        "--strategy",
+        "single",
+        "--nproc",
+        "1",
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        cwd=str(tmp_path),
+    )
+    ok(proc)
+    r = _results(out)
+    assert r["strategy"] == "single"
+    assert r["world_size"] == 1
+    assert r["steps"] == math.ceil(DIGITS_TRAIN / 64)
+
+
+def test_strategy_dp_on_cpu_runs_as_single(tmp_path):
+    # strategy.resolve: 'dp' needs a CUDA device and at least two GPUs; otherwise it is 'single'.
+    assert ddpkit_strategy.resolve_name("dp", 1, torch.device("cpu")) == "single"
+    out = tmp_path / "out"
+    proc = run_cli(
+        "train", "--strategy", "dp", "--epochs", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path)
+    )
+    ok(proc)
+    r = _results(out)
+    assert r["strategy"] == "single"
+    assert r["world_size"] == 1
+    assert "DataParallel" not in proc.stderr  # no nn.DataParallel wrapper (and so no warning) on CPU
+
+
+def test_train_help(cli, tmp_path):
+    proc = cli("train", "--help", cwd=str(tmp_path))
+    ok(proc)
+    assert "--batch-size" in proc.stdout
+    assert "GLOBAL" in proc.stdout
+    assert not os.listdir(tmp_path), "--help wrote files"

@@ -1,0 +1,65 @@
+"""`python -m benchmarks startup` runs the same job under ddpkit and under torchrun, refuses an
+unknown contender and names what is missing for the others."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import run_comparison
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
+    path, png = tmp_path / "x.json", tmp_path / "x.png"
+    t0 = time.monotonic()
+    proc = run_comparison(
+        "startup",
+        "--quick",
+        "--repeats",
+        "1",
+        "--contenders",
+        "ddpkit,torchrun",
+        "--json",
+        str(path),
+        "--plot",
+        str(png),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(path.read_text())["result"]
+    assert set(r["contenders"]) == {"ddpkit", "torchrun"}
+    assert set(r["skipped"]) == {"accelerate", "fabric"}  # not selected
+    for c in r["contenders"].values():
+        assert c["wall_seconds"]["n"] == 1 and c["wall_seconds"]["median"] > 0
+        assert c["test_accuracy"] > 0.9  # both trained the digits, not merely started
+    ddp = r["contenders"]["ddpkit"]
+    assert 0 < ddp["results_wall_seconds"]["median"] < ddp["wall_seconds"]["median"]
+    assert set(r["speedup_vs"]) == {"torchrun"} and isinstance(r["ddpkit_fastest"], bool)
+    assert r["job"]["epochs"] == 10 and r["job"]["processes"] == 2
+    assert png.stat().st_size > 0
+    assert "ddpkit fastest" in proc.stdout
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.cli
+def test_bench_startup_bad_contender():
+    proc = run_comparison("startup", "--contenders", "ddpkit,nosuch")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--contenders" in lines[0] and "nosuch" in lines[0]
+
+
+@pytest.mark.unit
+def test_bench_startup_names_what_is_missing(monkeypatch):
+    import importlib.util
+
+    from benchmarks import startup
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
+    assert "lightning is not installed" in startup._missing("fabric") and "ddpkit[bench]" in startup._missing("fabric")
+    assert startup._missing("torchrun") is None

@@ -1,0 +1,140 @@
+"""`models`: every built-in model builds and runs on the shapes it accepts and names the ones it
+refuses; `--model package.module:function` builds a user's own network, in one process and in
+the workers of `ddpkit train --nproc 2`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit import models
+from ddpkit.errors import UsageError
+from ddpkit.trainer import TrainConfig, resolve
+from tests.conftest import run_cli
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(models.MODELS))
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32), (1, 28, 28)])
+def test_models_build_and_run(name, shape):
+    if min(shape[1:]) < models.MIN_SIZE.get(name, 1):
+        with pytest.raises(ValueError, match="at least"):
+            models.build(name, shape, 10)
+        return
+    net = models.build(name, shape, 10)
+    assert net(torch.randn(2, *shape)).shape == (2, 10)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,shape", [("lenet", (3, 2, 2)), ("cnn", (1, 1, 1)), ("cnn", (10,))])
+def test_model_input_checks(name, shape):
+    with pytest.raises(ValueError, match=name):
+        models.check(name, shape)
+
+
+USER_MODELS = """
+import math
+import os
+
+from torch import nn
+
+def tiny(in_shape, num_classes):
+    log = os.environ.get("DDPKIT_TEST_BUILD_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {tuple(in_shape)} {num_classes}\\n")
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), num_classes))
+
+def not_a_module(in_shape, num_classes):
+    return "a string"
+
+def fails_when_called(in_shape, num_classes):
+    raise RuntimeError("only at build time")
+
+VALUE = 3
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module `user_models_<n>` in a fresh directory that is the current directory."""
+    name = f"user_models_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.unit
+def test_build_user_model_from_current_directory(user_module):
+    before = list(sys.path)
+    model = models.build(f"{user_module}:tiny", (1, 8, 8), 10)
+    assert isinstance(model, nn.Module) and model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert sys.path == before  # the current directory was on sys.path only while importing
+    models.check(f"{user_module}:tiny", (1, 8, 8))
+    resolve(TrainConfig(model=f"{user_module}:tiny", data="synthetic", synthetic_shape="1,8,8"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "suffix, message",
+    [
+        (":not_a_module", "must return a torch.nn.Module, got str"),
+        (":missing", "has no attribute 'missing'"),
+        (":VALUE", "is not callable"),
+        (":", "expected package.module:function"),
+    ],
+)
+def test_bad_user_model_is_a_usage_error(user_module, suffix, message):
+    with pytest.raises(ValueError, match=message):
+        models.build(user_module + suffix, (1, 8, 8), 10)
+    with pytest.raises(UsageError, match=f"^--model {user_module}{suffix}: .*{message}"):
+        resolve(TrainConfig(model=user_module + suffix))
+
+
+@pytest.mark.unit
+def test_unknown_module_and_unknown_name():
+    with pytest.raises(UsageError, match="--model no_such_module_xyz:f: cannot import module 'no_such_module_xyz'"):
+        resolve(TrainConfig(model="no_such_module_xyz:f"))
+    with pytest.raises(UsageError, match="--model: unknown value 'resnet19'.*package.module:function"):
+        resolve(TrainConfig(model="resnet19"))
+
+
+@pytest.mark.unit
+def test_a_function_failing_on_meta_is_left_to_build(user_module):
+    resolve(TrainConfig(model=f"{user_module}:fails_when_called"))  # the plan cannot tell
+    with pytest.raises(RuntimeError, match="only at build time"):
+        models.build(f"{user_module}:fails_when_called", (1, 8, 8), 10)
+
+
+@pytest.mark.cli
+def test_user_model_in_ddpkit_train_nproc_2(tmp_path, user_module):
+    log = tmp_path / "builds.txt"
+    proc = run_cli(
+        "train",
+        "--model",
+        f"{user_module}:tiny",
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--data",
+        "synthetic",
+        "--synthetic-shape",
+        "1,8,8",
+        "--synthetic-size",
+        "128",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=str(tmp_path),
+        env={"DDPKIT_TEST_BUILD_LOG": str(log)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{user_module}:tiny" in proc.stdout
+    pids = {line.split()[0] for line in log.read_text().splitlines()}
+    assert len(pids) >= 2  # built in each worker (and checked in the parent)
+    assert json.loads((tmp_path / "run/results.json").read_text())["world_size"] == 2

@@ -1,0 +1,100 @@
+"""`datasets`: the digits split is fixed and matches scikit-learn's; `ddpkit train` trains on
+MNIST-style files without asking the network, names a corrupted file, and trains the toy set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddpkit import data
+from ddpkit.data import download
+from tests.conftest import run_cli
+from tests.data.helpers import write_mnist
+
+
+@pytest.mark.unit
+def test_digits_split_is_fixed_and_matches_scikit_learn():
+    from sklearn.datasets import load_digits
+
+    splits = data.digits()
+    assert (len(splits.train), len(splits.test)) == (1438, 359)
+    reference = load_digits()
+    x_train, y_train = splits.train.tensors
+    assert torch.equal(
+        torch.bincount(torch.cat([y_train, splits.test.tensors[1]]), minlength=10),
+        torch.bincount(torch.from_numpy(reference.target), minlength=10),
+    )
+    again = data.digits()  # independent of any seed in force
+    torch.manual_seed(123)
+    assert torch.equal(again.test.tensors[0], data.digits().test.tensors[0])
+
+
+@pytest.mark.cli
+def test_train_mnist_files_on_two_processes(tmp_path):
+    write_mnist(tmp_path / "data" / "mnist", n_train=32, n_test=8)
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train",
+        "--data",
+        "mnist",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        "lenet",
+        "--epochs",
+        "1",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "16",
+        "--out",
+        str(out),
+        env={download.MIRROR_ENV: "http://127.0.0.1:9"},
+    )  # never asked: the files are there
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"] == "mnist" and results["world_size"] == 2 and results["test_samples"] == 8, results
+
+
+@pytest.mark.cli
+def test_train_cli_errors_and_toy(tmp_path):
+    folder = tmp_path / "data" / "mnist"
+    write_mnist(folder)
+    (folder / "t10k-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b garbage")
+    proc = run_cli(
+        "train",
+        "--data",
+        "mnist",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        "mlp",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "bad"),
+    )
+    assert proc.returncode == 2 and "t10k-images-idx3-ubyte.gz: corrupted" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = run_cli(
+        "train",
+        "--data",
+        "toy",
+        "--model",
+        "mlp",
+        "--epochs",
+        "3",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "toy"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

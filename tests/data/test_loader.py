@@ -1,0 +1,109 @@
+"""`loader`: a loader left early continues where it stopped; the device-resident path hands out
+exactly the DataLoader path's batches (augmentation included) on any number of ranks, in
+training and evaluation and in a real `ddpkit train` run, and refuses what it cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddpkit import data
+from tests.conftest import run_cli, run_train
+from tests.data.helpers import CPU, image_set
+
+
+@pytest.mark.unit
+def test_loader_left_early_continues_where_it_stopped():
+    loader = data.train_loader(
+        TensorDataset(torch.arange(64)), 8, world_size=1, rank=0, device=torch.device("cpu"), seed=0
+    )
+    order = loader.sampler.order().tolist()
+    firsts = []
+    for _ in range(3):
+        for (batch,) in loader:
+            firsts.append(batch.tolist())
+            break
+    assert firsts == [order[0:8], order[8:16], order[16:24]]  # neither replayed nor skipped
+    assert (loader.epoch, loader.position) == (0, 3)
+    assert len(loader) == 5 and len(list(loader)) == 5  # the rest of the epoch
+    assert (loader.epoch, loader.position) == (1, 0)
+    assert next(iter(loader))[0].tolist() != order[0:8]  # epoch 1 reshuffles
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,micro", [(1, None), (2, None), (3, 7)])
+def test_resident_and_dataloader_paths_give_identical_batches(world, micro):
+    ds = image_set()
+    for rank in range(world):
+        kw = dict(world_size=world, rank=rank, device=CPU, seed=5, micro_batch_size=micro)
+        resident = data.train_loader(ds, 64, resident=True, **kw)
+        loader = data.train_loader(ds, 64, resident=False, **kw)
+        assert resident.resident is not None and loader.resident is None
+        count = 0
+        for _ in range(2):  # two epochs: the second reshuffles and re-augments
+            for (xa, ya), (xb, yb) in zip(list(resident), list(loader)):
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+                count += 1
+        assert count == 2 * len(list(data.GlobalBatchSampler(len(ds), 64, world, rank, micro_batch_size=micro).spans()))
+
+
+@pytest.mark.unit
+def test_evaluation_resident_matches_dataloader():
+    ds = image_set(n=101, augment=False)
+    for world in (1, 3):
+        for rank in range(world):
+            a = list(data.eval_loader(ds, 20, world_size=world, rank=rank, device=CPU, resident=True))
+            b = list(data.eval_loader(ds, 20, world_size=world, rank=rank, device=CPU, resident=False))
+            assert len(a) == len(b)
+            assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+
+
+@pytest.mark.unit
+def test_resident_loader_refuses_a_dataset_it_cannot_hold():
+    class Files(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.zeros(2), 0
+
+    with pytest.raises(ValueError, match="resident"):
+        data.train_loader(Files(), 2, world_size=1, rank=0, device=CPU, resident=True)
+    auto = data.train_loader(Files(), 2, world_size=1, rank=0, device=CPU)  # auto falls back
+    assert auto.resident is None and len(list(auto)) == 2
+
+
+AUG = (
+    "--data",
+    "synthetic",
+    "--synthetic-shape",
+    "3,12,12",
+    "--synthetic-size",
+    "256",
+    "--augment",
+    "crop-flip",
+    "--crop-padding",
+    "2",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "32",
+    "--model",
+    "cnn",
+)
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_augmented_training_same_on_both_loaders_and_resumes_bit_identically(tmp_path):
+    device, _, _ = run_train(tmp_path, "device", *AUG, "--loader", "device", "--nproc", "2")
+    dl_r, dl_w, _ = run_train(tmp_path, "dataloader", *AUG, "--loader", "dataloader", "--nproc", "2")
+    _, dev_w, _ = run_train(tmp_path, "device-again", *AUG, "--loader", "device", "--nproc", "2")
+    assert all(torch.equal(dl_w[k], dev_w[k]) for k in dev_w)  # the same batches, bit for bit
+    assert device["test_accuracy"] == dl_r["test_accuracy"]
+    out = tmp_path / "resumed"
+    stopped = run_cli("train", "--device", "cpu", "--out", str(out), *AUG, "--nproc", "2", "--max-steps", "11")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    _, resumed_w, _ = run_train(tmp_path, "resumed", *AUG, "--nproc", "2", "--resume", "auto")
+    assert all(torch.equal(resumed_w[k], dev_w[k]) for k in dev_w)  # mid-epoch resume, augmentation and all

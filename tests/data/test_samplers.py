@@ -1,0 +1,58 @@
+"""`samplers`: evaluation shards partition the set exactly, and a global batch's samples do not
+depend on the number of ranks or micro-batches, nor on a resume mid-epoch."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit import data
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (1, 4), (7, 7), (359, 2)])
+def test_shard_sampler_partitions_exactly(n, world):
+    seen = [i for r in range(world) for i in data.ShardSampler(n, world, r)]
+    assert sorted(seen) == list(range(n))
+    assert sum(len(data.ShardSampler(n, world, r)) for r in range(world)) == n
+
+
+def test_global_batch_shares():
+    with pytest.raises(ValueError, match="smaller than the 4 processes"):
+        data.check_global_batch(3, 4)
+    assert [data.share(64, 3, r) for r in range(3)] == [(0, 22), (22, 21), (43, 21)]
+    assert [data.share(2, 3, r) for r in range(3)] == [(0, 1), (1, 1), (2, 0)]  # an empty share is allowed
+
+
+@pytest.mark.parametrize("n,batch,micro", [(50, 8, None), (50, 7, 2), (10, 4, 3), (5, 5, None), (11, 10, 1)])
+def test_global_order_does_not_depend_on_world_size(n, batch, micro):
+    """Step k's samples, over all ranks and micro-batches, are the same for 1, 2 and 3 ranks."""
+
+    def steps(world):
+        out = {}
+        for rank in range(world):
+            s = data.GlobalBatchSampler(n, batch, world, rank, seed=3, micro_batch_size=micro)
+            s.set_epoch(1)
+            step = 0
+            for indices, info in s.plan():
+                out.setdefault(step, []).extend(indices)
+                assert info.step_size == len(out[step]) or not info.last or world > 1
+                if micro:
+                    assert len(indices) <= micro
+                step += info.last
+        return {k: sorted(v) for k, v in out.items()}
+
+    one = steps(1)
+    assert sorted(i for v in one.values() for i in v) == list(range(n))  # each sample once per epoch
+    assert steps(2) == one and steps(3) == one
+
+
+def test_resuming_mid_epoch_yields_exactly_the_rest():
+    full = data.GlobalBatchSampler(30, 4, 2, 1, seed=0)
+    full.set_epoch(2)
+    rest = data.GlobalBatchSampler(30, 4, 3, 1, seed=0)  # resumed on another world size
+    rest.set_epoch(2, start_step=5)
+    one = data.GlobalBatchSampler(30, 4, 1, 0, seed=0)
+    one.set_epoch(2, start_step=5)
+    assert sum((idx for idx, _ in one.plan()), []) == full.order()[20:].tolist()
+    assert len(list(rest.plan())) == full.steps_per_epoch - 5

@@ -1,0 +1,156 @@
+"""`topology`: `--nproc` parsing, jobs on one machine that never collide, and the processes
+torchrun or srun already started: ddpkit joins them, and refuses flags asking for others."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddpkit.device import auto_nproc
+from ddpkit.errors import UsageError
+from ddpkit.launcher import parse_nproc
+from tests.conftest import SRC, clean_env
+
+
+@pytest.mark.unit
+def test_nproc_parsing():
+    assert parse_nproc("3", "cpu") == 3 and parse_nproc(2, "cpu") == 2
+    assert parse_nproc("auto", "cpu") == auto_nproc("cpu") >= 1
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(UsageError):
+            parse_nproc(bad, "cpu")
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_two_jobs_started_together_do_not_collide(tmp_path):
+    args = ["train", "--epochs", "1", "--nproc", "2", "--device", "cpu"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", *args, "--out", str(tmp_path / f"job{i}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    for i in range(2):
+        assert json.loads((tmp_path / f"job{i}" / "results.json").read_text())["world_size"] == 2
+
+
+def _slurm_env(rank: int, ntasks: int, port: int) -> dict:
+    env = clean_env()
+    env.update(
+        {
+            "SLURM_JOB_ID": "4711",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": str(ntasks),
+            "SLURM_NNODES": "1",
+            "SLURM_STEP_NODELIST": "localhost",
+            "MASTER_PORT": str(port),
+        }
+    )
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_slurm_tasks_train_together(tmp_path):
+    # What `srun --ntasks=2 ddpkit train ...` does: two processes with SLURM's variables set.
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ddpkit",
+                "train",
+                "--epochs",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path / "out"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_slurm_env(r, 2, port),
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["world_size"] == 2
+    assert sum(o[0].count("done:") for o in outs) == 1  # rank 0 reports, once
+
+
+@pytest.mark.cli
+def test_slurm_allocation_mismatch_is_an_immediate_error(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", "--nproc", "4", "--device", "cpu", "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_slurm_env(0, 2, _free_port()),
+    )
+    assert proc.returncode == 2 and "under srun" in proc.stderr and "--nproc" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - t0 < 60  # no waiting for peers that will never come
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_ddpkit_train_under_torchrun(tmp_path):
+    # torchrun already made the workers: ddpkit must join them, not launch its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ddpkit",
+            "train",
+            "--epochs",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2 and results["test_samples"] == 359
+    assert proc.stdout.count("done:") == 1

@@ -1,0 +1,45 @@
+"""`Runtime`, the facade: the same training on 1, 2 and 3 processes (even and uneven splits,
+with and without micro-batches) equals plain PyTorch on one, and `--channels-last` trains to
+the same result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from tests import workers
+from tests.conftest import run_train
+
+# Tolerance for "the same training on another number of processes". The all-reduce adds the
+# ranks' gradient sums in another order than one process sums its batch; float32 addition is
+# not associative, so each step may differ in the last bit (~6e-8 on weights of order 1).
+# Measured: 6e-8 to 9e-8 after 8 momentum-SGD steps. atol 1e-6 allows ~8 ulps, and would
+# still catch any real difference in data order or gradient weighting (those are > 1e-3).
+WORLD_SIZE_ATOL = 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "global_batch,micro",
+    [(12, None), (10, None), (12, 2), (7, 3), (89, None)],
+    ids=["even", "uneven-over-3", "accumulate", "uneven-and-accumulate", "empty-shares"],
+)  # 90 samples: each epoch ends with a 1-sample batch
+def test_same_weights_on_1_2_and_3_processes(global_batch, micro):
+    reference = workers.plain_reference(8, global_batch)  # plain PyTorch, one process, no ddpkit
+    one = workers.invariant_steps(8, global_batch, micro)
+    torch.testing.assert_close(one["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
+    for nproc in (2, 3):
+        out = ddpkit.launch(workers.invariant_steps, 8, global_batch, micro, nproc=nproc)
+        for r in range(nproc):
+            torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
+            assert out[r]["position"] == one["position"]
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_channels_last_trains_to_the_same_result(tmp_path):
+    plain, plain_w, _ = run_train(tmp_path, "plain", "--epochs", "1")
+    nhwc, nhwc_w, _ = run_train(tmp_path, "nhwc", "--epochs", "1", "--channels-last")
+    assert max((plain_w[k] - nhwc_w[k]).abs().max().item() for k in plain_w) < 1e-4
+    assert all(not k.startswith("module.") for k in nhwc_w)

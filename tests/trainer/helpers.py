@@ -1,0 +1,33 @@
+"""`ddpkit train` runs for the trainer's tests, and how far apart their weights are."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.conftest import run_cli
+
+# 46 optimizer steps (2 epochs of digits at global batch 64). Each step may differ between world
+# sizes in the last float32 bit (the all-reduce sums in another order), and training amplifies
+# such differences slowly: measured 9e-7 after 46 steps (1e-5 to 1e-4 after the default 230).
+# atol 1e-5 is 10x the measurement; a wrong sample order or weighting differs by > 1e-2.
+ATOL_46_STEPS = 1e-5
+
+
+COMMON = ("train", "--epochs", "2", "--device", "cpu")
+
+
+def train(out, *extra: str) -> dict:
+    proc = run_cli(*COMMON, "--out", str(out), *extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {
+        "results": json.loads((out / "results.json").read_text()),
+        "weights": torch.load(out / "model.pt", weights_only=True),
+        "stdout": proc.stdout,
+    }
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -1,0 +1,50 @@
+"""`ddpkit train` end to end: the result does not depend on the number of processes, and a run
+stopped at any step and resumed, on any number of processes, ends where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.trainer.helpers import ATOL_46_STEPS, max_diff, train
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8")],
+    ids=["1-process", "3-processes-uneven-accumulating"],
+)
+def test_same_result_on_any_number_of_processes(straight, tmp_path, extra):
+    # 64 over 3 ranks is uneven (22/21/21); micro-batches of 8 make each rank accumulate.
+    other = train(tmp_path / "out", *extra)
+    assert other["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
+    assert other["results"]["steps"] == straight["results"]["steps"] == 46
+    assert max_diff(other["weights"], straight["weights"]) < ATOL_46_STEPS
+
+
+@pytest.mark.parametrize("stop_at", [23, 30], ids=["epoch-end", "mid-epoch"])
+def test_stop_and_resume_is_bit_identical(straight, tmp_path, stop_at):
+    out = tmp_path / "out"
+    stopped = train(out, "--nproc", "2", "--max-steps", str(stop_at))
+    assert stopped["results"]["steps"] == stop_at and stopped["results"]["stopped_early"]
+    resumed = train(out, "--nproc", "2", "--resume", "auto")
+    assert f"at step {stop_at}" in resumed["stdout"]
+    assert resumed["results"]["resumed_from_step"] == stop_at
+    assert max_diff(resumed["weights"], straight["weights"]) == 0.0
+    assert resumed["results"]["final_train_loss"] == straight["results"]["final_train_loss"]
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in epochs if r["type"] == "epoch"] == [1, 2]
+
+
+@pytest.mark.parametrize("nproc", ["1", "3"])
+def test_resume_on_another_number_of_processes(straight, tmp_path, nproc):
+    out = tmp_path / "out"
+    train(out, "--nproc", "2", "--max-steps", "30")
+    resumed = train(out, "--nproc", nproc, "--resume", "auto")
+    assert resumed["results"]["world_size"] == int(nproc)
+    assert resumed["results"]["steps"] == 46
+    assert resumed["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
+    assert max_diff(resumed["weights"], straight["weights"]) < ATOL_46_STEPS

@@ -1,0 +1,105 @@
+"""`loop`: out of memory names the batch and what to try; a non-finite loss is skipped on every
+rank when asked, and otherwise stops the run naming step and rank; `--max-steps` on an epoch's
+end completes that epoch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddpkit.trainer import TrainConfig, resolve
+from tests.conftest import clean_env
+from tests.trainer.helpers import train
+
+
+@pytest.mark.unit
+def test_out_of_memory_names_the_batch_and_what_to_try(tmp_path):
+    import ddpkit
+    from ddpkit.trainer.loop import Loop
+    from ddpkit.trainer.outputs import Outputs
+
+    cfg = TrainConfig(model="mlp", epochs=1, batch_size=32, device="cpu", out=str(tmp_path))
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        loop = Loop(rt, resolve(cfg))
+
+        def exhausted(*args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        loop.model.forward = exhausted
+        with Outputs(cfg, rt.is_main) as out, pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            loop.train_epoch(out)
+    message = str(info.value)
+    assert "rank 0" in message and "32 samples per forward" in message and "global batch 32" in message
+    assert "--micro-batch-size 16" in message
+
+
+@pytest.mark.unit
+def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
+    import ddpkit
+    from ddpkit.trainer.loop import Loop
+    from ddpkit.trainer.outputs import Outputs
+
+    cfg = TrainConfig(model="mlp", epochs=1, batch_size=64, device="cpu", out=str(tmp_path), on_nonfinite="skip")
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        loop = Loop(rt, resolve(cfg))
+        real, calls = loop.model.forward, []
+
+        def poisoned(x):
+            calls.append(1)
+            out = real(x)
+            return out * float("nan") if len(calls) == 3 else out  # the 3rd step's loss is NaN
+
+        loop.model.forward = poisoned
+        with Outputs(cfg, rt.is_main) as out:
+            assert loop.train_epoch(out)
+            loop.check_finite()  # would raise on NaN weights: the bad step never reached them
+    assert loop.run.skipped == 1 and loop.run.step == 23
+    skips = [
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["type"] == "skip"
+    ]
+    assert [r["step"] for r in skips] == [3]
+
+
+@pytest.mark.cli
+def test_non_finite_loss_stops_the_run_naming_step_and_rank(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "--lr",
+            "1e6",
+            "--epochs",
+            "2",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite training loss at step" in last and "on rank" in last and "--lr" in last
+    assert not list((out / "checkpoints").iterdir())  # nothing trained on NaN was saved
+    assert not (out / "model.pt").exists()
+
+
+@pytest.mark.cli
+def test_max_steps_on_an_epoch_end_completes_that_epoch(tmp_path):
+    r = train(tmp_path / "out", "--nproc", "1", "--max-steps", "46")  # = the whole 2-epoch run
+    assert r["results"]["epochs_completed"] == 2 and not r["results"]["stopped_early"]
+    assert r["results"]["final_train_loss"] is not None

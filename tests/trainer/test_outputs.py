@@ -1,0 +1,114 @@
+"""`outputs`: metrics.csv agrees with metrics.jsonl (also after a resume), TensorBoard event
+files, one summary table from rank 0, and only the newest checkpoints kept."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import HAVE_TENSORBOARD
+from tests.trainer.helpers import train
+
+
+def _epochs(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == "epoch"]
+
+
+@pytest.mark.unit
+def test_resume_rewrites_csv_from_kept_records(tmp_path):
+    from ddpkit.trainer import TrainConfig
+    from ddpkit.trainer.outputs import Outputs
+
+    cfg = TrainConfig(epochs=3, out=str(tmp_path))
+    epoch = {
+        "type": "epoch",
+        "train_loss": 1.0,
+        "train_accuracy": 0.5,
+        "test_loss": 1.0,
+        "test_accuracy": 0.5,
+        "test_samples": 10,
+        "epoch_seconds": 0.1,
+        "lr": 0.01,
+    }
+    with Outputs(cfg, True) as out:
+        for e in (1, 2, 3):
+            out.log(
+                {"type": "step", "epoch": e, "step": 10 * e - 5, "loss": 1.0, "lr": 0.01, "samples_per_second": 1.0}
+            )
+            out.log({**epoch, "epoch": e, "step": 10 * e})
+    with Outputs(cfg, True, resumed_step=(20, 2)):  # back to the checkpoint after epoch 2
+        pass
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2]
+    assert [r["epoch"] for r in _epochs(tmp_path)] == [1, 2]
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_metrics_csv_equals_epoch_records(runs):
+    _, (a, _), (b, _) = runs
+    for run_dir in (a, b):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        records = _epochs(run_dir)
+        assert len(rows) == len(records) == 2
+        for row, record in zip(rows, records):
+            assert set(row) >= {"epoch", "step", "train_loss", "test_accuracy", "lr"}
+            for key, value in row.items():
+                assert float(value) == pytest.approx(record[key], rel=1e-12), key
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_summary_table_once_from_rank0(runs):
+    _, (_, proc_a), (_, proc_b) = runs
+    for proc in (proc_a, proc_b):
+        lines = proc.stdout.splitlines()
+        assert sum(ln.startswith("done:") for ln in lines) == 1, proc.stdout
+        for label in ("test accuracy", "train loss", "samples/s", "step time", "peak RSS", "wall time"):
+            assert sum(ln.strip().startswith(label) for ln in lines) == 1, (label, proc.stdout)
+    assert "MiB per rank" in proc_a.stdout and " / " in proc_a.stdout  # both ranks' memory
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TENSORBOARD, reason="the tensorboard package is not installed")
+def test_tensorboard_event_files(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, (a, _), (b, _) = runs
+    assert not (b / "tensorboard").exists()  # only with --tensorboard
+    acc = EventAccumulator(str(a / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_second", "epoch/test_accuracy", "epoch/train_loss"} <= tags
+    test_acc = [(e.step, e.value) for e in acc.Scalars("epoch/test_accuracy")]
+    assert test_acc == [(r["step"], pytest.approx(r["test_accuracy"], rel=1e-6)) for r in _epochs(a)]
+
+
+@pytest.mark.cli
+def test_tensorboard_missing_is_one_line(tmp_path):
+    # sys.modules[name] = None makes find_spec (and import) see the package as absent.
+    code = (
+        "import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
+        f"sys.exit(main(['train', '--epochs', '1', '--device', 'cpu', '--tensorboard', '--out', {str(tmp_path / 'r')!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ddpkit train: error: --tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'"
+    ]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.cli
+def test_keep_checkpoints_and_checkpoint_every(tmp_path):
+    out = tmp_path / "out"
+    train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "2")
+    # steps 5, 10, 15, 20 and the epoch end at 23: the newest two remain
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000020.pt", "step-00000023.pt"]
