@@ -1,6 +1,6 @@
 """`Runtime`, the facade: the same training on 1, 2 and 3 processes (even and uneven splits,
-with and without micro-batches) equals plain PyTorch on one, and `--channels-last` trains to
-the same result."""
+with and without micro-batches, with gradient clipping) equals plain PyTorch on one, and
+`--channels-last` trains to the same result."""
 
 from __future__ import annotations
 
@@ -34,6 +34,33 @@ def test_same_weights_on_1_2_and_3_processes(global_batch, micro):
         for r in range(nproc):
             torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
             assert out[r]["position"] == one["position"]
+
+
+@pytest.mark.unit
+def test_step_clips_the_gradient_norm():
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model = rt.setup(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        (100.0 * model(torch.ones(8, 4)).sum()).backward()  # a gradient norm far above 0.5
+        assert rt.step(opt, max_grad_norm=0.5)
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.linalg.vector_norm(after - before).item() == pytest.approx(
+        0.5, rel=1e-5
+    )  # lr 1: the step is the gradient
+
+
+@pytest.mark.distributed
+def test_clipped_steps_same_on_1_and_2_processes():
+    # DDP clips the all-reduced gradient, the same on every rank: what one process clips.
+    reference = workers.plain_reference(8, 12, max_grad_norm=0.05)
+    one = workers.invariant_steps(8, 12, max_grad_norm=0.05)
+    torch.testing.assert_close(one["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
+    unclipped = workers.plain_reference(8, 12)
+    assert (reference - unclipped).abs().max() > 1e-3  # the norm bound really cut the steps
+    out = ddpkit.launch(workers.invariant_steps, 8, 12, None, 90, 0.05, nproc=2)
+    for r in range(2):
+        torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
 
 
 @pytest.mark.cli

@@ -115,7 +115,9 @@ def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
 
 
-def invariant_steps(steps: int, global_batch: int, micro: int | None = None, n: int = 90) -> dict:
+def invariant_steps(
+    steps: int, global_batch: int, micro: int | None = None, n: int = 90, max_grad_norm: float | None = None
+) -> dict:
     """`steps` SGD steps of a fixed model on a fixed set: what 1, 2 and 3 ranks must agree on."""
     with ddpkit.Runtime(device="cpu", seed=5) as rt:
         model = toy_model(seed=5)
@@ -126,7 +128,7 @@ def invariant_steps(steps: int, global_batch: int, micro: int | None = None, n: 
         while done < steps:
             for x, y in loader:
                 rt.backward(F.cross_entropy(model(x), y))
-                done += rt.step(opt)
+                done += rt.step(opt, max_grad_norm=max_grad_norm)
                 if done == steps and rt.step_ready:
                     break
         return {"params": flat_params(model), "position": (loader.epoch, loader.position)}
@@ -143,7 +145,7 @@ def rank_streams() -> dict:
         return {"init": init, "torch": torch.rand(3), "numpy": float(np.random.rand()), "python": random.random()}
 
 
-def plain_reference(steps: int, global_batch: int, n: int = 90) -> torch.Tensor:
+def plain_reference(steps: int, global_batch: int, n: int = 90, max_grad_norm: float | None = None) -> torch.Tensor:
     """The same training as `invariant_steps` written in plain PyTorch on one process: mean loss
     over each whole global batch, in the order of epoch 0, 1, ... of the sampler's permutation."""
     from ddpkit.data import GlobalBatchSampler
@@ -157,6 +159,8 @@ def plain_reference(steps: int, global_batch: int, n: int = 90) -> torch.Tensor:
         sampler.set_epoch(epoch)
         for indices, _ in sampler.plan():
             F.cross_entropy(model(x_all[indices]), y_all[indices]).backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
             opt.zero_grad()
             done += 1

@@ -1,7 +1,7 @@
 """The input checks every door shares: one function per rule, one message shape per rule.
 
 Each raises `UsageError` (exit 2 at the command line) naming `what` is wrong: a flag such as
-`--precision`, or an argument such as `Runtime(precision=...)` for the Python API.
+`--precision`, or an argument such as `Runtime(device=...)` for the Python API.
 
     unknown value:  "--device: unknown value 'tpu'; choose from auto, cpu, cuda"
     a number:       "--epochs must be positive, got 0"

@@ -68,7 +68,7 @@ def choose_start_method(device_type: str) -> str:
     small machine, more than the training of a small job) and at exit tears that interpreter
     down again. A forked one inherits the imports and leaves with `os._exit`: the whole
     `ddpkit train` of 10 epochs of digits on 2 CPU processes went from 8.0 s to 5.7 s (medians
-    on 2 cores, `ddpkit bench startup` measures it).
+    on 2 cores, `python -m benchmarks startup` measures it).
     Forking is unsafe after CUDA was initialized, from a process that already runs a process
     group or other Python threads, off Linux, and with a GNU OpenMP thread pool that cannot be
     released first: choosing 'fork' releases it (see `_release_openmp`).

@@ -50,6 +50,13 @@ class Strategy:
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients of `optimizer`'s parameters so that their total 2-norm is at most
+        `max_norm`; returns the norm before clipping. (Replicated gradients are whole on every
+        rank; a sharded strategy must reduce the norm over its shards instead.)"""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
         """What makes a context that skips the gradient reduction of the backward passes inside
         it (all but the last micro-batch of a step), or None where nothing is reduced."""
