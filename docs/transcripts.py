@@ -190,6 +190,7 @@ TRANSCRIPTS: dict[str, Transcript] = {
     "errors": Transcript(
         [
             Step("ddpkit train --epochs 0", rc=2),
+            Step("ddpkit train --device tpu", rc=2),
             Step("ddpkit train --batch-size 2 --nproc 3", rc=2),
             Step(
                 "ddpkit train --device cuda            # on a machine without a GPU",
