@@ -50,6 +50,16 @@ def test_step_clips_the_gradient_norm():
     )  # lr 1: the step is the gradient
 
 
+@pytest.mark.unit
+def test_a_loader_torch_refuses_is_a_usage_error():
+    from torch.utils.data import TensorDataset
+
+    from ddpkit.errors import UsageError
+
+    with ddpkit.Runtime(device="cpu") as rt, pytest.raises(UsageError, match="num_workers"):
+        rt.loader(TensorDataset(torch.zeros(8, 2)), batch_size=4, num_workers=-1, resident=False)
+
+
 @pytest.mark.distributed
 def test_clipped_steps_same_on_1_and_2_processes():
     # DDP clips the all-reduced gradient, the same on every rank: what one process clips.

@@ -1,7 +1,7 @@
 """The input checks every door shares: one function per rule, one message shape per rule.
 
 Each raises `UsageError` (exit 2 at the command line) naming `what` is wrong: a flag such as
-`--precision`, or an argument such as `Runtime(device=...)` for the Python API.
+`--precision` (the Python API's arguments, `Runtime(precision=...)`, share those names).
 
     unknown value:  "--device: unknown value 'tpu'; choose from auto, cpu, cuda"
     a number:       "--epochs must be positive, got 0"
@@ -17,12 +17,21 @@ from typing import Any
 from .errors import UsageError
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a setting: 'batch_size' -> '--batch-size'."""
+    return "--" + name.replace("_", "-")
+
+
 def choice(what: str, value: Any, choices: Iterable[Any]) -> Any:
     """`value` if it is one of `choices`."""
     options = tuple(choices)
     if value not in options:
-        raise UsageError(f"{what}: unknown value {value!r}; choose from {', '.join(map(str, options))}")
+        raise UsageError(choice_message(what, value, options))
     return value
+
+
+def choice_message(what: str, value: Any, choices: Iterable[Any]) -> str:
+    return f"{what}: unknown value {value!r}; choose from {', '.join(map(str, choices))}"
 
 
 def positive(what: str, value: float) -> float:

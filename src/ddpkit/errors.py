@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class UsageError(ValueError):
     """Bad usage or bad input; the message names the flag or file at fault."""
@@ -14,6 +17,18 @@ class UsageError(ValueError):
 class IncompatibleCheckpoint(UsageError):
     """A readable checkpoint that this run's settings cannot continue (resuming it would
     silently train something else): never skipped over by `--resume auto`."""
+
+
+@contextlib.contextmanager
+def usage_errors(prefix: str = "") -> Iterator[None]:
+    """A ValueError raised inside (by torch, or a model of the user's) is bad input: it leaves
+    as a UsageError with `prefix` before its message."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(f"{prefix}{err}") from None
 
 
 class WorkerFailed(RuntimeError):

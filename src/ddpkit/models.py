@@ -3,12 +3,11 @@ and `--model package.module:function`: a network of the user's own, built the sa
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
-from .errors import UsageError
+from .errors import usage_errors
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -244,17 +243,6 @@ def _checked(name: str, model: Any) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _as_usage_error(what: str, name: str) -> Iterator[None]:
-    """A model that cannot be built for these inputs is bad input: one line naming it."""
-    try:
-        yield
-    except UsageError:
-        raise
-    except ValueError as err:
-        raise UsageError(f"{what} {name}: {err}") from None
-
-
 def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str = "--model") -> None:
     """Raise UsageError if model `name` cannot take inputs of `in_shape` (C, H, W).
 
@@ -263,7 +251,7 @@ def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str
     fails there (it loads weights from a file, say) is left for build() to run for real."""
     if not is_custom(name):
         checks.choice(what, name, [*MODELS, "package.module:function"])
-    with _as_usage_error(what, name):
+    with usage_errors(f"{what} {name}: "):
         if is_custom(name):
             fn = resolve(name)
             try:
@@ -280,16 +268,16 @@ def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str
             raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
 
 
-def build(name: str, in_shape: tuple[int, ...], num_classes: int, what: str = "--model") -> nn.Module:
+def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A built-in model by name, or a user's from `package.module:function`, which is called
     as function(in_shape, num_classes): `in_shape` a tuple like (3, 32, 32) (one sample, no
     batch dimension), `num_classes` an int; it must return an nn.Module whose forward maps a
     batch (B, *in_shape) to logits (B, num_classes)."""
     if not is_custom(name):
-        check(name, in_shape, num_classes, what)
+        check(name, in_shape, num_classes)
         return MODELS[name](in_shape, num_classes)
-    with _as_usage_error(what, name):
+    with usage_errors(f"--model {name}: "):
         fn = resolve(name)
     model = fn(tuple(in_shape), num_classes)  # whatever the user's function raises, as it is
-    with _as_usage_error(what, name):
+    with usage_errors(f"--model {name}: "):
         return _checked(name, model)

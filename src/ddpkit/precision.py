@@ -22,7 +22,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
-        self.name, self.device = checks.choice("precision", name, PRECISIONS), device
+        self.name, self.device = checks.choice("--precision", name, PRECISIONS), device
         # fp16 has a narrow exponent range: small gradients underflow to zero unless the loss
         # is scaled up first. bf16 has fp32's range and needs no scaler.
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None

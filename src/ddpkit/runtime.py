@@ -27,7 +27,7 @@ from .accumulation import Accumulation
 from .data import DistributedLoader, eval_loader, train_loader
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
-from .errors import UsageError
+from .errors import UsageError, usage_errors
 from .evaluation import evaluate
 from .log import print0
 from .precision import Precision
@@ -75,7 +75,7 @@ class Runtime:
         self._model: nn.Module | None = None
         self._acc: Accumulation | None = None  # made once the world size is known
         self.env = dist.detect_env()
-        self.device = resolve_device(device, self.env.local_rank, what="Runtime(device=...)")
+        self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Without this every process starts one thread per core and they fight over them.
             torch.set_num_threads(max(1, cpu_count() // self.env.local_world_size))
@@ -232,21 +232,22 @@ class Runtime:
         keeps the dataset whole on the device and cuts batches there by index; False reads
         through a DataLoader (with `num_workers` workers). Both give the same batches."""
         seed = seed if seed is not None else (self.seed or 0)
-        loader = train_loader(
-            dataset,
-            batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            device=self.device,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            micro_batch_size=micro_batch_size,
-            num_workers=num_workers,
-            local_world_size=self.env.local_world_size,
-            resident=resident,
-            channels_last=self.channels_last,
-        )
+        with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
+            loader = train_loader(
+                dataset,
+                batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                device=self.device,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+                micro_batch_size=micro_batch_size,
+                num_workers=num_workers,
+                local_world_size=self.env.local_world_size,
+                resident=resident,
+                channels_last=self.channels_last,
+            )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
         return loader
 
@@ -254,17 +255,18 @@ class Runtime:
         self, dataset: Any, batch_size: int = 512, num_workers: int | None = None, resident: bool | None = None
     ) -> DistributedLoader:
         """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""
-        return eval_loader(
-            dataset,
-            batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            device=self.device,
-            num_workers=num_workers,
-            local_world_size=self.env.local_world_size,
-            resident=resident,
-            channels_last=self.channels_last,
-        )
+        with usage_errors():
+            return eval_loader(
+                dataset,
+                batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                device=self.device,
+                num_workers=num_workers,
+                local_world_size=self.env.local_world_size,
+                resident=resident,
+                channels_last=self.channels_last,
+            )
 
     def evaluate(self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int = 512) -> dict[str, float]:
         """Accuracy and mean per-sample loss of a classifier over ALL of `data`, on every rank.

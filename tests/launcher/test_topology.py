@@ -14,6 +14,7 @@ import pytest
 from ddpkit.device import auto_nproc
 from ddpkit.errors import UsageError
 from ddpkit.launcher import parse_nproc
+from ddpkit.launcher import topology as topologies
 from tests.conftest import SRC, clean_env
 
 
@@ -24,6 +25,19 @@ def test_nproc_parsing():
     for bad in ("0", "-1", "x"):
         with pytest.raises(UsageError):
             parse_nproc(bad, "cpu")
+
+
+@pytest.mark.unit
+def test_under_torchrun_the_topology_is_the_launchers(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    topology = topologies.resolve("cpu")
+    assert (topology.launcher, topology.nproc, topology.world_size, topology.in_process) == ("torchrun", 1, 2, True)
+    with pytest.raises(UsageError, match="drop --nproc, --nnodes and --max-restarts"):
+        topologies.resolve("cpu", nproc="2")
+    # A one-process strategy cannot be two torchrun ranks: refused before any work starts.
+    with pytest.raises(UsageError, match="--strategy dp runs one process, but torchrun started 2"):
+        topologies.resolve("cpu", one_process="--strategy dp")
 
 
 @pytest.mark.cli

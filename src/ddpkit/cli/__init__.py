@@ -53,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        return run_command("ddpkit", lambda _: checks.choice("command", name, COMMANDS), rest)
+        print(f"ddpkit: error: {checks.choice_message('command', name, COMMANDS)}", file=sys.stderr)
+        return 2
     command = importlib.import_module(f"{__name__}.{COMMANDS[name]}")
     return run_command(f"ddpkit {name}", command.main, rest)
 

@@ -25,7 +25,11 @@ def _parser() -> ArgumentParser:
         f"the pick is the knee: the smallest size reaching {KNEE_PERCENT}% of the best "
         "throughput.",
     )
-    p.add_argument("--model", default="cnn", help="a built-in model (default cnn; see ddpkit train --help)")
+    p.add_argument(
+        "--model",
+        default="cnn",
+        help="a built-in model, or package.module:function (default cnn; see ddpkit train --help)",
+    )
     p.add_argument(
         "--data", default="digits", help="gives the input shape and number of classes; batches are synthetic either way"
     )

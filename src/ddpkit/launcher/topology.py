@@ -140,6 +140,10 @@ def resolve(
     env = detect_env()
     if env.source != "single":  # under torchrun / srun: this process is one worker
         _check_allocation(env, device_type, nproc, nodes, max_restarts)
+        if one_process and env.world_size > 1:
+            raise UsageError(
+                f"{one_process} runs one process, but {env.source} started {env.world_size}; use --strategy ddp"
+            )
         return Topology(device_type, 1, nodes, max_restarts, env.source, env.world_size)
     n = 1 if one_process and nproc == "auto" else parse_nproc(nproc, device_type)
     if one_process and n > 1:

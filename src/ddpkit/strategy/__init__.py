@@ -33,9 +33,9 @@ __all__ = [
 ]
 
 
-def resolve_name(name: str, world_size: int, device: torch.device, what: str = "--strategy") -> str:
+def resolve_name(name: str, world_size: int, device: torch.device) -> str:
     """The strategy that will actually run for `name` on `world_size` processes."""
-    checks.choice(what, name, STRATEGIES)
+    checks.choice("--strategy", name, STRATEGIES)
     if name == "ddp" and world_size == 1:
         return "single"
     if name == "single" and world_size > 1:

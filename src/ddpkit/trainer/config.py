@@ -2,8 +2,9 @@
 and the layering of defaults, recipe, YAML file and command line.
 
 Each field is a command-line flag (`batch_size` is `--batch-size`) and a key of
-`--config FILE.yaml`; the comment after it is its `--help` text. Nothing is checked here: the
-plan (`trainer.plan.make_plan`) checks and derives every setting, once.
+`--config FILE.yaml`; the comment after it is its `--help` text. Only the YAML file's keys and
+value types are checked here (and `--device`, where a recipe has a GPU part): the plan
+(`trainer.plan.resolve`) checks and derives every setting, once.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def layered(config_file: str | None, model: str | None, device: str | None) -> T
     model's recipe (its GPU part only when `device` resolves to CUDA), the YAML file."""
     from_file = load_config_file(config_file) if config_file else {}
     model = model or from_file.get("model", TrainConfig.model)
-    device_type = devices.device_type(device or from_file.get("device", TrainConfig.device))
+    # Only a recipe with a GPU part needs to know the device now; the plan resolves it anyway.
+    gpu_part = "cuda" in RECIPES.get(model, {})
+    device_type = devices.device_type(device or from_file.get("device", TrainConfig.device)) if gpu_part else "cpu"
     return TrainConfig(**{**recipe(model, device_type), **from_file})
 
 

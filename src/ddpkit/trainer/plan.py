@@ -1,10 +1,12 @@
 """Resolve once: a `TrainConfig` becomes one immutable `RunPlan` in the launching process,
 before any worker starts.
 
-Every check of a `ddpkit train` setting happens here, and every value derived from the
-settings is computed here: a bad flag, file or combination is one line and exit 2 before
-anything runs, and the workers, the loop and the outputs read the plan instead of deriving
-anything again.
+Every setting of a `ddpkit train` run is checked from here (by the table below, or by building
+the core object that owns it) and every value derived from the settings is computed here: a
+bad flag, file or combination is one line and exit 2 before anything runs, and the workers,
+the loop and the outputs read the plan instead of deriving anything again. (Only the YAML
+file's keys and types, and the `--device` that picks a recipe, are read earlier, when the
+command line is parsed.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
-from ..strategy import COMM_HOOKS, STRATEGIES, DDPOptions
+from ..strategy import STRATEGIES, DDPOptions
 from . import resume
 from .config import TrainConfig
 
@@ -34,7 +36,10 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 ONE_PROCESS = ("dp", "single")  # strategies that run in one process
 
 # Each setting's own rule (the rules between settings are in `resolve`). POSITIVE settings that
-# may be left unset (micro_batch_size, max_steps, bucket_cap_mb) are checked only when set.
+# may be left unset (micro_batch_size, max_steps) are checked only when set. Settings that a
+# core object owns are checked by building it in `resolve`, once: --augment (Augment),
+# --comm-hook and --bucket-cap-mb (DDPOptions), --model (models.check), and --device, --nproc,
+# --nnodes and --max-restarts (launcher.topology).
 CHOICES = {
     "data": data.DATASETS,
     "strategy": STRATEGIES,
@@ -43,8 +48,6 @@ CHOICES = {
     "lr_scaling": LR_SCALINGS,
     "on_nonfinite": ("stop", "skip"),
     "loader": tuple(LOADERS),
-    "augment": Augment.NAMES,
-    "comm_hook": COMM_HOOKS,
 }
 POSITIVE = (
     "epochs",
@@ -59,7 +62,6 @@ POSITIVE = (
     "keep_checkpoints",
     "micro_batch_size",
     "max_steps",
-    "bucket_cap_mb",
 )
 AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
 FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
@@ -90,7 +92,7 @@ class RunPlan:
 
     @property
     def out(self) -> str:
-        return self.cfg.out  # type: ignore[return-value]  # filled in by make_plan
+        return self.cfg.out  # type: ignore[return-value]  # filled in by resolve
 
 
 def make_plan(cfg: TrainConfig) -> RunPlan:
@@ -113,7 +115,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
     one_process = f"--strategy {cfg.strategy}" if cfg.strategy in ONE_PROCESS else None
     topology = topologies.resolve(cfg.device, cfg.nproc, nodes, cfg.max_restarts, one_process)
-    in_shape, num_classes = _data_shape(cfg)
+    augment = Augment.parse(cfg.augment, cfg.crop_padding)
+    in_shape, num_classes = _data_shape(cfg, augment)
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
@@ -123,7 +126,6 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     peak_lr = cfg.lr * _lr_scale(cfg)
     scale = peak_lr / cfg.lr
     warmup_start = 1.0 / scale if scale > 1 else 0.0
-    augment = Augment.parse(cfg.augment, cfg.crop_padding)
     return RunPlan(
         cfg, topology, in_shape, num_classes, augment, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint
     )
@@ -132,27 +134,25 @@ def resolve(cfg: TrainConfig) -> RunPlan:
 def check_settings(cfg: TrainConfig) -> None:
     """Each setting on its own: names known, numbers in range."""
     for name, choices in CHOICES.items():
-        checks.choice(_flag(name), getattr(cfg, name), choices)
-    if not models.is_custom(cfg.model):  # package.module:function is checked by importing it
-        checks.choice("--model", cfg.model, [*models.MODELS, "package.module:function"])
+        checks.choice(checks.flag(name), getattr(cfg, name), choices)
     for name in POSITIVE:
         if getattr(cfg, name) is not None:
-            checks.positive(_flag(name), getattr(cfg, name))
+            checks.positive(checks.flag(name), getattr(cfg, name))
     for name in AT_LEAST_ZERO:
         if getattr(cfg, name) is not None:
-            checks.at_least(_flag(name), getattr(cfg, name), 0)
+            checks.at_least(checks.flag(name), getattr(cfg, name), 0)
     for name in FRACTIONS:
-        checks.in_range(_flag(name), getattr(cfg, name), 0, 1)
+        checks.in_range(checks.flag(name), getattr(cfg, name), 0, 1)
     if cfg.resume == "auto" and cfg.out is None:
         raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
 
 
-def _data_shape(cfg: TrainConfig) -> tuple[tuple[int, ...], int]:
+def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, ...], int]:
     """The dataset's (input shape, classes), checked against the model and the augmentation."""
     in_shape, num_classes = data.shape_of(
         cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes
     )
-    if cfg.augment != "none" and len(in_shape) != 3:
+    if augment is not None and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
     models.check(cfg.model, in_shape, num_classes)
     return in_shape, num_classes
@@ -180,7 +180,3 @@ def _lr_scale(cfg: TrainConfig) -> float:
     """--lr-scaling: the factor for the global batch (the tutorials' "N x batch, N x LR")."""
     ratio = cfg.batch_size / cfg.reference_batch_size
     return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import models
+from .. import checks, models
 from ..checkpoint import load_file
 from ..errors import IncompatibleCheckpoint, UsageError
 from ..seed import rng_state, seed_rank, set_rng_state
@@ -97,7 +97,7 @@ def check_resumable(
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
     for key in RESUME_MUST_MATCH:
         if key in run and run[key] != getattr(cfg, key):
-            flag = "--" + key.replace("_", "-")
+            flag = checks.flag(key)
             raise IncompatibleCheckpoint(
                 f"checkpoint {path}: was trained with {flag} {run[key]}; this run has {flag} {getattr(cfg, key)}"
             )

@@ -21,7 +21,7 @@ from .search import CRITERIA
 @dataclass(frozen=True)
 class Settings:
     """What one search runs; checked on construction, so bad input fails before any worker
-    starts and the workers never check it again."""
+    starts (workers receive it pickled, and unpickling runs no check)."""
 
     model: str = "cnn"
     data: str = "digits"
@@ -56,9 +56,14 @@ class Settings:
         models.check(self.model, self.in_shape, self.num_classes)
 
     def resolved_criterion(self, device_type: str) -> str:
-        if self.criterion != "auto":
-            return self.criterion
-        return "largest" if device_type == "cuda" else "knee"
+        return criterion_for(self.criterion, device_type)
+
+
+def criterion_for(criterion: str, device_type: str) -> str:
+    """`auto` is the largest size that fits on CUDA, and the knee on CPU."""
+    if criterion != "auto":
+        return criterion
+    return "largest" if device_type == "cuda" else "knee"
 
 
 def resolve(a: Any) -> tuple[Settings, Topology]:
@@ -69,7 +74,6 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     # A default start never exceeds a small --max-batch; a --start that does is refused.
     cuda = topology.device_type == "cuda"
     start = a.start if a.start is not None else min(8 if cuda else 1, max(1, a.max_batch))
-    criterion = ("largest" if cuda else "knee") if a.criterion == "auto" else a.criterion
     settings = Settings(
         model=a.model,
         data=name,
@@ -82,7 +86,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         max_batch=a.max_batch,
         steps=a.steps,
         warmup=a.warmup,
-        criterion=criterion,
+        criterion=criterion_for(a.criterion, topology.device_type),
         plateau=a.plateau,
     )
     if a.plot and not a.plot.lower().endswith(".png"):
