@@ -37,6 +37,8 @@ import tempfile
 import time
 from typing import Any
 
+from ddpkit.dist import environ_outside_job
+
 DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit train vs torchrun, Accelerate, Fabric"
 
 CONTENDERS = ("ddpkit", "torchrun", "accelerate", "fabric")
@@ -51,19 +53,6 @@ JOB = {
     "evaluation": "whole test set after every epoch",
 }
 BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines")
-# Variables a launcher sets for its workers: a run started from inside another job must not
-# inherit them. OMP_NUM_THREADS goes too, so that each launcher applies its own default.
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-)
 _FINAL = re.compile(r"final test accuracy ([0-9.]+)")
 RUN_TIMEOUT_S = 600
 
@@ -149,7 +138,9 @@ def command(name: str, out: str, epochs: int) -> list[str]:
 
 
 def _env(tmp: str, epochs: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
+    # A run started from inside another job must not inherit its launcher's variables;
+    # OMP_NUM_THREADS goes too, so that each launcher applies its own default.
+    env = environ_outside_job()
     env["DIGITS_EPOCHS"] = str(epochs)  # read by the baselines' digits_job.py
     env["HF_HOME"] = os.path.join(tmp, "hf")  # no saved `accelerate config` changes what is measured
     env["PYTHONUNBUFFERED"] = "1"

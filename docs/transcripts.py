@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import shutil
 import socket
@@ -42,24 +41,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit.dist import environ_outside_job
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHOWN_HOST = "vm"
 # A launcher's variables or a thread count in the caller's shell would change what runs.
-CLEARED = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "DDPKIT_START_METHOD",
-    "COLUMNS",
-    "LINES",
-)
+CLEARED = ("DDPKIT_START_METHOD", "COLUMNS", "LINES")  # and every launcher variable (environ_outside_job)
 
 BLOCK = re.compile(
     r"(?P<open><!-- transcript: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close><!-- /transcript -->)",
@@ -296,7 +284,7 @@ class Session:
         return text
 
     def step(self, name: str, s: Step) -> str:
-        env = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("SLURM_")}
+        env = environ_outside_job(*CLEARED)
         env["PYTHONPATH"] = str(self.cwd)
         proc = subprocess.run(
             ["bash", "-c", self.real(s.cmd)],

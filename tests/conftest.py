@@ -18,17 +18,8 @@ import sys
 
 import pytest
 
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-)
+from ddpkit.dist import LAUNCH_VARS, environ_outside_job
+
 KINDS = ("unit", "distributed", "cli")
 
 
@@ -64,7 +55,7 @@ SRC = os.path.join(ROOT, "src")
 
 def clean_env() -> dict:
     """This process's environment without launcher or SLURM variables: a fresh job's."""
-    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    return environ_outside_job()
 
 
 def run_cli(

@@ -33,6 +33,28 @@ class DistEnv:
         return self.world_size > 1
 
 
+# What a launcher (torchrun, ddpkit's own) sets for its workers; srun's are the SLURM_* ones.
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+)
+
+
+def environ_outside_job(*also: str) -> dict[str, str]:
+    """This process's environment without a launcher's or srun's variables (nor the `also`
+    names): what a fresh job started from here, inside another one, must see."""
+    return {
+        k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in also and not k.startswith("SLURM_")
+    }
+
+
 def _int_env(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
