@@ -1,8 +1,9 @@
 """Checkpoint files: written atomically, read without unpickling code.
 
 A write goes to a temp file in the same directory, is flushed to disk, and renamed over the
-target, so a crash mid-write leaves the previous file intact. Reads use
-`torch.load(weights_only=True)`: tensors, numbers, strings and containers only.
+target, so a crash mid-write leaves the previous file intact; a full disk is an OSError(ENOSPC)
+naming the file, not torch's "unexpected pos". Reads use `torch.load(weights_only=True)`:
+tensors, numbers, strings and containers only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,32 @@ from .strategy import unwrap
 
 def save_file(path: str | os.PathLike, obj: Any) -> None:
     with atomic_write(path, "wb") as f:
-        torch.save(obj, f)
+        writer = _Writes(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            # torch's zip writer turns the OSError of a write (a full disk) into "[enforce fail
+            # at inline_container.cc] unexpected pos": raise the real one (atomic_write names the file).
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+
+
+class _Writes:
+    """A binary file for torch.save that keeps the OSError a write raised."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from .files import atomic_write
 
 
 def pyplot() -> Any:
@@ -16,10 +19,14 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: str, dpi: int = 100) -> None:
-    """Lay out, write as PNG, and free the figure (pyplot keeps every open one alive)."""
+    """Lay out, write (atomically, never through a link: see files.atomic_write) in the format
+    the file name says (PNG without one), and free the figure (pyplot keeps every open one alive)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
 
 
 def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> None:

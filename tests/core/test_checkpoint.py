@@ -75,3 +75,19 @@ def test_checkpoint_from_ddp_loads_into_plain_model_and_back(tmp_path):
     for r in back.values():
         assert r["wrapped"] == "DistributedDataParallel" and r["note"] == "ddp"
         torch.testing.assert_close(r["params"], saved[0]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.unit
+def test_a_full_disk_is_an_oserror_naming_the_file_and_the_old_file_stays(tmp_path):
+    import errno
+
+    from tests.core.small_disk import small_disk
+
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        path = os.path.join(disk, "c.pt")
+        save_file(path, {"v": torch.ones(8)})
+        with pytest.raises(OSError) as info:
+            save_file(path, {"v": torch.ones(1 << 19)})  # 2 MB: torch's own error would be "unexpected pos"
+        assert info.value.errno == errno.ENOSPC and info.value.filename == path
+        assert torch.equal(load_file(path)["v"], torch.ones(8))
+        assert os.listdir(disk) == ["c.pt"]  # the temp file is gone

@@ -112,3 +112,29 @@ def test_keep_checkpoints_and_checkpoint_every(tmp_path):
     train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "2")
     # steps 5, 10, 15, 20 and the epoch end at 23: the newest two remain
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000020.pt", "step-00000023.pt"]
+
+
+@pytest.mark.unit
+def test_metrics_hold_null_for_nonfinite_numbers_also_after_a_resume(tmp_path):
+    # A diverging run under --on-nonfinite skip logs NaN losses: strict JSON parsers reject NaN.
+    from ddpkit.trainer import TrainConfig
+    from ddpkit.trainer.outputs import Outputs
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
+
+    cfg = TrainConfig(epochs=2, out=str(tmp_path))
+    nan, inf = float("nan"), float("inf")
+    epoch = {"type": "epoch", "train_loss": inf, "train_accuracy": 0.5, "test_loss": nan, "test_accuracy": 0.1}
+    with Outputs(cfg, True) as out:
+        out.log({"type": "step", "epoch": 1, "step": 5, "loss": nan, "lr": 0.1, "samples_per_second": 1.0})
+        out.log({**epoch, "epoch": 1, "step": 10})
+        out.log({**epoch, "epoch": 2, "step": 20})
+    with Outputs(cfg, True, resumed_step=(10, 1)):  # rewrites the kept records
+        pass
+    records = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] is None and records[1]["test_loss"] is None and records[1]["train_loss"] is None
+    assert len(records) == 2 and records[1]["test_accuracy"] == 0.1
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["epoch"], r["train_loss"], r["test_loss"]) for r in rows] == [("1", "", "")]

@@ -1,17 +1,24 @@
 """Everything `ddpkit train --out DIR` leaves, written by rank 0 only: metrics.jsonl and
 metrics.csv (and TensorBoard events) as the run goes, config.yaml, checkpoints/, and at the end
-model.pt, results.json and curves.png; and the summary printed after the run."""
+model.pt, results.json and curves.png; and the summary printed after the run.
+
+Every file is written through `files` (a temp file renamed into place: never through a link),
+as strict JSON (NaN and infinity as null). A full disk ends the run with one line naming the
+file and the newest checkpoint that is intact.
+"""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import sys
 from typing import Any
 
 from ..checkpoint import save_file
-from ..files import write_json, write_yaml
+from ..errors import RunError
+from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, replace_with_log, write_json, write_yaml
 from ..plots import plot_curves
 from ..strategy import unwrap
 from .config import TrainConfig
@@ -24,21 +31,24 @@ class Outputs:
     def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
         self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
         self._metrics = self._csv_file = self._csv = self._tb = None
+        self._paths = {"metrics": os.path.join(self.dir, "metrics.jsonl"), "csv": os.path.join(self.dir, "metrics.csv")}
         if not is_main:
             return
+        try:
+            self._open(resumed_step)
+        except OSError as err:
+            self.__exit__(type(err), err, None)  # closes what is open; a full disk becomes one line
+            raise
+
+    def _open(self, resumed_step: tuple[int, int] | None) -> None:
+        cfg = self.cfg
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
-        path = os.path.join(self.dir, "metrics.jsonl")
-        kept = _records_until(path, *resumed_step) if resumed_step is not None else []
-        self._metrics = open(path, "w", buffering=1)
-        self._metrics.writelines(kept)  # a resumed run drops what came after its checkpoint
-        # metrics.csv is rewritten from the kept records, so it always agrees with metrics.jsonl.
-        self._csv_file = open(os.path.join(self.dir, "metrics.csv"), "w", newline="", buffering=1)
+        kept = _records_until(self._paths["metrics"], *resumed_step) if resumed_step is not None else []
+        # A resumed run drops what came after its checkpoint; metrics.csv is rewritten from the
+        # kept records, so it always agrees with metrics.jsonl.
+        self._metrics = replace_with_log(self._paths["metrics"], "".join(json_line(r) + "\n" for r in kept))
+        self._csv_file = replace_with_log(self._paths["csv"], _csv_text(r for r in kept if r.get("type") == "epoch"))
         self._csv = csv.DictWriter(self._csv_file, CSV_FIELDS, extrasaction="ignore")
-        self._csv.writeheader()
-        for line in kept:
-            record = json.loads(line)
-            if record.get("type") == "epoch":
-                self._csv.writerow(record)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -51,17 +61,33 @@ class Outputs:
     def __enter__(self) -> Outputs:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         for f in (self._metrics, self._csv_file, self._tb):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:
+                    if exc is None:
+                        raise
+        if isinstance(exc, OSError) and exc.errno in FULL_DISK and exc.filename:
+            raise RunError(f"no space left on device writing {exc.filename}; {self.intact()}") from None
+
+    def intact(self) -> str:
+        """Which checkpoint a failed write left intact, for the message that ends the run."""
+        names = checkpoint_names(os.path.join(self.dir, "checkpoints"))
+        if not names:
+            return "no checkpoint was saved before it"
+        newest = os.path.join(self.dir, "checkpoints", names[-1])
+        return f"checkpoint {int(names[-1][len('step-') : -len('.pt')])} is intact ({newest})"
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics is None:
             return
-        self._metrics.write(json.dumps(record) + "\n")
+        with naming_full_disk(self._paths["metrics"]):
+            self._metrics.write(json_line(record) + "\n")
         if record.get("type") == "epoch":
-            self._csv.writerow(record)
+            with naming_full_disk(self._paths["csv"]):
+                self._csv.writerow(json_safe(record))  # NaN as an empty cell, as it reads back from metrics.jsonl
         if self._tb is not None:
             _tensorboard_scalars(self._tb, record)
 
@@ -156,18 +182,33 @@ def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _records_until(path: str, step: int, epochs_done: int) -> list[str]:
-    """Lines of an existing metrics.jsonl up to a checkpoint: step at most `step`, and epoch
-    records only of epochs it completed. A torn last line (a full disk) is dropped."""
-    if not os.path.exists(path):
+def _csv_text(records: Any) -> str:
+    """metrics.csv's header and a row per epoch record."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(records)
+    return buffer.getvalue()
+
+
+def _records_until(path: str, step: int, epochs_done: int) -> list[dict[str, Any]]:
+    """Records of an existing metrics.jsonl up to a checkpoint: step at most `step`, and epoch
+    records only of epochs it completed. A torn last line (a full disk) is dropped. (Read
+    without following a link: a run refuses links in its directory, and a file of its own is
+    all it may take records from.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
         return []
     kept = []
-    with open(path) as f:
+    with open(fd) as f:
         for line in f:
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(record, dict):
+                continue
             if record.get("step", 0) <= step and (record.get("type") != "epoch" or record["epoch"] <= epochs_done):
-                kept.append(line if line.endswith("\n") else line + "\n")
+                kept.append(record)
     return kept

@@ -1,9 +1,12 @@
 """Resume policy: which checkpoint a run continues from, and what a checkpoint must match.
 
 `--resume PATH` is checked before anything starts; `--resume auto` takes the newest usable
-checkpoint in `--out`/checkpoints, skipping damaged ones (a crash mid-write, a full disk) but
-never one this run's settings cannot continue (it would silently train something else).
-A restart by the elastic agent always continues from the newest complete checkpoint.
+checkpoint in `--out`/checkpoints, skipping damaged ones (a full disk, a copy) with a line
+each, but never one this run's settings cannot continue (it would silently train something
+else), and never starting over when checkpoints exist and none is usable (the progress would be
+thrown away). A restart by the elastic agent always continues from the newest complete checkpoint.
+Every checkpoint read for a resume is checked whole here, keys and types, so that a damaged
+one is one line and exit 2 rather than a KeyError in every worker.
 
 `RunState` is what a checkpoint holds besides model, optimizer, scheduler, scaler and loader
 position: loop counters, history, the epoch's running sums, every rank's random streams, and
@@ -14,14 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import checks, models
 from ..checkpoint import load_file
+from ..dist import detect_env
 from ..errors import IncompatibleCheckpoint, UsageError
+from ..launcher.records import current_attempt
+from ..optim import build_optimizer
 from ..seed import rng_state, seed_rank, set_rng_state
+from . import rundir
 from .config import TrainConfig
 
 if TYPE_CHECKING:
@@ -31,7 +39,7 @@ if TYPE_CHECKING:
 def starting_point(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int) -> str | None:
     """The checkpoint a fresh launch of `cfg` starts from (None: from scratch)."""
     path = resume_path(cfg, in_shape, num_classes)
-    if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not restarted():
+    if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not current_attempt():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
         raise UsageError(
             f"--out {cfg.out} already holds a run's checkpoints: continue it with --resume auto, "
@@ -44,14 +52,10 @@ def after_restart(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int)
     """After the elastic agent restarted the workers (a worker died), the newest complete
     checkpoint to carry on from, whatever the command line said (None: not restarted, or
     nothing saved yet)."""
-    if not restarted():
+    if not current_attempt():
         return None
+    rundir.prune_partial_writes(cfg.out)  # the writes the failed workers left half done
     return resume_path(dataclasses.replace(cfg, resume="auto"), in_shape, num_classes, allow_finished=True)
-
-
-def restarted() -> int:
-    """How many times the elastic agent has restarted this job's workers (0 on the first run)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def resume_path(
@@ -69,16 +73,28 @@ def resume_path(
             raise UsageError(f"--resume: {err}") from None
         return cfg.resume
     folder = os.path.join(cfg.out, "checkpoints")
+    skipped = []
     for name in reversed(checkpoint_names(folder)):  # newest first; temp files of an interrupted write never match
         path = os.path.join(folder, name)
         try:
             check_resumable(path, cfg, in_shape, num_classes, allow_finished)
-            return path
         except IncompatibleCheckpoint as err:
             # Starting afresh here would overwrite the run's metrics and checkpoints.
             raise UsageError(f"--resume auto: {err}") from None
-        except UsageError:
-            continue  # damaged (a crash mid-write, a full disk): fall back to an older one
+        except UsageError as err:  # damaged (a full disk, a copy): fall back to an older one
+            skipped.append((name, str(err).removeprefix(f"checkpoint {path}: ")))
+            continue
+        if detect_env().rank == 0:  # under torchrun every rank gets here; say it once
+            for skipped_name, why in skipped:
+                print(f"ddpkit train: warning: --resume auto: skipped {folder}/{skipped_name}: {why}", file=sys.stderr)
+        return path
+    if skipped:
+        # Starting over would throw the run's progress away: the user decides.
+        reasons = "; ".join(f"{n}: {why}" for n, why in skipped)
+        raise UsageError(
+            f"--resume auto: none of the {len(skipped)} checkpoints in {folder} is usable ({reasons}); "
+            f"move them away to start over, or give --resume PATH"
+        )
     return None
 
 
@@ -92,6 +108,9 @@ def check_resumable(
     missing = [k for k in need if not isinstance(state, dict) or k not in state]
     if missing:
         raise UsageError(f"checkpoint {path}: not a ddpkit training checkpoint (no {', '.join(missing)})")
+    problem = state_problem(state)
+    if problem:
+        raise UsageError(f"checkpoint {path}: damaged or not written by ddpkit train ({problem})")
     run = state["run"]
     # What decides the data order and the parameters: changing them mid-run trains something else.
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
@@ -113,6 +132,101 @@ def check_resumable(
         raise IncompatibleCheckpoint(
             f"checkpoint {path}: its weights do not fit --model {cfg.model} ({first})"
         ) from None
+    try:
+        build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.momentum).load_state_dict(state["optimizer"])
+    except Exception as err:  # noqa: BLE001 - torch fails in many ways on a damaged state
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise UsageError(
+            f"checkpoint {path}: damaged or not written by ddpkit train (its optimizer state does not load: "
+            f"{type(err).__name__} {first})"
+        ) from None
+
+
+# What `RunState.state_dict` writes, and `RunState.restore` and `Loop.restore` read: entry -> type.
+RUN_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "epoch": int,
+    "step": int,
+    "world_size": int,
+    "history": list,
+    "sums": torch.Tensor,
+    "rng": (list, tuple),
+}
+RNG_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "torch": torch.Tensor,
+    "python": (list, tuple),
+    "numpy": (list, tuple),
+    "cuda": (torch.Tensor, type(None)),
+}
+PLAIN = (bool, int, float, str, list, tuple, type(None))  # what a setting of RESUME_MUST_MATCH is saved as
+
+
+def state_problem(state: dict[str, Any]) -> str | None:
+    """What is wrong with a training checkpoint's entries, in a few words (None: nothing).
+    Keys and types only: whether the settings and the weights fit the run is checked apart."""
+    for key in ("model", "optimizer", "scheduler", "loader", "run"):
+        if not isinstance(state[key], dict):
+            return f"its {key!r} entry is {type(state[key]).__name__}, not a dict"
+    loader = state["loader"]
+    for key, default in (("epoch", None), ("position", 0)):  # DistributedLoader.load_state_dict's reads
+        if not _count(loader.get(key, default)):
+            return f"its loader state {key!r} is {_shown(loader.get(key))}, not a count"
+    if not _count(state["scheduler"].get("last_epoch", 0)):
+        return f"its scheduler state 'last_epoch' is {_shown(state['scheduler'].get('last_epoch'))}, not a count"
+    return _run_problem(state["run"])
+
+
+def _run_problem(run: dict[str, Any]) -> str | None:
+    for key, kind in {**RUN_STATE_TYPES, "skipped": int}.items():
+        if key == "skipped" and key not in run:
+            continue  # older checkpoints lack it; restore reads 0
+        if key not in run:
+            return f"its run state has no {key!r}"
+        if not isinstance(run[key], kind) or (kind is int and not _count(run[key])):
+            return f"its run state {key!r} is {_shown(run[key])}, not {_kind_name(kind)}"
+    for key in RESUME_MUST_MATCH:
+        if key in run and not isinstance(run[key], PLAIN):
+            return f"its run state {key!r} is {_shown(run[key])}, not a setting"
+    if run["world_size"] < 1:
+        return "its run state has world_size 0"
+    if run["sums"].numel() != 3:
+        return f"its run state has {run['sums'].numel()} running sums, not 3"
+    if len(run["rng"]) != run["world_size"]:
+        return f"its run state has {len(run['rng'])} random states for world size {run['world_size']}"
+    if not all(isinstance(record, dict) for record in run["history"]):
+        return "its run state 'history' holds something other than epoch records"
+    return next(filter(None, (_rng_problem(rank, rng) for rank, rng in enumerate(run["rng"]))), None)
+
+
+def _rng_problem(rank: int, rng: Any) -> str | None:
+    if not isinstance(rng, dict):
+        return f"the random state of rank {rank} is {_shown(rng)}, not a dict"
+    for key, kind in RNG_STATE_TYPES.items():
+        if key not in rng:
+            return f"the random state of rank {rank} has no {key!r}"
+        if not isinstance(rng[key], kind):
+            return f"the random state of rank {rank} has {key!r} {_shown(rng[key])}, not {_kind_name(kind)}"
+    if rng["torch"].dtype != torch.uint8:
+        return f"the random state of rank {rank} has a torch state of {rng['torch'].dtype}, not bytes"
+    if len(rng["python"]) != 3 or len(rng["numpy"]) != 5 or not isinstance(rng["numpy"][1], torch.Tensor):
+        return f"the random state of rank {rank} does not hold Python's and NumPy's states"
+    if not isinstance(rng.get("loader"), (torch.Tensor, type(None))):
+        return f"the random state of rank {rank} has 'loader' {_shown(rng.get('loader'))}, not a tensor"
+    return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, (int, float, str, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {int: "a count", list: "a list", torch.Tensor: "a tensor", dict: "a dict"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds if k is not type(None) and k is not tuple) or "None"
 
 
 # The optimizer's and scheduler's saved state would silently override a changed --lr,
@@ -137,6 +251,16 @@ RESUME_MUST_MATCH = (
     "label_smoothing",
     "momentum",
 )
+
+
+def last_checkpoint(out: str) -> str:
+    """'last checkpoint DIR/checkpoints/step-N.pt (continue with --resume auto)', or that there
+    is none: what an interrupted run says."""
+    folder = os.path.join(out, "checkpoints")
+    names = checkpoint_names(folder)
+    if not names:
+        return "no checkpoint was written yet"
+    return f"last checkpoint {os.path.join(folder, names[-1])} (continue with --resume auto)"
 
 
 def checkpoint_names(folder: str) -> list[str]:
