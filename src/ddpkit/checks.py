@@ -11,6 +11,7 @@ Each raises `UsageError` (exit 2 at the command line) naming `what` is wrong: a 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,8 +43,16 @@ def positive(what: str, value: float) -> float:
 
 
 def at_least(what: str, value: float, low: float) -> float:
-    if not value >= low:
+    """`value` if it is a finite number >= low (`not >=` also catches NaN)."""
+    if not value >= low or not math.isfinite(value):
         raise UsageError(f"{what} must be >= {low:g}, got {value}")
+    return value
+
+
+def integer(what: str, value: int, low: int, high: int) -> int:
+    """`value` if low <= value <= high (an int: bounds printed whole, not as 4.29497e+09)."""
+    if not low <= value <= high:
+        raise UsageError(f"{what} must be an integer from {low} to {high}, got {value}")
     return value
 
 
@@ -63,6 +72,53 @@ def int_list(what: str, text: str, example: str) -> tuple[int, ...]:
     if not values or min(values) <= 0:
         raise UsageError(f"{what} must be positive integers like {example}, got {text!r}")
     return values
+
+
+def directory(what: str, path: str) -> str:
+    """`path` if it is a directory, or could be made one: no file at it or above it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path}: not a directory")
+    _writable_parent(what, path)
+    return path
+
+
+def output_file(what: str, path: str) -> str:
+    """`path` if a file can be written there later, checked now without writing anything: not a
+    directory, and the nearest existing folder above it a writable directory (the missing ones
+    are made when the file is written). Output goes last, after the work: checking it first
+    means a typo costs nothing."""
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path}: is a directory; give a file name")
+    folder = _writable_parent(what, path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: cannot write in {folder}")
+    return path
+
+
+def _writable_parent(what: str, path: str) -> str:
+    """The nearest existing folder above `path`, which must be a directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: {folder} is not a directory")
+    return folder
+
+
+def memory(what: str, nbytes: float, processes: int = 1) -> None:
+    """Refuse `what` when `processes` copies of `nbytes` exceed the memory this machine can
+    still give out: one line now instead of an allocation traceback in every worker."""
+    from .metrics import available_mib  # imports torch: not at import time (`ddpkit --help` stays fast)
+
+    available = available_mib()
+    need = nbytes * processes / 2**20
+    if available is not None and need > available:
+        each = f" in each of {processes} processes" if processes > 1 else ""
+        raise UsageError(f"{what} needs about {_mib(nbytes / 2**20)}{each}; {_mib(available)} of memory is available")
+
+
+def _mib(mib: float) -> str:
+    return f"{mib / 1024:,.1f} GiB" if mib >= 1024 else f"{mib:,.0f} MiB"
 
 
 def shape(what: str, text: str) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ import importlib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -222,8 +223,8 @@ def resolve(name: str) -> Builder:
         raise ValueError(
             f"cannot import module {module_name!r} ({err}); is it on PYTHONPATH or in the current directory?"
         ) from None
-    except Exception as err:  # noqa: BLE001 - whatever the module raised while being imported
-        raise ValueError(f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from None
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the module raised (or exited with) on import
+        raise ValueError(f"importing module {module_name!r} failed: {_raised(err)}") from None
     fn = module
     for part in attr.split("."):  # module:Class.method works too
         fn = getattr(fn, part, None)
@@ -244,28 +245,92 @@ def _checked(name: str, model: Any) -> nn.Module:
 
 
 def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str = "--model") -> None:
-    """Raise UsageError if model `name` cannot take inputs of `in_shape` (C, H, W).
+    """Raise UsageError if model `name` cannot map inputs of `in_shape` (C, H, W) to
+    `num_classes` logits.
 
-    A user's `module:function` is imported and called on the meta device (no memory, no
-    weights), so a wrong return type is reported before any process starts. A function that
-    fails there (it loads weights from a file, say) is left for build() to run for real."""
+    A user's `module:function` is imported, called, and run on one sample (see `_probe`), so a
+    function that raises or exits, returns something else than a module, or gives logits of
+    the wrong width is one line naming `what` before any process starts."""
     if not is_custom(name):
         checks.choice(what, name, [*MODELS, "package.module:function"])
     with usage_errors(f"{what} {name}: "):
         if is_custom(name):
             fn = resolve(name)
-            try:
-                with torch.device("meta"):
-                    model = fn(tuple(in_shape), num_classes)
-            except Exception:  # noqa: BLE001 - not buildable on meta; build() will run it for real
-                return
-            _checked(name, model)
+            with warnings.catch_warnings():  # a model's warnings belong to the run (its workers), not the probe
+                warnings.simplefilter("ignore")
+                _probe(name, fn, tuple(in_shape), num_classes)
             return
         if name != "mlp" and len(in_shape) != 3:
             raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
         smallest = MIN_SIZE.get(name, 1)
         if name != "mlp" and min(in_shape[1:]) < smallest:
             raise ValueError(f"model {name!r} needs images of at least {smallest}x{smallest}, got {in_shape}")
+
+
+# A user's model at most this large (weights and buffers) is probed on the CPU for real: that
+# takes milliseconds, while the first forward on the meta device loads torch's meta kernels
+# (seconds). A larger one is probed on meta, where it costs no memory.
+PROBE_ON_CPU_BYTES = 256 * 2**20
+
+
+def _probe(name: str, fn: Builder, in_shape: tuple[int, ...], num_classes: int) -> None:
+    """Build the model (on the meta device first: no memory, no weights) and pass one sample
+    through it, in eval mode without gradients, on the CPU or, for a large model, on meta.
+    A model that cannot be built or run on meta (it loads weights from a file, or uses an
+    operation without a meta kernel) is built and run on the CPU. Raises ValueError saying
+    what failed; the workers build the model again."""
+    try:
+        model = _build(name, fn, in_shape, num_classes, "meta")
+    except ValueError:  # not buildable on meta; if it cannot be built at all, the CPU build says so
+        model = None
+    if model is None or _nbytes(model) <= PROBE_ON_CPU_BYTES:
+        try:
+            out = _forward_one(_build(name, fn, in_shape, num_classes, "cpu"), in_shape, "cpu")
+        except ValueError:
+            if torch.cuda.is_available():  # it may run on the GPU only (half precision, CUDA kernels)
+                return
+            raise
+    else:
+        try:
+            out = _forward_one(model, in_shape, "meta")
+        except ValueError:  # an operation without a meta kernel in its forward: run it for real
+            out = _forward_one(_build(name, fn, in_shape, num_classes, "cpu"), in_shape, "cpu")
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if shape != (1, num_classes):
+        raise ValueError(
+            f"its forward gives {shape} for one sample of shape {(1, *in_shape)}; expected logits of shape "
+            f"(1, {num_classes}), one per class"
+        )
+
+
+def _build(name: str, fn: Builder, in_shape: tuple[int, ...], num_classes: int, device: str) -> nn.Module:
+    try:
+        with torch.device(device):
+            model = fn(in_shape, num_classes)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - a user's function: whatever it raises (or exits with)
+        raise ValueError(f"{name.partition(':')[2]}({in_shape}, {num_classes}) {_raised(err)}") from None
+    return _checked(name, model)
+
+
+def _nbytes(model: nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(
+        t.numel() * t.element_size() for t in tensors if not isinstance(t, nn.parameter.UninitializedTensorMixin)
+    )
+
+
+def _forward_one(model: nn.Module, in_shape: tuple[int, ...], device: str) -> Any:
+    try:
+        with torch.no_grad(), torch.device(device):
+            return model.eval()(torch.zeros((1, *in_shape)))
+    except (Exception, SystemExit) as err:  # noqa: BLE001
+        raise ValueError(f"its forward on one sample of shape {(1, *in_shape)} {_raised(err)}") from None
+
+
+def _raised(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
+    return f"raised {type(err).__name__}: {err}"
 
 
 def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:

@@ -327,3 +327,15 @@ def test_train_help(cli, tmp_path):
     assert "--batch-size" in proc.stdout
     assert "GLOBAL" in proc.stdout
     assert not os.listdir(tmp_path), "--help wrote files"
+
+
+def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(tmp_path):
+    # Full-batch steps may be meant (a recipe's batch on a small smoke-test set): said, not refused.
+    out = tmp_path / "toy"
+    proc = run_cli(
+        "train", "--data", "toy", "--model", "mlp", "--batch-size", "8", "--epochs", "2", "--nproc", "1",
+        "--device", "cpu", "--out", str(out),
+    )  # fmt: skip
+    ok(proc)
+    assert "warning: --batch-size 8 is larger than the 5 training samples of --data toy" in proc.stderr
+    assert json.loads((out / "results.json").read_text())["steps"] == 2  # one step per epoch: the whole set

@@ -29,8 +29,13 @@ def test_positive_refuses_zero_negative_nan_and_infinity(value):
 def test_ranges():
     assert checks.positive("--lr", 0.1) == 0.1
     assert checks.at_least("--warmup-epochs", 0, 0) == 0
-    with pytest.raises(UsageError, match=r"^--warmup-epochs must be >= 0, got -0.5$"):
-        checks.at_least("--warmup-epochs", -0.5, 0)
+    for bad in (-0.5, math.nan, math.inf):  # inf too: `--weight-decay inf` would train to NaN
+        with pytest.raises(UsageError, match=rf"^--warmup-epochs must be >= 0, got {bad}$"):
+            checks.at_least("--warmup-epochs", bad, 0)
+    assert checks.integer("--seed", 2**32 - 1, 0, 2**32 - 1) == 2**32 - 1
+    for bad in (-1, 2**32):
+        with pytest.raises(UsageError, match=rf"^--seed must be an integer from 0 to 4294967295, got {bad}$"):
+            checks.integer("--seed", bad, 0, 2**32 - 1)
     assert checks.in_range("--momentum", 0.0, 0, 1) == 0.0
     for bad in (1.0, -0.1, math.nan):
         with pytest.raises(UsageError, match=r"^--momentum must be in \[0, 1\), got"):
@@ -47,3 +52,34 @@ def test_shape_and_int_list():
     assert checks.shape("--synthetic-shape", "3,32,32") == (3, 32, 32)
     assert checks.shape("--synthetic-shape", "10") == (10,)
     assert checks.int_list("--batch-sizes", "64, 256", "64,256") == (64, 256)
+
+
+def test_output_file_is_checked_without_writing_anything(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    assert checks.output_file("--json", str(tmp_path / "new" / "deeper" / "r.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the folders are made when writing
+    with pytest.raises(UsageError, match=rf"^--json {tmp_path}: is a directory; give a file name$"):
+        checks.output_file("--json", str(tmp_path))
+    with pytest.raises(
+        UsageError, match=rf"^--plot {tmp_path}/a-file/sub/p.png: {tmp_path}/a-file is not a directory$"
+    ):
+        checks.output_file("--plot", str(tmp_path / "a-file" / "sub" / "p.png"))
+
+
+def test_directory_refuses_a_file_at_or_above_it(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    assert checks.directory("--data-dir", str(tmp_path / "not-yet"))
+    with pytest.raises(UsageError, match=r"^--data-dir .*a-file: not a directory$"):
+        checks.directory("--data-dir", str(tmp_path / "a-file"))
+    with pytest.raises(UsageError, match=r"^--data-dir .*a-file/sub: .*a-file is not a directory$"):
+        checks.directory("--data-dir", str(tmp_path / "a-file" / "sub"))
+
+
+def test_memory_refuses_more_than_the_machine_has():
+    from ddpkit.metrics import available_mib
+
+    if available_mib() is None:
+        pytest.skip("this system does not report available memory")
+    checks.memory("a small thing", 2**20, processes=4)
+    with pytest.raises(UsageError, match=r"^a huge thing needs about 1,048,576.0 GiB in each of 2 processes; "):
+        checks.memory("a huge thing", 2**50, processes=2)

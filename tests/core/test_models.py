@@ -55,6 +55,30 @@ def not_a_module(in_shape, num_classes):
 def fails_when_called(in_shape, num_classes):
     raise RuntimeError("only at build time")
 
+def exits(in_shape, num_classes):
+    raise SystemExit(5)
+
+def width(n):
+    return lambda in_shape, num_classes: nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), n))
+
+three_outputs, fifty_outputs = width(3), width(50)
+
+def from_file(in_shape, num_classes):
+    # Weights loaded from a file: real CPU tensors, which a meta input cannot meet.
+    import torch
+    model = tiny(in_shape, num_classes)
+    model.load_state_dict(torch.load(os.environ["DDPKIT_TEST_WEIGHTS"], weights_only=True))
+    return model
+
+class NeedsValues(nn.Module):
+    # .item() has no meta kernel: this forward runs on real tensors only.
+    def __init__(self, in_shape, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(math.prod(in_shape), num_classes)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)) * (1.0 if x.sum().item() == x.sum().item() else 0.0)
+
 VALUE = 3
 """
 
@@ -105,10 +129,31 @@ def test_unknown_module_and_unknown_name():
 
 
 @pytest.mark.unit
-def test_a_function_failing_on_meta_is_left_to_build(user_module):
-    resolve(TrainConfig(model=f"{user_module}:fails_when_called"))  # the plan cannot tell
-    with pytest.raises(RuntimeError, match="only at build time"):
-        models.build(f"{user_module}:fails_when_called", (1, 8, 8), 10)
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("fails_when_called", r"fails_when_called\(\(1, 8, 8\), 10\) raised RuntimeError: only at build time"),
+        ("exits", r"exits\(\(1, 8, 8\), 10\) called sys.exit\(5\)"),
+        ("three_outputs", r"its forward gives \(1, 3\) .*expected logits of shape \(1, 10\)"),
+        ("fifty_outputs", r"its forward gives \(1, 50\) .*expected logits of shape \(1, 10\)"),
+    ],
+)
+@pytest.mark.parametrize("on", ["cpu", "meta"])
+def test_a_function_that_fails_or_gives_the_wrong_width_is_refused(user_module, monkeypatch, function, message, on):
+    # A model above the size limit is probed on the meta device; a small one on the CPU.
+    monkeypatch.setattr(models, "PROBE_ON_CPU_BYTES", 0 if on == "meta" else models.PROBE_ON_CPU_BYTES)
+    with pytest.raises(UsageError, match=f"^--model {user_module}:{function}: {message}"):
+        resolve(TrainConfig(model=f"{user_module}:{function}"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("on", ["cpu", "meta"])
+def test_a_model_that_loads_weights_or_needs_real_tensors_passes_the_probe(user_module, monkeypatch, tmp_path, on):
+    monkeypatch.setattr(models, "PROBE_ON_CPU_BYTES", 0 if on == "meta" else models.PROBE_ON_CPU_BYTES)
+    torch.save(models.build(f"{user_module}:tiny", (1, 8, 8), 10).state_dict(), tmp_path / "w.pt")
+    monkeypatch.setenv("DDPKIT_TEST_WEIGHTS", str(tmp_path / "w.pt"))
+    models.check(f"{user_module}:from_file", (1, 8, 8), 10)
+    models.check(f"{user_module}:NeedsValues", (1, 8, 8), 10)
 
 
 @pytest.mark.cli

@@ -32,6 +32,31 @@ def test_loader_left_early_continues_where_it_stopped():
 
 
 @pytest.mark.unit
+def test_a_loader_restored_at_an_epochs_last_step_ends_that_epoch_without_another_pass():
+    def make():
+        ds = TensorDataset(torch.arange(64))
+        return data.train_loader(ds, 8, world_size=1, rank=0, device=torch.device("cpu"), seed=0)
+
+    loader = make()
+    for i, _ in enumerate(loader):  # a checkpoint taken after the epoch's last step, before it ended
+        if i == 7:
+            state = loader.state_dict()
+            break
+    assert state == {"epoch": 0, "position": 8}
+    restored = make()
+    restored.load_state_dict(state)
+    assert list(restored) == [] and (restored.epoch, restored.position) == (1, 0)  # what was left of epoch 0
+    assert [b.tolist() for (b,) in restored] == [b.tolist() for (b,) in _at(make(), 1)]  # then epoch 1
+    # A loader the caller left at the last step itself (no checkpoint) goes on with the next epoch.
+    assert len(list(loader)) == 8 and loader.epoch == 2
+
+
+def _at(loader, epoch: int):
+    loader.load_state_dict({"epoch": epoch, "position": 0})
+    return loader
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("world,micro", [(1, None), (2, None), (3, 7)])
 def test_resident_and_dataloader_paths_give_identical_batches(world, micro):
     ds = image_set()

@@ -90,3 +90,21 @@ def test_pickles_cannot_run_code(tmp_path):
     (folder / "data_batch_3").write_bytes(pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}))
     with pytest.raises(UsageError, match="data_batch_3.*N x 3072 uint8"):
         data.load("cifar10", data_dir=str(tmp_path))
+
+
+def test_an_idx_header_whose_size_overflows_int64_is_named(tmp_path):
+    # 2**31 cubed wraps around to 0 in NumPy's int64 product: a header-only file would then
+    # pass the length check and fail in reshape with a traceback.
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(bytes([0, 0, 8, 3]) + (2**31).to_bytes(4, "big") * 3)
+    with pytest.raises(UsageError, match=r"train-images-idx3-ubyte: corrupted .*header says 2147483648x"):
+        readers.read_idx(str(path), readers.IDX_IMAGES)
+
+
+def test_a_dataset_file_with_no_images_is_named(tmp_path):
+    write_mnist(tmp_path / "mnist", n_train=0)
+    with pytest.raises(UsageError, match=r"train-images-idx3-ubyte.gz: holds no images"):
+        data.load("mnist", data_dir=str(tmp_path))
+    write_mnist(tmp_path / "fashion-mnist", n_test=0)
+    with pytest.raises(UsageError, match=r"t10k-images-idx3-ubyte.gz: holds no images"):
+        data.load("fashion-mnist", data_dir=str(tmp_path))

@@ -11,6 +11,7 @@ device (pinned, non-blocking on CUDA), with 0 workers (ddpkit's CPU default) and
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -72,6 +73,8 @@ def run(opts: BenchOptions, device: str) -> dict[str, Any]:
     shape = checks.shape("--shape", opts.extra.get("shape", "1,28,28"))
     batch = checks.positive("--batch-size", int(opts.extra.get("batch_size", 256)))
     n = checks.positive("--samples", int(opts.extra.get("samples") or (8192 if opts.quick else 60000)))
+    # two copies of the set (one per pipeline): refused now rather than an allocation traceback
+    checks.memory(f"--samples {n} images of --shape {opts.extra.get('shape', '1,28,28')}", 2 * n * math.prod(shape))
     repeats = opts.reps(default=5, quick=2)
     dev = torch.device(device)
     batches = max(4, min(n // batch, 16 if opts.quick else 40))

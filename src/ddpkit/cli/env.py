@@ -9,13 +9,17 @@ from .parsing import ArgumentParser
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = ArgumentParser(
-        prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults."
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     from ..env import render, report
 
     r = report()
     print(json.dumps(r, indent=2) if args.json else render(r))
     return 0
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="ddpkit env", description="Report PyTorch build, GPUs, backends and ddpkit's defaults."
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser

@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
+from .. import checks
+from ..errors import UsageError
 from .parsing import ArgumentParser
+
+DEFAULT_OUT = "report.png"
 
 
 def main(argv: Sequence[str]) -> int:
     from ..report import report
 
+    a = _parser().parse_args(argv)
+    out = a.out or DEFAULT_OUT
+    if a.out is None and os.path.lexists(out):
+        # The default name is a convenience, not a request to replace a file that is there:
+        # an earlier report (or anyone's report.png) stays unless --out names it.
+        raise UsageError(f"./{out} exists; name the plot with --out FILE.png (an --out that exists is replaced)")
+    for flag, path in (("--out", out), ("--json", a.json)):
+        if path:  # checked before reading the runs and drawing: not an IsADirectoryError after the work
+            checks.output_file(flag, path)
+    report(a.dirs, out, a.json)
+    return 0
+
+
+def _parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="ddpkit report",
         description="Compare runs of `ddpkit train --out DIR`: every run's "
         "loss and accuracy per epoch on one plot, and a table of their results.",
     )
     p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (each with metrics.jsonl and results.json)")
-    p.add_argument("--out", default="report.png", metavar="FILE.png", help="the plot (default ./report.png)")
-    p.add_argument("--json", metavar="FILE", help="also write the table as JSON")
-    a = p.parse_args(argv)
-    report(a.dirs, a.out, a.json)
-    return 0
+    p.add_argument(
+        "--out",
+        metavar="FILE.png",
+        help=f"the plot (default ./{DEFAULT_OUT}, which is never replaced: to replace a plot, name it)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the table as JSON (replaced if it exists)")
+    return p

@@ -11,7 +11,20 @@ a run independent of the number of processes, and the distributed loader.
 
 from __future__ import annotations
 
-from .datasets import DATASETS, FILE_DATASETS, NORMALIZATION, Splits, digits, load, prepare, shape_of, synthetic, toy
+from .datasets import (
+    DATASETS,
+    FILE_DATASETS,
+    NORMALIZATION,
+    Splits,
+    digits,
+    load,
+    prepare,
+    shape_of,
+    synthetic,
+    synthetic_bytes,
+    toy,
+    train_size,
+)
 from .images import Augment, ImageSet, augment_keys
 from .loader import DistributedLoader, Resident, eval_loader, fits_on, move, train_loader
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler, check_global_batch, share
@@ -39,6 +52,8 @@ __all__ = [
     "shape_of",
     "share",
     "synthetic",
+    "synthetic_bytes",
     "toy",
     "train_loader",
+    "train_size",
 ]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -104,6 +105,27 @@ def synthetic(shape: tuple[int, ...], size: int, num_classes: int, seed: int = 0
     )
 
 
+def synthetic_bytes(shape: tuple[int, ...], size: int, num_classes: int) -> int:
+    """About the most memory `synthetic(shape, size, num_classes)` holds at once: the class
+    templates (float32), the samples (uint8 images, else float32 and the two float32 terms
+    they are summed from), the labels (int64), and for images the float chunk being drawn
+    and one channel of the training set as floats for its statistics."""
+    n, values = size + max(1, size // 5), math.prod(shape)
+    total = 4 * num_classes * values + 8 * n
+    if len(shape) != 3:
+        return total + 12 * n * values
+    return total + n * values + 12 * min(n, 4096) * values + 4 * size * math.prod(shape[1:])
+
+
+def train_size(name: str, data_dir: str | None = None, synthetic_size: int = 4096) -> int:
+    """Training samples of dataset `name` (file datasets are read: call after `prepare`)."""
+    if name == "synthetic":
+        return synthetic_size
+    if name == "digits":
+        return len(_digits_array()) - DIGITS_TEST_SIZE
+    return len(load(name, data_dir=data_dir).train)  # toy, or files this process has read already
+
+
 def shape_of(
     name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
 ) -> tuple[tuple[int, ...], int]:
@@ -190,9 +212,12 @@ def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
         train_x, train_y = readers.read_idx_pair(paths[0], paths[1])
         test_x, test_y = readers.read_idx_pair(paths[2], paths[3])
     shape = FILE_DATASETS[name][0]
-    for path, x in ((paths[0], train_x), (paths[-1], test_x)):
+    test_path = paths[2] if len(paths) == 4 else paths[0]  # IDX: train images, labels, test images, labels
+    for path, x in ((paths[0], train_x), (test_path, test_x)):
         if tuple(x.shape[1:]) != shape:
             raise UsageError(f"{path}: images of shape {tuple(x.shape[1:])}, expected {shape} for dataset {name}")
+        if len(x) == 0:  # a run on it would take no step and "succeed"
+            raise UsageError(f"{path}: holds no images; delete it to download it again")
     return (
         torch.from_numpy(train_x.copy()),
         torch.from_numpy(train_y),

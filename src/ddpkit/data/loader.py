@@ -115,6 +115,7 @@ class DistributedLoader:
         )
         self.channels_last = channels_last
         self.epoch = self.position = 0
+        self._ended_by_state = False  # loaded at an epoch's last step (see __iter__)
         self.current: MicroBatch | None = None
         self.on_batch: Any = None  # set by the Runtime: told of every training micro-batch
 
@@ -145,6 +146,12 @@ class DistributedLoader:
             return
         if self.position >= sampler.steps_per_epoch:  # every step of it was handed out already
             self.epoch, self.position = self.epoch + 1, 0
+            if self._ended_by_state:
+                # Loaded from a checkpoint of the epoch's last step: this pass is what is left
+                # of that epoch, which is nothing (not a pass over the next epoch).
+                self._ended_by_state = False
+                return
+        self._ended_by_state = False
         sampler.set_epoch(self.epoch, self.position)
         try:
             for batch, info in self._train_batches(sampler):
@@ -189,6 +196,7 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state.get("position", 0))
+        self._ended_by_state = self.position >= self.steps_per_epoch
 
 
 def loader_options(

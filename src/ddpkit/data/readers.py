@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import importlib
 import io
+import math
 import os
 import pickle
 import tarfile
@@ -54,7 +55,9 @@ def read_idx(path: str, magic: int) -> np.ndarray:
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
     dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    expected = header + int(np.prod(dims))
+    # math.prod on Python ints: NumPy's product of dimensions near 2**32 wraps around in int64,
+    # and a wrapped size could match the file's and reach reshape.
+    expected = header + math.prod(dims)
     if len(raw) != expected:
         raise _corrupted(path, f"header says {'x'.join(map(str, dims))} = {expected} bytes, file has {len(raw)}")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)

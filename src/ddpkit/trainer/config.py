@@ -123,10 +123,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        with open(path) as f:
+        # Bytes, so that PyYAML picks the encoding as YAML says (UTF-8, or UTF-16/32 with a byte
+        # order mark) and reports anything else as a YAML error, not a UnicodeDecodeError.
+        with open(path, "rb") as f:
             raw = yaml.safe_load(f)
     except OSError as err:
         raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except yaml.reader.ReaderError:
+        raise UsageError(f"--config {path}: not a YAML text file (UTF-8, or UTF-16 with a byte order mark)") from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .. import checks, data, models
+from .. import device as devices
 from ..data import Augment
 from ..errors import UsageError
 from ..files import check_writable
@@ -28,12 +29,15 @@ from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions
-from . import resume
-from .config import TrainConfig
+from . import resume, rundir
+from .config import FIELDS, TrainConfig
 
 LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Runtime.loader(resident=...)
 LR_SCALINGS = ("none", "linear", "sqrt")
 ONE_PROCESS = ("dp", "single")  # strategies that run in one process
+INT64 = (-(2**63), 2**63 - 1)  # what torch and NumPy take as an integer
+WORKERS_PER_CORE = 4  # DataLoader workers per process beyond which --num-workers is refused (torch warns at 1)
+MAX_TIMEOUT = 1e9  # seconds (31 years): far below where a timedelta or torch's milliseconds overflow
 
 # Each setting's own rule (the rules between settings are in `resolve`). POSITIVE settings that
 # may be left unset (micro_batch_size, max_steps) are checked only when set. Settings that a
@@ -97,13 +101,19 @@ class RunPlan:
 
 def make_plan(cfg: TrainConfig) -> RunPlan:
     """The plan of `cfg`, and the run made ready: dataset files downloaded and read once (so
-    workers only read them), `--out` created and proven writable. Rejected input leaves
-    nothing behind: every other check runs first (`resolve`)."""
+    workers only read them), `--out` created, proven writable and locked for this run (see
+    `rundir`). Rejected input leaves nothing behind: every other check runs first (`resolve`)."""
+    locks = rundir.takes_lock(cfg.nnodes, cfg.node_rank)
+    if cfg.out is not None:  # another run there is named before its checkpoints are judged as ours
+        rundir.check(cfg.out, locks)
     plan = resolve(cfg)
     # Under torchrun every worker gets here: downloads are temp file + rename, so concurrent
     # ones are safe.
     data.prepare(cfg.data, cfg.data_dir)
+    _warn_batch_above_set(cfg)
     check_writable(f"--out {plan.out}", os.path.join(plan.out, "checkpoints"))
+    if locks:
+        rundir.claim(plan.out)  # held until this process exits, before any worker starts
     return plan
 
 
@@ -117,6 +127,10 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     topology = topologies.resolve(cfg.device, cfg.nproc, nodes, cfg.max_restarts, one_process)
     augment = Augment.parse(cfg.augment, cfg.crop_padding)
     in_shape, num_classes = _data_shape(cfg, augment)
+    if cfg.data == "synthetic":  # every local process builds the whole set
+        checks.memory(
+            _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
+        )
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
@@ -143,8 +157,22 @@ def check_settings(cfg: TrainConfig) -> None:
             checks.at_least(checks.flag(name), getattr(cfg, name), 0)
     for name in FRACTIONS:
         checks.in_range(checks.flag(name), getattr(cfg, name), 0, 1)
+    workers = WORKERS_PER_CORE * devices.cpu_count()
+    if cfg.num_workers is not None and cfg.num_workers > workers:  # each one a process: a typo would fork-bomb
+        raise UsageError(
+            f"--num-workers must be at most {workers} ({WORKERS_PER_CORE} per usable core), got {cfg.num_workers}"
+        )
+    if cfg.timeout > MAX_TIMEOUT:  # torch turns it into a timedelta, then into int64 milliseconds
+        raise UsageError(f"--timeout must be at most {MAX_TIMEOUT:g} seconds, got {cfg.timeout:g}")
     if cfg.resume == "auto" and cfg.out is None:
         raise UsageError("--resume auto needs --out DIR, the run directory to look for checkpoints in")
+    for name in FIELDS:  # a YAML file's integers are not bounded by the command line's parser
+        value = getattr(cfg, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            checks.integer(checks.flag(name), value, *INT64)
+    checks.integer("--seed", cfg.seed, 0, 2**32 - 1)  # NumPy's seeds are 32-bit; torch's take these too
+    if cfg.data_dir:  # checked whatever --data is: a file there is a mistake either way
+        checks.directory("--data-dir", os.path.expanduser(cfg.data_dir))
 
 
 def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, ...], int]:
@@ -154,8 +182,32 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
     )
     if augment is not None and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
+    if augment is not None and augment.crop_padding > min(in_shape[1:]):  # crops of padding, and huge pads
+        raise UsageError(
+            f"--crop-padding {cfg.crop_padding} is more than the images' side ({in_shape[1]}x{in_shape[2]})"
+        )
     models.check(cfg.model, in_shape, num_classes)
     return in_shape, num_classes
+
+
+def _synthetic_what(cfg: TrainConfig) -> str:
+    return (
+        f"--data synthetic with --synthetic-size {cfg.synthetic_size}, --synthetic-shape {cfg.synthetic_shape} "
+        f"and --num-classes {cfg.num_classes}"
+    )
+
+
+def _warn_batch_above_set(cfg: TrainConfig) -> None:
+    """A global batch larger than the training set makes every step the whole set. That may be
+    meant (a recipe's batch on a small smoke-test set), or a typo that --lr-scaling would
+    multiply into the LR: said once, not refused. Files are read by now."""
+    size = data.train_size(cfg.data, cfg.data_dir, cfg.synthetic_size)
+    if cfg.batch_size > size:
+        print(
+            f"ddpkit train: warning: --batch-size {cfg.batch_size} is larger than the {size} training samples of "
+            f"--data {cfg.data}: every step is the whole set",
+            file=sys.stderr,
+        )
 
 
 def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) -> None:
@@ -165,6 +217,7 @@ def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) 
         # SyncBatchNorm all-reduces in every forward; ranks may run different numbers of them.
         raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
     ddp.check_device(device_type)
+    ddp.check_compile(cfg.compile)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'")
     if cfg.precision == "fp16" and device_type == "cpu":

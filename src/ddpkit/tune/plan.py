@@ -4,6 +4,7 @@ processes run (the same `launcher.topology` resolution as `ddpkit train`)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,8 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     topology = topologies.resolve(a.device, a.nproc)
     name = checks.choice("--data", a.data, data.DATASETS)
     in_shape, classes = data.shape_of(name, checks.shape("--synthetic-shape", a.synthetic_shape), a.num_classes)
+    if name == "synthetic":  # one float32 sample at least must fit, or no batch can be tried
+        checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))
     # A default start never exceeds a small --max-batch; a --start that does is refused.
     cuda = topology.device_type == "cuda"
     start = a.start if a.start is not None else min(8 if cuda else 1, max(1, a.max_batch))
@@ -93,5 +96,6 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
     for flag, path in (("--json", a.json), ("--plot", a.plot)):
         if path:  # fail now, not after the search
+            checks.output_file(flag, path)
             check_writable(f"{flag} {path}", os.path.dirname(path))
     return settings, topology
