@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from ddpkit.device import auto_nproc
+from ddpkit.device import auto_nproc, gpu_count
 from ddpkit.errors import UsageError
-from ddpkit.launcher import parse_nproc
+from ddpkit.launcher import Nodes, parse_nproc
 from ddpkit.launcher import topology as topologies
 from tests.conftest import SRC, clean_env
 
@@ -22,9 +22,65 @@ from tests.conftest import SRC, clean_env
 def test_nproc_parsing():
     assert parse_nproc("3", "cpu") == 3 and parse_nproc(2, "cpu") == 2
     assert parse_nproc("auto", "cpu") == auto_nproc("cpu") >= 1
-    for bad in ("0", "-1", "x"):
-        with pytest.raises(UsageError):
+    for bad in ("0", "-1", "x", "4097", "99999999999999999999"):  # the last two would start forever
+        with pytest.raises(UsageError, match="--nproc"):
             parse_nproc(bad, "cpu")
+    # torchrun's spellings: one process per usable core, or per visible GPU (none here: refused)
+    assert parse_nproc("cpu", "cpu") == len(os.sched_getaffinity(0))
+    if gpu_count() == 0:
+        with pytest.raises(UsageError, match="--nproc gpu: no GPU is visible"):
+            parse_nproc("gpu", "cpu")
+
+
+@pytest.mark.unit
+def test_nodes_take_an_int_node_count():
+    nodes = Nodes(2, 0, "127.0.0.1", 29577)  # was an AttributeError: nnodes had to be the string "2"
+    assert nodes == Nodes("2", 0, "127.0.0.1", 29577) and nodes.range() == (2, 2)
+    rendezvous = nodes.rendezvous()
+    assert rendezvous["rdzv_endpoint"] == "127.0.0.1:29577" and rendezvous["rdzv_configs"] == {"is_host": True}
+    assert Nodes(1).range() == (1, 1) and Nodes(1).nnodes == "1"  # what a torchrun check compares with
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"master_port": 70000}, "--master-port"),  # was an OverflowError when a socket met it
+        ({"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 65536}, "--master-port"),
+        ({"master_port": -1}, "--master-port"),
+        ({"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 0}, "--master-port"),  # only the OS knows it
+        ({"master_port": "29500"}, "--master-port"),
+        ({"node_rank": -1}, "--node-rank"),
+        ({"nnodes": 0}, "--nnodes"),
+        ({"nnodes": "3:2"}, "--nnodes"),
+        ({"nnodes": 2.0}, "--nnodes"),
+        ({"rdzv_conf": {"store_type": "file"}}, "--rdzv-conf store_type"),
+        ({"rdzv_conf": {"join_timeout": "soon"}}, "--rdzv-conf join_timeout"),
+        ({"rdzv_conf": {"join_timeout": "0"}}, "--rdzv-conf join_timeout"),
+        ({"rdzv_conf": {"is_host": "maybe"}}, "--rdzv-conf is_host"),
+    ],
+)
+def test_bad_nodes_are_usage_errors_naming_the_flag(kwargs, flag):
+    with pytest.raises(UsageError, match=flag):
+        Nodes(**kwargs)
+
+
+@pytest.mark.unit
+def test_nodes_rendezvous_settings():
+    # One machine: port 0 means "the OS picks", which ddpkit does there anyway; c10d settings pass.
+    one = Nodes(1, master_port=0, rdzv_conf={"join_timeout": "30"}).rendezvous()
+    assert one["rdzv_endpoint"] == "127.0.0.1:0" and one["rdzv_configs"] == {"join_timeout": 30, "is_host": True}
+    two = Nodes(2, 1, "127.0.0.1", 29577, "job", "10.1.2.3", {"read_timeout": 9}).rendezvous()
+    assert two == {
+        "rdzv_endpoint": "127.0.0.1:29577",
+        "rdzv_configs": {"read_timeout": 9, "is_host": False},
+        "run_id": "job",
+        "local_addr": "10.1.2.3",
+    }
+    # An explicit is_host wins over --node-rank; no --node-rank leaves it to c10d.
+    assert Nodes(2, 0, "127.0.0.1", 1, rdzv_conf={"is_host": "no"}).rendezvous()["rdzv_configs"] == {"is_host": False}
+    assert Nodes(2, None, "127.0.0.1", 1).rendezvous()["rdzv_configs"] == {}
+    assert Nodes(2, None, "::1", 1, local_addr="::1").rendezvous()["rdzv_endpoint"] == "[::1]:1"
 
 
 @pytest.mark.unit

@@ -11,23 +11,63 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import device as devices
 from ..errors import UsageError
 
+# --rdzv-conf keys that torch's c10d rendezvous reads, and the kind of each value: each is
+# passed on to torch, typed as c10d reads it; an unknown key is refused, not silently ignored.
+RDZV_CONF: dict[str, str] = {
+    "is_host": "bool",  # this node hosts the rendezvous store (default: from --node-rank)
+    "join_timeout": "seconds",
+    "last_call_timeout": "seconds",
+    "close_timeout": "seconds",
+    "heartbeat_timeout": "seconds",
+    "read_timeout": "seconds",
+    "timeout": "seconds",
+    "keep_alive_interval": "seconds",
+    "keep_alive_max_attempt": "number",
+}
+_BOOLS = {"1": True, "true": True, "t": True, "yes": True, "y": True}
+_BOOLS |= {"0": False, "false": False, "f": False, "no": False, "n": False}
+
 
 @dataclass(frozen=True)
 class Nodes:
     """Where the rendezvous is. One machine: loopback, a port the OS picks. Several: every node
-    runs the same command with the first node's address; torch's c10d rendezvous assigns ranks."""
+    runs the same command with the first node's address; torch's c10d rendezvous assigns ranks
+    (in the order of the nodes' addresses, then of their launchers' process ids: `--node-rank`
+    only decides which node hosts the rendezvous)."""
 
-    nnodes: str = "1"  # N, or MIN:MAX for an elastic range
+    nnodes: str | int = "1"  # N, or MIN:MAX for an elastic range (kept as a string)
     node_rank: int | None = None  # 0 marks the node that hosts the rendezvous
     master_addr: str | None = None
-    master_port: int = 29500
+    master_port: int = 29500  # 0 on one machine only: the OS picks it there anyway
     run_id: str | None = None  # the same on every node; default derived from the endpoint
+    local_addr: str | None = None  # this node's address for the others; default: the route's
+    rdzv_conf: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()  # c10d settings (RDZV_CONF); kept as pairs
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nnodes, int) and not isinstance(self.nnodes, bool):
+            object.__setattr__(self, "nnodes", str(self.nnodes))  # Nodes(2, ...) as Nodes("2", ...)
+        if not isinstance(self.nnodes, str):
+            raise UsageError(f"--nnodes must be N or MIN:MAX, got {self.nnodes!r}")
+        _, high = self.range()
+        if self.node_rank is not None and (not _is_int(self.node_rank) or self.node_rank < 0):
+            raise UsageError(f"--node-rank must be an integer >= 0, got {self.node_rank!r}")
+        self._check_port(high)
+        conf = dict(self.rdzv_conf)
+        object.__setattr__(self, "rdzv_conf", tuple((k, _conf_value(k, v)) for k, v in sorted(conf.items())))
+
+    def _check_port(self, max_nodes: int) -> None:
+        # Checked here, not when a socket meets it: a port above 65535 is an OverflowError there.
+        port = self.master_port
+        low = 1 if max_nodes > 1 else 0  # the other nodes cannot find a port the OS picked
+        if not _is_int(port) or not low <= port <= 65535:
+            raise UsageError(f"--master-port must be a port number in {low}..65535, got {port!r}")
 
     def range(self) -> tuple[int, int]:
         try:
@@ -41,25 +81,50 @@ class Nodes:
 
     def rendezvous(self) -> dict[str, Any]:
         """The elastic agent's rendezvous settings (endpoint, run id, this node's address)."""
+        configs = dict(self.rdzv_conf)
         if self.range()[1] == 1:
             # Port 0 on loopback: the OS picks a free port when the store binds, so two jobs
             # never collide, and nothing listens beyond this machine.
             return {
                 "rdzv_endpoint": "127.0.0.1:0",
-                "rdzv_configs": {"is_host": True},
+                "rdzv_configs": {**configs, "is_host": True},
                 "local_addr": "127.0.0.1",
                 "run_id": f"ddpkit-{uuid.uuid4().hex[:12]}",
             }
         addr = self.master_addr or os.environ.get("MASTER_ADDR")
         if not addr:
             raise UsageError("--nnodes above 1 needs --master-addr: the address of the node that hosts the rendezvous")
-        configs = {} if self.node_rank is None else {"is_host": self.node_rank == 0}
+        if self.node_rank is not None:
+            configs.setdefault("is_host", self.node_rank == 0)  # an explicit --rdzv-conf is_host wins
+        host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in an endpoint
         return {
-            "rdzv_endpoint": f"{addr}:{self.master_port}",
+            "rdzv_endpoint": f"{host}:{self.master_port}",
             "rdzv_configs": configs,
             "run_id": self.run_id or f"ddpkit-{addr}-{self.master_port}",
-            "local_addr": route_address(addr, self.master_port),
+            "local_addr": self.local_addr or route_address(addr, self.master_port),
         }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _conf_value(key: str, value: Any) -> Any:
+    """A --rdzv-conf value as c10d reads it: a bool for is_host, a positive integer otherwise."""
+    kind = RDZV_CONF.get(key)
+    if kind is None:
+        raise UsageError(f"--rdzv-conf {key}: not a setting of the c10d rendezvous (known: {', '.join(RDZV_CONF)})")
+    text = str(value).strip().lower()
+    if kind == "bool":
+        if isinstance(value, bool) or text in _BOOLS:
+            return value if isinstance(value, bool) else _BOOLS[text]
+        raise UsageError(f"--rdzv-conf {key}={value}: expected true or false")
+    if _is_int(value) or text.isdigit():
+        number = int(text)
+        if 1 <= number <= 2**31 - 1:
+            return number
+    what = "a whole number of seconds" if kind == "seconds" else "a whole number"
+    raise UsageError(f"--rdzv-conf {key}={value}: expected {what} above 0")
 
 
 def route_address(host: str, port: int) -> str:
@@ -77,16 +142,28 @@ def route_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+# Far beyond the cores or GPUs of any one machine: a larger --nproc is a typo, and trying to
+# start that many processes would take the machine down before anything reported it.
+MAX_NPROC = 4096
+
+
 def parse_nproc(value: str | int, device_type: str) -> int:
-    """`--nproc N` or `auto` (see `device.auto_nproc`)."""
+    """`--nproc N` or `auto` (see `device.auto_nproc`); torchrun's `cpu` (one per usable core)
+    and `gpu` (one per visible GPU) too."""
     if isinstance(value, int) or str(value).isdigit():
         n = int(value)
-        if n < 1:
-            raise UsageError(f"--nproc must be a positive integer or 'auto', got {value}")
+        if not 1 <= n <= MAX_NPROC:
+            raise UsageError(f"--nproc must be a positive integer up to {MAX_NPROC}, auto, cpu or gpu, got {value}")
         return n
     if value == "auto":
         return devices.auto_nproc(device_type)
-    raise UsageError(f"--nproc must be a positive integer or 'auto', got {value!r}")
+    if value == "cpu":
+        return devices.cpu_count()
+    if value == "gpu":
+        if devices.gpu_count() < 1:
+            raise UsageError("--nproc gpu: no GPU is visible")
+        return devices.gpu_count()
+    raise UsageError(f"--nproc must be a positive integer, auto, cpu or gpu, got {value!r}")
 
 
 @dataclass(frozen=True)
