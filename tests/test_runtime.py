@@ -60,6 +60,28 @@ def test_a_loader_torch_refuses_is_a_usage_error():
         rt.loader(TensorDataset(torch.zeros(8, 2)), batch_size=4, num_workers=-1, resident=False)
 
 
+def unknown_strategy() -> tuple[str, str, bool]:
+    """Build a Runtime with a strategy that does not exist; what was raised, and whether a
+    process group was left behind."""
+    import torch.distributed as tdist
+
+    try:
+        ddpkit.Runtime(strategy="warp", device="cpu")
+    except Exception as err:  # noqa: BLE001 - the test checks which one
+        return type(err).__name__, str(err), tdist.is_initialized()
+    return "nothing", "", tdist.is_initialized()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_an_unknown_strategy_is_a_usage_error_naming_it_and_leaves_no_process_group(nproc):
+    # It was an AttributeError about '_no_sync', from a close() that ran before that existed.
+    out = ddpkit.launch(unknown_strategy, nproc=nproc, device="cpu")
+    for kind, message, group_left in out.values():
+        assert kind == "UsageError" and "'warp'" in message and "strategy" in message
+        assert not group_left
+
+
 @pytest.mark.distributed
 def test_clipped_steps_same_on_1_and_2_processes():
     # DDP clips the all-reduced gradient, the same on every rank: what one process clips.

@@ -15,6 +15,7 @@ The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -52,7 +53,8 @@ class Runtime:
         timeout_s: how long a collective may wait for the slowest rank before failing.
         channels_last: model and image batches in NHWC layout (faster convolutions on tensor
             cores, with bf16/fp16).
-        compile: torch.compile the wrapped model (True, or a dict of torch.compile options).
+        compile: torch.compile the model inside the strategy's wrapper (True, or a dict of
+            torch.compile options); rank 0 warns when the first step compiled nothing.
         ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
             comm hook): a `DDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
@@ -74,6 +76,7 @@ class Runtime:
     ):
         self._model: nn.Module | None = None
         self._acc: Accumulation | None = None  # made once the world size is known
+        self._check_compiled = False  # from setup() with compile until the first step (see step)
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -83,6 +86,7 @@ class Runtime:
         try:
             self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
             self.ddp_options.check_device(self.device.type)
+            self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
             self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options)
         except TypeError as err:  # an unknown DDPOptions field
@@ -148,6 +152,7 @@ class Runtime:
         keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
+        self._check_compiled = bool(self.compile)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._model = wrapped
         self._acc.no_sync = self._strategy.no_sync(wrapped)  # used between micro-batches of a step
@@ -208,7 +213,21 @@ class Runtime:
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if self._check_compiled:
+            self._warn_if_nothing_compiled()
         return True
+
+    def _warn_if_nothing_compiled(self) -> None:
+        """After the first step with compile: one line on rank 0 if this process has no compiled
+        graph at all (the model then runs as it would uncompiled, plus dynamo's overhead). Not
+        a count of this model's graphs: a model like one compiled before reuses its graph."""
+        self._check_compiled = False
+        if strategies.compiled_graphs() == 0:
+            print0(
+                "ddpkit: warning: torch.compile produced no graph in the first step: the model runs "
+                "uncompiled (TORCH_LOGS=graph_breaks shows why)",
+                file=sys.stderr,
+            )
 
     # -- data ---------------------------------------------------------------------------------
     def loader(

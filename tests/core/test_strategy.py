@@ -66,3 +66,73 @@ def test_fp16_compression_hook_trains_close_to_full_precision():
     assert torch.equal(fp16[0], fp16[1])  # every rank applies the same decompressed gradients
     diff = (fp16[0] - base[0]).abs().max().item()
     assert 0 < diff < 1e-2  # rounded to 16 bits on the wire, so close but not equal
+
+
+def compiled_ddp_run(compile: bool | dict, folder: str) -> dict:
+    """Two DDP steps of the default CNN (a bare nn.Sequential: the model that compiled nothing when
+    torch.compile went around DDP), 32 samples per rank and forward (a size at which torch 2.13's
+    inductor, left to its defaults, zeroed the convolutions' gradients), a checkpoint, and what
+    this worker's dynamo counted."""
+    from torch._dynamo.utils import counters
+
+    from ddpkit import data
+    from ddpkit.models import small_cnn
+    from ddpkit.strategy import compiled_graphs
+
+    # A forked worker inherits this test process's dynamo caches and counts: start from none,
+    # as a worker of `ddpkit train` does (its launcher never compiles).
+    torch._dynamo.reset()
+    counters.clear()
+    with ddpkit.Runtime(device="cpu", seed=3, compile=compile) as rt:
+        model = small_cnn((1, 8, 8), 10)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = rt.setup(model, opt)
+        for x, y in rt.loader(data.synthetic((1, 8, 8), 128, 10, seed=2).train, batch_size=64):
+            rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+            rt.step(opt)
+        path = f"{folder}/compiled-{bool(compile)}.pt"
+        rt.save(path, model=model)
+        return {
+            "graphs": compiled_graphs(),
+            "under_ddp": rt.ddp is not None,
+            "keys": list(torch.load(path, weights_only=True)["model"]),
+            "weights": workers.flat_params(model),
+        }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compile_under_ddp_produces_graphs_and_keeps_the_results(tmp_path, capfd):
+    compiled = ddpkit.launch(compiled_ddp_run, True, str(tmp_path), nproc=2, device="cpu")
+    assert "torch.compile produced no graph" not in capfd.readouterr().err
+    eager = ddpkit.launch(compiled_ddp_run, False, str(tmp_path), nproc=2, device="cpu")
+    assert all(r["graphs"] > 0 and r["under_ddp"] for r in compiled.values())
+    assert all(r["graphs"] == 0 for r in eager.values())
+    assert compiled[0]["keys"] == eager[0]["keys"] == [f"{i}.{p}" for i in (0, 2, 7, 9) for p in ("weight", "bias")]
+    assert torch.equal(compiled[0]["weights"], compiled[1]["weights"])  # DDP kept the ranks in step
+    assert torch.allclose(
+        compiled[0]["weights"], eager[0]["weights"], atol=1e-5
+    )  # inductor's kernels round differently
+
+
+@pytest.mark.distributed
+def test_compile_that_produces_no_graph_is_one_warning_from_rank_0(tmp_path, capfd):
+    # torch.compile(..., disable=True) hands the model back as it is: nothing is compiled.
+    out = ddpkit.launch(compiled_ddp_run, {"disable": True}, str(tmp_path), nproc=2, device="cpu")
+    assert all(r["graphs"] == 0 for r in out.values())
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "torch.compile produced no graph" in line]
+    assert len(warnings) == 1 and "warning" in warnings[0]
+
+
+@pytest.mark.unit
+def test_compile_with_buckets_smaller_than_ddps_first_is_a_usage_error():
+    from ddpkit.errors import UsageError
+
+    # torch's DDPOptimizer asserts on them; the plan and Runtime say which flags instead.
+    with pytest.raises(UsageError, match=r"--bucket-cap-mb 0.5 with --compile"):
+        ddpkit.Runtime(device="cpu", compile=True, ddp={"bucket_cap_mb": 0.5})
+    ddpkit.Runtime(device="cpu", compile=True, ddp={"bucket_cap_mb": 1}).close()
+    from ddpkit.trainer import TrainConfig, resolve
+
+    with pytest.raises(UsageError, match=r"--bucket-cap-mb 0.5 with --compile"):  # ddpkit train: exit 2
+        resolve(TrainConfig(device="cpu", compile=True, bucket_cap_mb=0.5))

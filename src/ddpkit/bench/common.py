@@ -47,6 +47,20 @@ def default_paths(name: str, device: str) -> tuple[str, str]:
     return stem + ".json", stem + ".png"
 
 
+def output_paths(opts: BenchOptions, device: str, draws: bool) -> tuple[str, str | None]:
+    """Where the JSON and the plot (None: the benchmark draws none) go: `--json` and `--plot`
+    as given. A plot without `--plot` goes beside the JSON (same stem, .png): writing it to
+    benchmarks/results/ under the current directory would overwrite a checkout's committed
+    plot. Only a run given neither writes there (the documented default)."""
+    json_default, plot_default = default_paths(opts.name, device)
+    if not draws:
+        return opts.json_path or json_default, None
+    if opts.plot_path or not opts.json_path:
+        return opts.json_path or json_default, opts.plot_path or plot_default
+    stem, ext = os.path.splitext(opts.json_path)
+    return opts.json_path, (stem if ext.lower() != ".png" else opts.json_path) + ".png"
+
+
 def load_average() -> list[float] | None:
     """The machine's 1, 5 and 15 minute load averages: other work running beside a benchmark
     explains noisy CPU timings, so every result records them before and after."""
@@ -82,9 +96,7 @@ def write(
     load_before: list[float] | None = None,
 ) -> dict[str, Any]:
     """Add metadata, write the JSON (and plot), return the full record."""
-    json_path, plot_path = default_paths(opts.name, device)
-    json_path = opts.json_path or json_path
-    plot_path = opts.plot_path or (plot_path if plot_fn else None)
+    json_path, plot_path = output_paths(opts, device, plot_fn is not None)
     record = {
         "benchmark": opts.name,
         "quick": opts.quick,

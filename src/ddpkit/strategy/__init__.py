@@ -11,7 +11,7 @@ import torch
 
 from .. import checks
 from ..errors import UsageError
-from .base import Strategy, eval_view, unwrap
+from .base import Strategy, compiled_graphs, eval_view, unwrap
 from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync
 from .dp import DataParallel
 from .single import Single
@@ -24,6 +24,7 @@ __all__ = [
     "DDPOptions",
     "Strategy",
     "comm_hook",
+    "compiled_graphs",
     "eval_view",
     "find_ddp",
     "no_sync",

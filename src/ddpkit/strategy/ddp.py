@@ -52,6 +52,16 @@ class DDPOptions:
                 "use --comm-hook fp16 on CPU"
             )
 
+    def check_compile(self, compile: bool | dict) -> None:
+        """Compiled inside DDP, torch's DDPOptimizer splits the graph at DDP's buckets and
+        asserts that none is smaller than DDP's first bucket (1 MiB): say so instead."""
+        first_mb = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20) / 2**20
+        if compile and self.bucket_cap_mb is not None and self.bucket_cap_mb < first_mb:
+            raise UsageError(
+                f"--bucket-cap-mb {self.bucket_cap_mb:g} with --compile: torch's compiled DDP needs buckets "
+                f"of at least {first_mb:g} MiB"
+            )
+
     def kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "gradient_as_bucket_view": self.gradient_as_bucket_view,

@@ -14,6 +14,9 @@ class DataParallel(Strategy):
     tutorials start there; DDP is faster on the same GPUs, and says so once."""
 
     name = "dp"
+    # DataParallel copies the module to every GPU each step; a compiled module's copies would
+    # still call the original's compiled forward, on the first GPU. So compile around it.
+    compile_inside = False
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         warnings.warn(
