@@ -111,6 +111,27 @@ def fail_on_rank(bad_rank: int, after_barrier: bool = True) -> int:
         return rt.rank
 
 
+def die_on_rank(bad_rank: int, how: str) -> int:
+    """`bad_rank` dies while the others wait for it in a barrier: by SIGKILL (the out-of-memory
+    killer), a segmentation fault, or os._exit without a Python error."""
+    import ctypes
+    import signal
+    import time
+
+    with ddpkit.Runtime(device="cpu") as rt:
+        rt.barrier()
+        if rt.rank == bad_rank:
+            time.sleep(0.3)  # the others are inside the next barrier by now
+            if how == "SIGKILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif how == "SIGSEGV":
+                ctypes.string_at(0)  # reads address 0
+            else:
+                os._exit(3)
+        rt.barrier()
+        return rt.rank
+
+
 def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
 

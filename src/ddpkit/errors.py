@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 
 
@@ -17,6 +18,11 @@ class UsageError(ValueError):
 class IncompatibleCheckpoint(UsageError):
     """A readable checkpoint that this run's settings cannot continue (resuming it would
     silently train something else): never skipped over by `--resume auto`."""
+
+
+class RunError(RuntimeError):
+    """A failure during the run that its message explains whole (a full disk): the CLI prints
+    it as one line naming the rank, without a traceback, and exits 1."""
 
 
 @contextlib.contextmanager
@@ -32,8 +38,30 @@ def usage_errors(prefix: str = "") -> Iterator[None]:
 
 
 class WorkerFailed(RuntimeError):
-    """One or more worker processes failed; `rank` is the first one that did."""
+    """One or more worker processes failed; `rank` is the one that caused it.
 
-    def __init__(self, rank: int, host: str, message: str, exitcode: int | None = None, traceback: str = ""):
-        self.rank, self.host, self.exitcode, self.traceback = rank, host, exitcode, traceback
-        super().__init__(f"rank {rank} on {host} failed: {message}")
+    `what` completes the sentence "rank R (pid P) on HOST ...": "failed: ValueError: boom",
+    "was killed by SIGKILL (out of memory?)". `traceback` is that rank's Python traceback, or
+    its stack when it was stopped or crashed."""
+
+    def __init__(
+        self,
+        rank: int,
+        host: str,
+        what: str,
+        exitcode: int | None = None,
+        traceback: str = "",
+        pid: int | None = None,
+    ):
+        self.rank, self.host, self.exitcode, self.traceback, self.pid = rank, host, exitcode, traceback, pid
+        who = f"rank {rank}" + (f" (pid {pid})" if pid else "")
+        super().__init__(f"{who} on {host} {what}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM reached the launching process: its workers are gone. The CLI
+    prints one line (with `note`, e.g. the last checkpoint) and exits 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGINT, note: str = ""):
+        self.signum, self.note = int(signum), note
+        super().__init__(signal.Signals(signum).name)

@@ -75,7 +75,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
     "fn,args,nproc,rank,needle",
     [
         (workers.fail_on_rank, (1,), 3, 1, "ValueError: deliberate failure on rank 1"),
-        (workers.stall_on_rank, (1, 3.0), 2, 0, "Timed out waiting 3000ms"),  # the stalled rank is stopped, not blamed
+        (workers.stall_on_rank, (1, 3.0), 2, 1, "hung"),  # the stalled rank is stopped, and blamed
     ],
 )
 def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):

@@ -3,20 +3,24 @@ function; this module maps what they raise to exit codes.
 
 Exit codes: 0 success; 2 bad usage or input (one line on stderr naming the flag or file, no
 traceback); 1 a failure during the run (the failing rank, its host and its error); 130 on
-Ctrl-C; 141 when the reader of stdout went away.
+Ctrl-C, 143 on SIGTERM; 141 when the reader of stdout went away.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .. import checks
-from ..errors import UsageError, WorkerFailed
+from ..errors import Interrupted, RunError, UsageError, WorkerFailed
 from ..version import __version__
 
 USAGE = f"""ddpkit {__version__}: PyTorch training on 1 CPU, 1 GPU, all GPUs or many machines.
@@ -46,7 +50,8 @@ COMMANDS: dict[str, str] = {
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
+        # Asked for, the usage is the output; a bare `ddpkit` is bad usage: stderr, exit 2.
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
         print(f"ddpkit {__version__}")
@@ -62,21 +67,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
     """`fn(argv)`'s exit code, with every exception mapped to its exit code and message."""
     try:
-        return fn(argv)
+        with _sigterm_interrupts():
+            return fn(argv)
     except UsageError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except WorkerFailed as err:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)
         print(f"{prog}: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (see `_sigterm_interrupts`)
+        signum = getattr(err, "signum", signal.SIGINT)
+        note = getattr(err, "note", "")
+        print(f"{prog}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # `ddpkit env --json | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except RunError as err:  # a failure its message explains whole (a full disk): no traceback
+        from ..dist import detect_env
+
+        print(f"{prog}: rank {detect_env().rank} on {socket.gethostname()} failed: {err}", file=sys.stderr)
+        return 1
     except Exception as err:  # a failure in this process (one process, or a torchrun/srun worker)
         from ..dist import detect_env
 
@@ -84,3 +97,32 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
         rank = detect_env().rank
         print(f"{prog}: rank {rank} on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, `kill`) ends a command as Ctrl-C does: the work unwinds
+    (checkpoints are written whole or not at all) and one line says so, exit code 143."""
+    if threading.current_thread() is not threading.main_thread() or _a_launchers_worker():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _a_launchers_worker() -> bool:
+    """Started by torchrun or srun as one of several: their agent stops it with SIGTERM, which
+    must end it at once, even inside a collective (a Python handler would wait for the call)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+
+
+def one_line(message: str) -> str:
+    """A message on one line: a user's model or torch may raise errors of several lines."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())

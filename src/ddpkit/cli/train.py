@@ -23,7 +23,7 @@ def parse(argv: Sequence[str]) -> Any:
     first: they decide which file and which recipe give the defaults.)"""
     from ..trainer.config import layered
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # `--conf` is no --config
     for flag in ("--config", "--model", "--device"):
         pre.add_argument(flag)
     known, _ = pre.parse_known_args(argv)

@@ -13,18 +13,25 @@ adds what the tutorials get wrong by hand:
 from __future__ import annotations
 
 import contextlib
+import glob
+import io
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import cloudpickle
 
 from .. import device as devices
 from ..device import threads_per_process
+from ..errors import Interrupted, UsageError
+from . import records
 from .failures import as_worker_failed
 from .topology import Nodes, Topology, local
 from .workers import choose_start_method, entrypoint, gc_frozen, main_hidden
@@ -48,16 +55,35 @@ def launch(
     visible GPU, or on CPU one per 4 cores) and how workers start: when it resolves to 'cpu'
     they are forked from this process (fast), so they must not use CUDA; with 'cuda' they are
     spawned afresh. Set DDPKIT_START_METHOD=spawn to always spawn.
+
+    Inside a worker of a job that is already running (started by torchrun, srun or
+    `ddpkit run`), `fn` runs in this process, as that worker: {this rank: return value}.
     """
+    from ..dist import detect_env
+
+    env = detect_env()
+    if env.source != "single":  # this process is a worker already (torchrun, srun, `ddpkit run`)
+        if str(nproc) not in ("auto", str(env.local_world_size)) or max_restarts or nodes != Nodes():
+            raise UsageError(
+                f"launch(nproc={nproc!r}) inside a worker of a job of {env.world_size} processes already started "
+                f"by {'srun' if env.source == 'slurm' else 'torchrun or ddpkit run'}: size the job with that launcher"
+            )
+        return {env.rank: fn(*args, **kwargs)}
     topo = local(devices.device_type(device, what="device"), nproc, nodes, max_restarts)
     return run_function(topo, fn, *args, **kwargs)
 
 
-def run_function(topo: Topology, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
-    """`fn(*args, **kwargs)` on the workers of a resolved `Topology`; {rank: return value}."""
+def run_function(
+    topo: Topology, fn: Callable[..., Any], *args: Any, announce_restarts: bool = True, **kwargs: Any
+) -> dict[int, Any]:
+    """`fn(*args, **kwargs)` on the workers of a resolved `Topology`; {rank: return value}.
+    After a restart, rank 0 prints why, unless `announce_restarts` is False (`fn` says it
+    itself, with `failures.restart_note`)."""
     payload = cloudpickle.dumps((fn, args, kwargs))
     method = choose_start_method(topo.device_type)
-    results = _elastic(topo, entrypoint, (payload, method == "fork"), output="inherit", start_method=method)
+    results = _elastic(
+        topo, entrypoint, (payload, method == "fork", announce_restarts), output="inherit", start_method=method
+    )
     return dict(sorted(results.items()))  # the agent lists them in the order workers finished
 
 
@@ -70,59 +96,168 @@ def run_script(
     nodes: Nodes = Nodes(),
     output: str = "prefixed",
     module: bool = False,
+    no_python: bool = False,
+    log_dir: str | None = None,
+    show_ranks: set[int] | None = None,
 ) -> None:
     """Run a script written for torchrun (or for ddpkit's Runtime) on `nproc` processes per
-    node: `python -u SCRIPT ARGS...` (or `-m MODULE`) with RANK, WORLD_SIZE, MASTER_ADDR, ...
-    set. `output` is 'prefixed' ("[rank3]: ..." per line) or 'rank0' (other local ranks'
-    output goes to the log directory only)."""
+    node: `python -u SCRIPT ARGS...` (or `-m MODULE`; or the executable SCRIPT itself with
+    `no_python`) with RANK, WORLD_SIZE, MASTER_ADDR, ... set.
+
+    `output` 'prefixed' shows each line as "[rank3]: ..."; 'inherit' leaves the workers' output
+    as it is. `show_ranks` are the local ranks whose output is shown (None: all; 'rank0' output
+    is {0}); the others' goes to `log_dir` when given, else nowhere. `log_dir` keeps the
+    workers' logs and error files after the run."""
     topo = local(devices.device_type("auto"), nproc, nodes, max_restarts)
+    if output == "rank0":
+        output, show_ranks = "prefixed", {0}
+    if no_python:
+        _elastic(topo, script, tuple(args), output=output, log_dir=log_dir, show_ranks=show_ranks)
+        return
     target = ["-m", script] if module else [script]
-    _elastic(topo, sys.executable, ("-u", *target, *args), output=output)
+    wrapper = ("-u", "-m", "ddpkit.launcher.script", *target, *args)
+    _elastic(topo, sys.executable, wrapper, output=output, log_dir=log_dir, show_ranks=show_ranks)
 
 
-def _elastic(topo: Topology, entrypoint: Any, args: tuple, output: str, start_method: str = "spawn") -> Any:
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+def _elastic(
+    topo: Topology,
+    entrypoint: Any,
+    args: tuple,
+    output: str,
+    start_method: str = "spawn",
+    log_dir: str | None = None,
+    show_ranks: set[int] | None = None,
+) -> Any:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    n, (low, high) = topo.nproc, topo.nodes.range()
-    logs = tempfile.mkdtemp(prefix="ddpkit-launch-")
-    streams: dict[str, Any] = {}
-    if output == "prefixed":
-        streams = {"tee": Std.ALL}
-    elif output == "rank0":
-        streams = {"redirects": {r: Std.ALL for r in range(1, n)}, "tee": {0: Std.ALL}}
-    config = LaunchConfig(
-        # Our own directory for the workers' error files: the agent reports only the first
-        # failure it notices, which may be a rank that died *because* another one did.
-        logs_specs=DefaultLogsSpecs(log_dir=logs, **streams),
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    # One folder per launch, for torch's logs and error files and the workers' records.
+    logs = tempfile.mkdtemp(prefix="ddpkit-launch-", dir=log_dir)
+    config = _launch_config(topo, logs, output, start_method, show_ranks)
+    try:
+        with _launching(topo.nproc, logs, output, start_method):
+            return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as err:
+        raise as_worker_failed(err, logs, _last_attempt(logs)) from None
+    except SignalException as err:  # Ctrl-C or SIGTERM: the agent has stopped the workers
+        raise Interrupted(err.sigval) from None
+    finally:
+        if not log_dir:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def _launch_config(topo: Topology, logs: str, output: str, start_method: str, show_ranks: set[int] | None) -> Any:
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    low, high = topo.nodes.range()
+    return LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=logs, **_streams(output, topo.nproc, show_ranks)),
         min_nodes=low,
         max_nodes=high,
-        nproc_per_node=n,
+        nproc_per_node=topo.nproc,
         rdzv_backend="c10d",
         max_restarts=topo.max_restarts,
         monitor_interval=0.1,
         start_method=start_method,  # workers given as a function; a script is always a new process
-        log_line_prefix_template="[rank${rank}]: " if output != "inherit" else None,
+        log_line_prefix_template="[rank${rank}]: " if output == "prefixed" else None,
         **topo.rendezvous,
     )
+
+
+@contextlib.contextmanager
+def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[None]:
+    """This process, and the environment the workers inherit, while the agent runs them.
+
+    Each process gets its share of the cores instead of all of them (oversubscription makes
+    CPU DDP several times slower); a value the user set is kept. A store shared between
+    rendezvous and workers keeps the previous attempt's keys, so restarted workers can read
+    stale peer addresses (pytorch/pytorch#135712): each attempt's workers get a store of their
+    own. The workers keep their records in `logs` (see `records`)."""
+    with (
+        _env("OMP_NUM_THREADS", str(threads_per_process(n))),
+        _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+        _env(records.LAUNCH_DIR, logs, force=True),
+        _signal_handlers_kept(),
+        records.ExitWatch(logs).watching(),
+        _quiet_elastic_logs(),
+        _tidy_prefixes() if output == "prefixed" else contextlib.nullcontext(),
+        main_hidden() if start_method == "spawn" else gc_frozen(),
+    ):
+        yield
+
+
+def _streams(output: str, n: int, show_ranks: set[int] | None) -> dict[str, Any]:
+    """Which local ranks' output is shown on the console (tee) and which only logged."""
+    from torch.distributed.elastic.multiprocessing.api import Std
+
+    if output == "inherit":
+        return {}
+    shown = set(range(n)) if show_ranks is None else {r for r in show_ranks if 0 <= r < n}
+    return {"redirects": {r: Std.ALL for r in range(n) if r not in shown}, "tee": {r: Std.ALL for r in shown}}
+
+
+def _last_attempt(logs: str) -> int:
+    """The agent's last attempt: from its own log folders, made for every attempt (the workers'
+    records may be missing, with --no-python or a worker killed as it started)."""
+    found = [int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(logs, "*", "attempt_*"))]
+    return max(found, default=0)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The agent turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into exceptions for good; after
+    the launch, the caller's handlers apply again."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = [(sig, signal.getsignal(sig)) for sig in sigs]
     try:
-        # Each process gets its share of the cores instead of all of them (oversubscription
-        # makes CPU DDP several times slower). A value the user set is kept.
-        # A store shared between rendezvous and workers keeps the previous attempt's keys, so
-        # restarted workers can read stale peer addresses (pytorch/pytorch#135712): let each
-        # attempt's workers have a store of their own.
-        with (
-            _env("OMP_NUM_THREADS", str(threads_per_process(n))),
-            _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
-            _quiet_elastic_logs(),
-            main_hidden() if start_method == "spawn" else gc_frozen(),
-        ):
-            return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as err:
-        raise as_worker_failed(err, logs) from None
+        yield
     finally:
-        shutil.rmtree(logs, ignore_errors=True)
+        for sig, handler in saved:
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+_PREFIX = re.compile(r"\[rank\d+\]: ?")
+
+
+class _PrefixedLines(io.TextIOBase):
+    """The console as torch's agent tees the workers' lines into it ("[rank3]: " + line), minus
+    a prefix on a blank line, and minus the second prefix of a line that has the same one
+    already (torch's excepthook adds its own)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if (head := _PREFIX.match(text)) is not None:
+            rest = text[head.end() :]
+            if not rest.strip() or rest.startswith(head.group().rstrip()):
+                text = rest
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+@contextlib.contextmanager
+def _tidy_prefixes() -> Iterator[None]:
+    """While the agent starts its tee threads, they take sys.stdout and sys.stderr: these."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PrefixedLines(sys.stdout), _PrefixedLines(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 @contextlib.contextmanager
@@ -146,13 +281,18 @@ def _quiet_elastic_logs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """Set an environment variable for the workers unless the user set it; restore afterwards."""
-    if name in os.environ:
+def _env(name: str, value: str, force: bool = False) -> Iterator[None]:
+    """Set an environment variable for the workers unless the user set it (or anyway, with
+    `force`); restore afterwards."""
+    if name in os.environ and not force:
         yield
         return
+    before = os.environ.get(name)
     os.environ[name] = value
     try:
         yield
     finally:
-        os.environ.pop(name, None)
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -1,16 +1,30 @@
-"""Turning the elastic agent's report of a failed job into one `WorkerFailed` naming the rank
-that caused it, rather than the first one the agent noticed."""
+"""The rank that caused a failed attempt, rather than the first one the agent noticed.
+
+Each rank of the attempt is read from what it left (see `records`) and torch's error files,
+and sorted into one of these, the first being the cause:
+
+1. it raised an error of its own, was killed by a signal other than the agent's SIGTERM
+   (SIGKILL from the out-of-memory killer, SIGSEGV), or exited with a code: earliest first;
+2. it vanished: no error, no exit status, no stack (a SIGKILL the launcher did not see);
+3. it hung: another rank timed out waiting for it in a collective, and it was still busy
+   elsewhere when the agent stopped it; its stack shows where;
+4. it failed because a peer did (connection reset, a timeout while waiting);
+5. the agent stopped it.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import signal
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import WorkerFailed
+from .records import LAUNCH_DIR, RankRecord, current_attempt, read_attempt
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
 _PEER_LOSS = (
@@ -22,48 +36,154 @@ _PEER_LOSS = (
     "failed to recv",
     "NCCL communicator was aborted",
     "remote process exited",
+    "Broken pipe",
 )
+_WHOLE = "ddpkit.errors.RunError: "  # the last traceback line of a failure explained by its message
+# A collective that gave up waiting for a peer (gloo, the c10d store, NCCL's watchdog); not any
+# error that mentions a timeout (a user's own TimeoutError is a cause).
+_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Socket Timeout|collective operation timeout|DistStoreError.*[Tt]imeout")
+# Frames of a rank that is waiting in a collective, not stuck in work of its own.
+_WAITING = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/", "torch/_tensor.py")
 
 
-def as_worker_failed(err: Any, logs: str) -> WorkerFailed:
-    """The root cause among all ranks that failed: a rank's own exception beats a peer-loss
-    error or a kill by the agent; then the earliest; then the lowest rank."""
-    # rank -> (exitcode, when, traceback). The error files' own timestamps are whole seconds,
-    # so when is the file's modification time, which has sub-second resolution.
-    found: dict[int, tuple[int, float, str]] = {}
-    # Error files are per local rank; the failures the agent reports give this node's offset.
+@dataclass(frozen=True)
+class Ending:
+    """How one rank's attempt ended, as far as the records tell."""
+
+    rank: int
+    pid: int | None
+    status: int | None  # exit code, or minus the signal
+    when: float
+    traceback: str  # its own Python error, if it raised one
+    stack: str  # its stack when stopped or crashed
+
+    @property
+    def kind(self) -> str:
+        if self.traceback:
+            if _TIMEOUT.search(self.traceback):
+                return "waited"
+            return "consequence" if any(m in self.traceback for m in _PEER_LOSS) else "raised"
+        if self.status is not None:
+            if self.status == -signal.SIGTERM:
+                return "stopped"
+            return "ok" if self.status == 0 else ("signal" if self.status < 0 else "exited")
+        if self.stack.startswith("Fatal Python error"):
+            return "signal"
+        return "stopped" if self.stack else "vanished"
+
+
+def as_worker_failed(err: Any, logs: str, attempt: int) -> WorkerFailed:
+    """The `WorkerFailed` for torch's ChildFailedError `err` of attempt `attempt`."""
+    reported = {rank: (f.exitcode, f.pid, _traceback_of(f.error_file_data)) for rank, f in err.failures.items()}
     offset = next((rank - f.local_rank for rank, f in err.failures.items()), 0)
-    for rank, failure in err.failures.items():
-        when = os.path.getmtime(failure.error_file) if os.path.isfile(failure.error_file) else float("inf")
-        found[rank] = (failure.exitcode, when, _traceback_of(failure.error_file_data))
-    attempts = sorted(glob.glob(os.path.join(logs, "*", "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
-    for path in glob.glob(os.path.join(attempts[-1], "*", "error.json")) if attempts else []:
-        rank = offset + int(os.path.basename(os.path.dirname(path)))
+    cause = blame(logs, attempt, reported, offset)
+    if cause is None:  # nothing recorded at all: the agent's own report
+        rank, (exitcode, pid, tb) = min(reported.items())
+        cause = Ending(rank, pid, exitcode, 0.0, tb, "")
+    what, trace = describe(cause, endings(logs, attempt, reported, offset))
+    return WorkerFailed(cause.rank, socket.gethostname(), what, cause.status, trace, cause.pid)
+
+
+def restart_cause(logs: str, attempt: int) -> str:
+    """Why attempt `attempt` ended, for the line a restart prints: 'rank 1 (pid N) was killed
+    by SIGKILL (out of memory?)'. Read by the next attempt's workers on this node."""
+    cause = blame(logs, attempt, {}, 0)
+    elsewhere = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cause is None or (elsewhere and cause.kind in ("stopped", "consequence", "waited")):
+        return "a rank on another node failed"  # this node's ranks were only stopped, or lost it
+    what, _ = describe(cause, endings(logs, attempt, {}, 0))
+    return f"rank {cause.rank}" + (f" (pid {cause.pid})" if cause.pid else "") + f" {what}"
+
+
+def restart_note() -> str | None:
+    """In a restarted worker: 'restart k of K: <why the previous attempt ended>' (None on the
+    first attempt)."""
+    attempt = current_attempt()
+    if not attempt:
+        return None
+    logs, most = os.environ.get(LAUNCH_DIR), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    cause = restart_cause(logs, attempt - 1) if logs else "a worker failed"
+    return f"restart {attempt} of {most}: {cause}"
+
+
+def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], offset: int) -> dict[int, Ending]:
+    """Every rank of this node's attempt: the records, torch's error files, the agent's report."""
+    records = read_attempt(logs, attempt)
+    errors = _error_files(logs, attempt, offset)
+    out = {}
+    for rank in sorted(set(records) | set(errors) | set(reported)):
+        rec = records.get(rank, RankRecord(rank))
+        exitcode, pid, tb = reported.get(rank, (None, None, ""))
+        when, file_tb = errors.get(rank, (float("inf"), ""))
+        tb = tb or file_tb
+        status = rec.status if rec.status is not None else exitcode
+        if rec.done and status is None:
+            status = 0
+        out[rank] = Ending(rank, rec.pid or pid, status, min(rec.ended, when), tb, rec.stack)
+    return out
+
+
+def blame(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], offset: int) -> Ending | None:
+    ranks = [e for e in endings(logs, attempt, reported, offset).values() if e.kind != "ok"]
+    if not ranks:
+        return None
+    waited = any(e.kind == "waited" for e in ranks)
+
+    def order(e: Ending) -> tuple[int, float, int]:
+        if e.kind in ("raised", "signal", "exited"):
+            return (0, e.when, e.rank)
+        if e.kind == "vanished":
+            return (1, e.when, e.rank)
+        if waited and e.kind == "stopped":
+            busy = not any(frame in e.stack for frame in _WAITING)
+            return (2 if busy else 3, e.when, e.rank)
+        return (4 if e.kind in ("waited", "consequence") else 5, e.when, e.rank)
+
+    return min(ranks, key=order)
+
+
+def describe(cause: Ending, everyone: dict[int, Ending]) -> tuple[str, str]:
+    """What happened to the causing rank ("failed: ValueError: boom", "was killed by SIGKILL
+    (out of memory?)") and the trace to show with it."""
+    kind = cause.kind
+    last = cause.traceback.strip().splitlines()[-1] if cause.traceback.strip() else ""
+    if kind == "raised" and last.startswith(_WHOLE):  # errors.RunError: its message says it all
+        return f"failed: {last.removeprefix(_WHOLE)}", ""
+    if kind in ("raised", "waited", "consequence"):
+        return f"failed: {last}", cause.traceback
+    if kind == "signal":
+        name = _signal_name(-cause.status) if cause.status is not None else _crash_name(cause.stack)
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}", cause.stack
+    if kind == "exited":
+        return f"exited with code {cause.status} without a Python error", ""
+    if kind == "vanished":
+        return "was killed by a signal it could not catch (SIGKILL? out of memory?)", ""
+    waiter = min((e for e in everyone.values() if e.kind == "waited"), key=lambda e: (e.when, e.rank), default=None)
+    if waiter is not None:
+        error = waiter.traceback.strip().splitlines()[-1]
+        return (
+            f"hung: it never reached the collective that rank {waiter.rank} gave up waiting for ({error}); "
+            f"its stack when stopped is above",
+            f"Stack of rank {cause.rank} when it was stopped:\n{cause.stack}",
+        )
+    return "was stopped by the launcher", cause.stack
+
+
+def _error_files(logs: str, attempt: int, offset: int) -> dict[int, tuple[float, str]]:
+    """torch's error files of one attempt: global rank -> (modification time, traceback).
+    The files' own timestamps are whole seconds; the modification time is finer."""
+    out = {}
+    for path in glob.glob(os.path.join(logs, "*", f"attempt_{attempt}", "*", "error.json")):
         try:
             with open(path) as f:
-                data = json.load(f)
+                tb = _traceback_of(json.load(f))
+            when = os.path.getmtime(path)
         except (OSError, ValueError):
             continue
-        tb = _traceback_of(data)
-        if tb and not found.get(rank, (0, 0.0, ""))[2]:
-            found[rank] = (found.get(rank, (1, 0.0, ""))[0], os.path.getmtime(path), tb)
-
-    def cause_first(item: tuple[int, tuple[int, float, str]]) -> tuple[bool, bool, float, int]:
-        rank, (exitcode, stamp, tb) = item
-        consequence = any(marker in tb for marker in _PEER_LOSS)
-        # The agent stops the others with SIGTERM; any other signal (SIGKILL from the OOM
-        # killer, SIGSEGV) is a cause in its own right.
-        stopped_by_agent = exitcode == -signal.SIGTERM and not tb
-        return (consequence, stopped_by_agent, stamp, rank)
-
-    rank, (exitcode, _, tb) = min(found.items(), key=cause_first)
-    if tb:
-        message = tb.strip().splitlines()[-1]  # "ValueError: boom"; the traceback goes along
-    elif exitcode < 0:
-        message = f"killed by {_signal_name(-exitcode)}"
-    else:
-        message = f"exited with code {exitcode}"
-    return WorkerFailed(rank, socket.gethostname(), message, exitcode, tb)
+        if tb:
+            out[offset + int(os.path.basename(os.path.dirname(path)))] = (when, tb)
+    return out
 
 
 def _traceback_of(error_file_data: Any) -> str:
@@ -76,3 +196,11 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def _crash_name(stack: str) -> str:
+    """'Fatal Python error: Segmentation fault' -> 'SIGSEGV' (faulthandler names the signal)."""
+    names = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+             "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}  # fmt: skip
+    first = stack.splitlines()[0] if stack else ""
+    return next((sig for text, sig in names.items() if text in first), "a fatal signal")

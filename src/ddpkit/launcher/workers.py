@@ -18,17 +18,26 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from . import records
+from .failures import restart_note
 
-def entrypoint(payload: bytes, forked: bool = False) -> Any:
+
+def entrypoint(payload: bytes, forked: bool = False, announce: bool = True) -> Any:
     # Runs in each worker; the agent wraps it in `record`, which writes the traceback to the
     # error file it reads, so the parent learns *why* a rank failed, not only its exit code.
+    # `announce`: rank 0 prints why a restart happened (False: the function says it itself).
     import pickle
 
     if forked:
         _like_a_spawned_worker()
+    records.arm()
+    if announce and os.environ.get("RANK") == "0" and (note := restart_note()):
+        print(f"ddpkit: {note}", file=sys.stderr, flush=True)
     fn, args, kwargs = pickle.loads(payload)
     try:
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        records.mark_done()
+        return result
     finally:
         if not forked:
             # A spawned worker ends with a full interpreter teardown, whose garbage collection
@@ -44,6 +53,9 @@ def _like_a_spawned_worker() -> None:
     # exception would only be raised when a blocking call returns to Python (the agent waits
     # 30 s, then SIGKILLs), and the unwinding worker would leave a traceback that reads like a
     # cause of the failure rather than a consequence.
+    # The launcher watches SIGCHLD for its workers' exit statuses (records.ExitWatch); this
+    # process's own children are none of its business.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):

@@ -8,6 +8,7 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from typing import Any
 
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import data, dist, models
-from ..launcher import run_function
+from ..errors import Interrupted
+from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
@@ -24,16 +26,19 @@ from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
 from .plan import RunPlan, make_plan
-from .resume import RunState, after_restart
+from .resume import RunState, after_restart, last_checkpoint
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Resolve the plan for `cfg`, then run `fit` on this process or on the plan's workers."""
     t0 = time.time()
     plan = make_plan(cfg)
-    if plan.topology.in_process:  # no agent needed: nothing to restart, no one to coordinate
-        return fit(plan, t0)
-    results = run_function(plan.topology, fit, plan, t0)
+    try:
+        if plan.topology.in_process:  # no agent needed: nothing to restart, no one to coordinate
+            return fit(plan, t0)
+        results = run_function(plan.topology, fit, plan, t0, announce_restarts=False)  # fit says it, with where
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: say where --resume auto would carry on
+        raise Interrupted(getattr(err, "signum", signal.SIGINT), last_checkpoint(plan.out)) from None
     return next(iter(results.values()))  # every rank returns the same results
 
 
@@ -55,13 +60,17 @@ def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
             plan = dataclasses.replace(plan, resume=restart)
         plan = rt.broadcast_object(plan)
         loop = Loop(rt, plan)  # rt.setup() inside gives each rank its own random stream
-        if plan.resume is not None:
-            loop.restore(plan.resume)
         rt.print(
             f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
             f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
             f"global batch {cfg.batch_size}, {cfg.precision}"
         )
+        # After a restart, one line: why it happened (rank 0 reads the failed attempt's records) and where it resumes.
+        note = restart_note() if rt.is_main else None
+        if plan.resume is not None:
+            loop.restore(plan.resume, note)
+        elif note:
+            rt.print(f"ddpkit train: {note}; no checkpoint was written yet: starting again from step 0")
         resumed_at = (loop.run.step, loop.run.epoch) if plan.resume else None
         with Outputs(plan.cfg, rt.is_main, resumed_step=resumed_at) as out:
             results = loop.run_all(out, t0)
@@ -109,14 +118,18 @@ class Loop:
         factor = warmup_cosine(total, min(total, round(cfg.warmup_epochs * steps)), plan.warmup_start)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, factor)
         self.run = RunState(cfg, rt.device, self.train_loader.generator)
-        self.samples = 0  # trained on by this process's run, all ranks together
+        self.samples = 0  # trained on by this attempt (these worker processes), all ranks together
+        self.train_seconds = 0.0  # this attempt's time in finished train_epoch calls
+        self.epoch_t0: float | None = None  # when the train_epoch under way started
+        self.carried: dict[str, Any] | None = None  # a checkpoint's throughput figures (see throughput)
         # First step whose loss was not finite, on this rank (-1: none). Kept on the device and
         # compared there, so watching for NaN costs no synchronization per step.
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
 
-    def restore(self, path: str) -> None:
+    def restore(self, path: str, restart: str | None = None) -> None:
+        """Continue from the checkpoint at `path`; `restart` says why, after a restart."""
         state = self.rt.load(
             path,
             model=self.model,
@@ -126,32 +139,54 @@ class Loop:
             loader=self.train_loader,
         )
         self.run.restore(state, self.rt)
+        self.carried = state["run"].get("throughput")
         self.step_t.fill_(self.run.step)
-        self.rt.print(
-            f"resumed from {path} at step {self.run.step} (epoch {self.run.epoch + 1}, "
-            f"step {self.train_loader.position} of {self.train_loader.steps_per_epoch})"
-        )
+        why = f"ddpkit train: {restart}; " if restart else ""
+        self.rt.print(f"{why}resumed from {path} at step {self.run.step} ({self.position()})")
+
+    def position(self) -> str:
+        if self.run.epoch >= self.cfg.epochs or self.stopped():
+            # A restart after the last checkpoint: no epoch is left to train (nor to print).
+            return "training had finished; evaluating and writing the outputs"
+        loader = self.train_loader
+        return f"epoch {self.run.epoch + 1}, step {loader.position} of {loader.steps_per_epoch}"
 
     def stopped(self) -> bool:
         return self.cfg.max_steps is not None and self.run.step >= self.cfg.max_steps
 
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
-        train_time = 0.0
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
         while self.run.epoch < self.cfg.epochs and not self.stopped():
-            t_epoch = time.perf_counter()
+            self.epoch_t0 = t_epoch = time.perf_counter()
             done = self.train_epoch(out)
-            train_time += time.perf_counter() - t_epoch
+            self.train_seconds += time.perf_counter() - t_epoch
+            self.epoch_t0 = None
             if done:
                 self.end_epoch(out, time.perf_counter() - t_epoch)
             self.save(out)
         self.check_finite()
         ev = self.rt.evaluate(self.model, self.test_loader)
-        rate = self.samples / max(train_time, 1e-9)
+        basis = self.throughput()
+        rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
         results = self.results(ev, rate, time.time() - t0)
+        results["samples_per_second_basis"] = basis
         results.update(self.performance(rate))
         out.finish(results, self.model, self.run.history)
         return results
+
+    def figures(self) -> dict[str, Any]:
+        """The samples this attempt trained on and its training seconds so far (evaluation
+        and end-of-epoch checkpoints apart)."""
+        seconds = self.train_seconds + (time.perf_counter() - self.epoch_t0 if self.epoch_t0 else 0.0)
+        return {"samples": self.samples, "train_seconds": seconds}
+
+    def throughput(self) -> dict[str, Any]:
+        """What samples_per_second divides: this attempt's figures; or, when it trained nothing
+        (the workers were restarted after the last checkpoint), the figures of the attempt that
+        trained, saved in that checkpoint, rather than a rate of 0."""
+        if self.samples == 0 and self.carried:
+            return {**self.carried, "measured_by": "the attempt before the restart"}
+        return {**self.figures(), "measured_by": "this attempt"}
 
     def train_epoch(self, out: Outputs) -> bool:
         """Train until the epoch ends (True) or --max-steps is reached (False). The epoch's
@@ -177,11 +212,7 @@ class Loop:
                     self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
             rt.backward(loss)
             if n:
-                # Per-sample sums; a skipped non-finite loss is left out of the epoch's mean.
-                finite = torch.isfinite(loss.detach())
-                run.sums[0] += torch.where(finite, loss.detach().double() * n, 0.0)
-                run.sums[1] += (logits.argmax(1) == y).sum()
-                run.sums[2] += finite * n
+                self._count(loss.detach(), logits.detach(), y, n)
                 step_loss += loss.detach().double() * n
             if cfg.on_nonfinite == "skip" and rt.step_ready and self._skip_step(out):
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
@@ -209,13 +240,22 @@ class Loop:
                     }
                 )
                 if hasattr(batches, "set_postfix"):
-                    batches.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
+                    batches.set_postfix_str(progress_label(value, rate))
             step_loss.zero_()
             if self.stopped() and self.train_loader.position < self.train_loader.steps_per_epoch:
                 return False  # stopped inside the epoch; at its last step the loop ends it as usual
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
+
+    def _count(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, n: int) -> None:
+        """Add a micro-batch to the epoch's per-sample sums. One with a non-finite loss (only
+        with --on-nonfinite skip does the run go on) counts in none of them: its correct
+        predictions would otherwise raise the accuracy above 1 over the samples left."""
+        finite = torch.isfinite(loss)
+        self.run.sums[0] += torch.where(finite, loss.double() * n, 0.0)
+        self.run.sums[1] += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
+        self.run.sums[2] += finite * n
 
     def _skip_step(self, out: Outputs) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
@@ -291,7 +331,7 @@ class Loop:
         """A checkpoint of everything the run needs to continue, on any number of processes.
         Collective: every rank calls it at the same step. Never saves weights trained on NaN."""
         self.check_finite()
-        run_state = self.run.state_dict(self.rt)
+        run_state = {**self.run.state_dict(self.rt), "throughput": self.figures()}
         self.rt.save(
             out.checkpoint_path(self.run.step),
             model=self.model,
@@ -365,3 +405,9 @@ class Loop:
             "ddpkit_version": __version__,
             "torch_version": torch.__version__,
         }
+
+
+def progress_label(loss: float, rate: float) -> str:
+    """What the progress bar shows after the batch count: the loss and the throughput, with
+    its unit (tqdm's set_postfix would print a key, samples_s=...)."""
+    return f"loss {loss:.4f}, {rate:,.0f} samples/s"

@@ -1,0 +1,156 @@
+"""What each worker of a launch leaves behind, so that the launcher can tell how it ended.
+
+torch's agent reports one failure: the first it notices, which may be a rank that failed
+*because* another died. And a worker that dies by a signal writes no error file. So every
+worker of a launch keeps a small record in the launch's folder (DDPKIT_LAUNCH_DIR), one
+folder per attempt (the agent's restart count):
+
+- `rank-R.pid`: its pid, written when it starts;
+- `rank-R.stack`: its Python stack, dumped by `faulthandler` when it is stopped (SIGTERM, the
+  agent's stop signal) or crashes (SIGSEGV, SIGABRT, ...): where a hung rank was stuck;
+- `rank-R.done`: it returned normally;
+- `rank-R.exit`: how it ended, from the parent (`ExitWatch`): the exit status peeked with
+  `waitid(WNOWAIT)` when SIGCHLD arrives, so that the agent still reaps it as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import glob
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+LAUNCH_DIR = "DDPKIT_LAUNCH_DIR"
+
+_stack_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
+
+
+def attempt_dir(root: str, attempt: int) -> str:
+    return os.path.join(root, f"attempt-{attempt}")
+
+
+def current_attempt() -> int:
+    """How many times the elastic agent has restarted this job's workers (0 on the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def arm() -> None:
+    """In a worker: record its pid and arm the stack dump (nothing outside a ddpkit launch)."""
+    global _stack_file
+    root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
+    if not root or rank is None:
+        return
+    folder = attempt_dir(root, current_attempt())
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank-{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    _stack_file = open(os.path.join(folder, f"rank-{rank}.stack"), "w")  # noqa: SIM115 - lives as long as the worker
+    # chain: after the dump, SIGTERM does what it did before (the default: the process ends).
+    faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
+    # A crash's dump goes there too (not to the console): the launcher shows it with the failure.
+    faulthandler.enable(file=_stack_file, all_threads=True)
+
+
+def mark_done() -> None:
+    """In a worker whose function returned: it did not fail."""
+    root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
+    if root and rank is not None:
+        open(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.done"), "w").close()
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    rank: int
+    pid: int | None = None
+    status: int | None = None  # exit code, or minus the signal's number (as Popen's returncode)
+    ended: float = float("inf")  # when the parent saw it end (time.time())
+    stack: str = ""
+    done: bool = False
+
+
+def read_attempt(root: str, attempt: int) -> dict[int, RankRecord]:
+    """The records of one attempt's workers on this node, by global rank."""
+    folder = attempt_dir(root, attempt)
+    ranks = (
+        {int(m.group(1)) for p in os.listdir(folder) if (m := re.match(r"rank-(\d+)\.", p))}
+        if os.path.isdir(folder)
+        else set()
+    )
+    return {rank: _read_rank(folder, rank) for rank in sorted(ranks)}
+
+
+def _read_rank(folder: str, rank: int) -> RankRecord:
+    def text(suffix: str) -> str:
+        try:
+            with open(os.path.join(folder, f"rank-{rank}.{suffix}"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    pid = text("pid")
+    try:
+        exit_ = json.loads(text("exit") or "{}")
+    except ValueError:
+        exit_ = {}
+    return RankRecord(
+        rank=rank,
+        pid=int(pid) if pid.isdigit() else None,
+        status=exit_.get("status"),
+        ended=exit_.get("time", float("inf")),
+        stack=text("stack").strip(),
+        done=os.path.exists(os.path.join(folder, f"rank-{rank}.done")),
+    )
+
+
+class ExitWatch:
+    """In the launching process: how each of this launch's workers ended.
+
+    On SIGCHLD, peek at every known worker's exit status with `waitid(..., WNOWAIT)`: the
+    status stays for the agent, which reaps its children as before. Only from the main thread
+    (where Python runs signal handlers); elsewhere the records simply lack exit statuses.
+    """
+
+    def __init__(self, root: str):
+        self.root = root
+        self.seen: set[str] = set()  # pid files done with (a pid may come back in a later attempt)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread() or not hasattr(os, "waitid"):
+            yield
+            return
+        previous = signal.signal(signal.SIGCHLD, self._on_child)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
+            self._on_child()  # a last look, for a child that ended just now
+
+    def _on_child(self, *_: Any) -> None:
+        for path in glob.glob(os.path.join(self.root, "attempt-*", "rank-*.pid")):
+            if path in self.seen:
+                continue
+            try:
+                with open(path) as f:
+                    pid = int(f.read())
+            except (OSError, ValueError):
+                continue
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # already reaped, or not our child (another node's)
+                continue
+            if info is None:  # still running
+                continue
+            self.seen.add(path)
+            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            status = -info.si_status if killed else info.si_status
+            with open(path[: -len(".pid")] + ".exit", "w") as f:
+                json.dump({"status": status, "time": time.time()}, f)

@@ -1,0 +1,154 @@
+"""Fault injection from outside, as the out-of-memory killer or an operator would: SIGKILL a worker
+of `ddpkit train` at several moments of a run, or signal the launcher itself.
+
+After a SIGKILL the job restarts and ends bit-identical to an uninterrupted run, and the restart
+line names the killed process. A Ctrl-C or SIGTERM to the launcher ends the job at once with one
+line and exit code 130 or 143, no traceback and no worker left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import clean_env
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
+# 16 steps an epoch, 32 in all, a checkpoint every 4 steps
+RUN = ("train", "--data", "synthetic", "--synthetic-size", "1024", "--epochs", "2", "--device", "cpu")
+RUN += ("--checkpoint-every", "4", "--nproc", "2")
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", *RUN, *extra, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        start_new_session=True,  # its own process group: what a terminal's Ctrl-C reaches
+    )
+
+
+def _workers(proc: subprocess.Popen) -> list[int]:
+    """The launcher's worker processes (forked on CPU), oldest first."""
+    listed = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return sorted((int(p) for p in listed), key=_start_time)
+
+
+def _start_time(pid: int) -> int:
+    """Clock ticks after boot when `pid` started: field 22 of /proc/PID/stat (after the name,
+    which is in parentheses and may hold spaces)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
+def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"never saw {what}: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.01)
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    proc = _start(out)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    return _weights(out)
+
+
+def _checkpoint(step: int) -> Callable[[Path], bool]:
+    return lambda out: (out / "checkpoints" / f"step-{step:08d}.pt").exists()
+
+
+def _epoch_logged(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and '"test_accuracy"' in metrics.read_text()
+
+
+# (moment, the condition that marks it, extra delay, which worker: 0 the first started, -1 the last)
+MOMENTS = [
+    ("while starting up", lambda out: True, 0.5, -1),
+    ("right after the first checkpoint", _checkpoint(4), 0.0, 0),
+    ("in the middle of an epoch", _checkpoint(8), 0.15, -1),
+    ("at the end of the first epoch", _epoch_logged, 0.0, 0),
+    ("after the last checkpoint", _checkpoint(32), 0.0, -1),
+]
+
+
+@pytest.mark.parametrize("moment,ready,delay,which", MOMENTS, ids=[m[0] for m in MOMENTS])
+def test_a_sigkilled_worker_is_named_and_the_run_ends_as_if_nothing_happened(
+    tmp_path, reference, moment, ready, delay, which
+):
+    out = tmp_path / "run"
+    proc = _start(out, "--max-restarts", "1")
+    _wait_for(proc, lambda: len(_workers(proc)) == 2, "two workers")
+    _wait_for(proc, lambda: ready(out), moment)
+    time.sleep(delay)
+    victim = _workers(proc)[which]
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
+    assert len(restart) == 1, stdout + stderr
+    assert re.search(rf"restart 1 of 1: rank [01] \(pid {victim}\) was killed by SIGKILL", restart[0]), restart[0]
+    assert "; resumed from " in restart[0] or "; no checkpoint was written yet" in restart[0], restart[0]
+    ref, got = reference, _weights(out)
+    assert all(torch.equal(ref[k], got[k]) for k in ref), f"weights differ after a kill {moment}"
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("to_group", [False, True], ids=["launcher", "process group"])
+def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_no_worker_left(tmp_path, sig, code, to_group):
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for(proc, lambda: _checkpoint(4)(out), "a checkpoint")
+    workers = _workers(proc)
+    (os.killpg if to_group else os.kill)(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole group
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "Traceback" not in stdout, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpkit train: interrupted; last checkpoint"), stderr
+    newest = sorted((out / "checkpoints").glob("step-*.pt"))[-1]
+    assert f"last checkpoint {newest} (continue with --resume auto)" in lines[0]
+    for pid in workers:  # gone, not left running (a zombie would have been reaped by init)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_to_a_one_process_run_without_out_names_its_default_folder(tmp_path):
+    args = [*RUN[:-1], "1"]  # --nproc 1: the run is in this very process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
+    _wait_for(proc, lambda: any(tmp_path.glob("runs/*/checkpoints/step-*.pt")), "a checkpoint in runs/")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert re.fullmatch(
+        r"ddpkit train: interrupted; last checkpoint runs/\S+/checkpoints/step-\d+\.pt \(.*\)", lines[0]
+    )
