@@ -114,8 +114,11 @@ def test_a_sigkilled_worker_is_named_and_the_run_ends_as_if_nothing_happened(
     assert all(torch.equal(ref[k], got[k]) for k in ref), f"weights differ after a kill {moment}"
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-@pytest.mark.parametrize("to_group", [False, True], ids=["launcher", "process group"])
+@pytest.mark.parametrize(
+    "sig,code,to_group",
+    [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)],
+    ids=["SIGINT to the launcher", "SIGTERM to the launcher", "Ctrl-C in a terminal (its process group)"],
+)
 def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_no_worker_left(tmp_path, sig, code, to_group):
     out = tmp_path / "run"
     proc = _start(out)
@@ -152,3 +155,46 @@ def test_sigterm_to_a_one_process_run_without_out_names_its_default_folder(tmp_p
     assert re.fullmatch(
         r"ddpkit train: interrupted; last checkpoint runs/\S+/checkpoints/step-\d+\.pt \(.*\)", lines[0]
     )
+
+
+def test_after_a_sigkilled_launcher_the_next_run_takes_its_folder_over_and_resumes(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for(proc, lambda: _checkpoint(8)(out), "a checkpoint")
+    workers = _workers(proc)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: no agent is left to stop the workers
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "workers outlived their launcher"
+    again = _start(out, "--resume", "auto")  # takes over the dead run's lock, continues its checkpoints
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-3000:]
+    got = _weights(out)
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+
+
+def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
+    # torch's agent sets no parent-death signal for script workers (it does for functions)
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    _wait_for(proc, lambda: len(_workers(proc)) == 2, "two workers")
+    time.sleep(1.0)  # past the wrapper's start, into the script
+    workers = _workers(proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:  # leave nothing behind, even when failing
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "script workers outlived their launcher"

@@ -16,12 +16,14 @@ folder per attempt (the agent's restart count):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import glob
 import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ def arm() -> None:
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
     if not root or rank is None:
         return
+    _die_with_the_launcher()
     folder = attempt_dir(root, current_attempt())
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank-{rank}.pid"), "w") as f:
@@ -57,6 +60,19 @@ def arm() -> None:
     faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
     # A crash's dump goes there too (not to the console): the launcher shows it with the failure.
     faulthandler.enable(file=_stack_file, all_threads=True)
+
+
+def _die_with_the_launcher() -> None:
+    """If the launching process dies (SIGKILL, a node's OOM killer), its workers die too, as
+    the agent would have stopped them: orphans would go on training and writing --out beside
+    the next run, which takes over its lock. Linux only (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def mark_done() -> None:
