@@ -224,3 +224,14 @@ def test_ddpkit_train_under_torchrun(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_samples"] == 359
     assert proc.stdout.count("done:") == 1
+
+
+@pytest.mark.unit
+def test_cpu_processes_are_bounded_by_the_cores():
+    from ddpkit import device
+    from ddpkit.launcher.topology import CPU_OVERSUBSCRIPTION
+
+    most = CPU_OVERSUBSCRIPTION * device.cpu_count()
+    assert parse_nproc(str(most), "cpu") == most
+    with pytest.raises(UsageError, match=f"--nproc {most + 1} is more than {CPU_OVERSUBSCRIPTION} processes per"):
+        parse_nproc(str(most + 1), "cpu")

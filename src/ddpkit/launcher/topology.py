@@ -145,6 +145,9 @@ def route_address(host: str, port: int) -> str:
 # Far beyond the cores or GPUs of any one machine: a larger --nproc is a typo, and trying to
 # start that many processes would take the machine down before anything reported it.
 MAX_NPROC = 4096
+# CPU processes per usable core beyond which a job is a mistake rather than a test of one
+# (the test suite runs 3 processes on 2 cores).
+CPU_OVERSUBSCRIPTION = 8
 
 
 def parse_nproc(value: str | int, device_type: str) -> int:
@@ -154,6 +157,11 @@ def parse_nproc(value: str | int, device_type: str) -> int:
         n = int(value)
         if not 1 <= n <= MAX_NPROC:
             raise UsageError(f"--nproc must be a positive integer up to {MAX_NPROC}, auto, cpu or gpu, got {value}")
+        if device_type == "cpu" and n > CPU_OVERSUBSCRIPTION * devices.cpu_count():
+            raise UsageError(
+                f"--nproc {n} is more than {CPU_OVERSUBSCRIPTION} processes per usable core "
+                f"({devices.cpu_count()} here): each would get a sliver of a core"
+            )
         return n
     if value == "auto":
         return devices.auto_nproc(device_type)
