@@ -17,6 +17,8 @@ from typing import Any
 
 from .errors import UsageError
 
+INT64 = (-(2**63), 2**63 - 1)  # what torch and NumPy take as an integer
+
 
 def flag(name: str) -> str:
     """The command-line flag of a setting: 'batch_size' -> '--batch-size'."""

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-INT64 = (-(2**63), 2**63 - 1)
+from ..checks import INT64
 
 
 def _int(text: str) -> int:

@@ -35,7 +35,6 @@ from .config import FIELDS, TrainConfig
 LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Runtime.loader(resident=...)
 LR_SCALINGS = ("none", "linear", "sqrt")
 ONE_PROCESS = ("dp", "single")  # strategies that run in one process
-INT64 = (-(2**63), 2**63 - 1)  # what torch and NumPy take as an integer
 WORKERS_PER_CORE = 4  # DataLoader workers per process beyond which --num-workers is refused (torch warns at 1)
 MAX_TIMEOUT = 1e9  # seconds (31 years): far below where a timedelta or torch's milliseconds overflow
 
@@ -169,7 +168,7 @@ def check_settings(cfg: TrainConfig) -> None:
     for name in FIELDS:  # a YAML file's integers are not bounded by the command line's parser
         value = getattr(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool):
-            checks.integer(checks.flag(name), value, *INT64)
+            checks.integer(checks.flag(name), value, *checks.INT64)
     checks.integer("--seed", cfg.seed, 0, 2**32 - 1)  # NumPy's seeds are 32-bit; torch's take these too
     if cfg.data_dir:  # checked whatever --data is: a file there is a mistake either way
         checks.directory("--data-dir", os.path.expanduser(cfg.data_dir))
