@@ -25,7 +25,9 @@ def toy_model(seed: int = 0) -> nn.Module:
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in ddpkit.Runtime.unwrap(model).parameters()])
+    """All weights in one vector; an fsdp model's shards gathered (a collective)."""
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddpkit.Runtime.unwrap(model).parameters()]
+    return torch.cat([p.detach().reshape(-1).cpu() for p in params])
 
 
 def train_steps(steps: int = 5, global_batch: int = 12, precision: str = "fp32") -> dict:
@@ -137,10 +139,15 @@ def env_facts() -> dict:
 
 
 def invariant_steps(
-    steps: int, global_batch: int, micro: int | None = None, n: int = 90, max_grad_norm: float | None = None
+    steps: int,
+    global_batch: int,
+    micro: int | None = None,
+    n: int = 90,
+    max_grad_norm: float | None = None,
+    strategy: str = "ddp",
 ) -> dict:
     """`steps` SGD steps of a fixed model on a fixed set: what 1, 2 and 3 ranks must agree on."""
-    with ddpkit.Runtime(device="cpu", seed=5) as rt:
+    with ddpkit.Runtime(strategy, device="cpu", seed=5) as rt:
         model = toy_model(seed=5)
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         model, opt = rt.setup(model, opt)
@@ -152,7 +159,7 @@ def invariant_steps(
                 done += rt.step(opt, max_grad_norm=max_grad_norm)
                 if done == steps and rt.step_ready:
                     break
-        return {"params": flat_params(model), "position": (loader.epoch, loader.position)}
+        return {"params": flat_params(model), "position": (loader.epoch, loader.position), "strategy": rt.strategy}
 
 
 def rank_streams() -> dict:

@@ -4,6 +4,11 @@ A write goes to a temp file in the same directory, is flushed to disk, and renam
 target, so a crash mid-write leaves the previous file intact; a full disk is an OSError(ENOSPC)
 naming the file, not torch's "unexpected pos". Reads use `torch.load(weights_only=True)`:
 tensors, numbers, strings and containers only.
+
+A model sharded by fsdp is saved whole (gathered through torch's DCP state-dict helpers, on
+every rank, kept by rank 0) with the bare model's keys, and its optimizer in
+`Optimizer.state_dict()`'s format: the file is the same as under single or ddp, and loads
+into any strategy on any number of processes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from . import dist
 from .errors import UsageError
 from .files import atomic_write
-from .strategy import unwrap
+from .strategy import fsdp, unwrap
 
 
 def save_file(path: str | os.PathLike, obj: Any) -> None:
@@ -68,29 +73,64 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None
 
 
-def state_of(value: Any) -> Any:
+def state_of(value: Any, sharded: torch.nn.Module | None = None) -> Any:
     """What a checkpoint stores for `value`: a module's bare state_dict (no `module.` or
-    `_orig_mod.` prefixes), anything else's state_dict(), or a plain value as it is."""
+    `_orig_mod.` prefixes), anything else's state_dict(), or a plain value as it is. A model
+    fsdp sharded, and an optimizer of `sharded`, are gathered whole: collective, and {} on
+    ranks other than 0."""
     if isinstance(value, torch.nn.Module):
-        return unwrap(value).state_dict()
+        bare = unwrap(value)
+        return fsdp.full_model_state(bare) if fsdp.is_sharded(bare) else bare.state_dict()
+    if isinstance(value, torch.optim.Optimizer) and fsdp.holds_dtensors(value):
+        if sharded is None:
+            raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
+        return fsdp.full_optimizer_state(sharded, value)
     if hasattr(value, "state_dict"):
         return value.state_dict()
     return value
 
 
+def sharded_model(state: dict[str, Any]) -> torch.nn.Module | None:
+    """The fsdp-sharded model among `state`'s values, if any."""
+    bare = [unwrap(v) for v in state.values() if isinstance(v, torch.nn.Module)]
+    return next((m for m in bare if fsdp.is_sharded(m)), None)
+
+
 def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Rank 0 writes `state` (see `state_of`); every rank waits until the file is complete. The
-    wait does not count against a short collective timeout (see dist.wait_for_main)."""
-    if dist.is_main():
-        save_file(path, {key: state_of(value) for key, value in state.items()})
+    wait does not count against a short collective timeout (see dist.wait_for_main). With an
+    fsdp model every rank gathers the state first (a collective)."""
+    sharded = sharded_model(state)
+    if sharded is not None or dist.is_main():
+        whole = {key: state_of(value, sharded) for key, value in state.items()}
+        if dist.is_main():
+            save_file(path, whole)
     dist.wait_for_main()
 
 
 def load_into(path: str | os.PathLike, targets: dict[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
     """Load a checkpoint and each target's entry into it (modules unwrapped); the whole dict."""
     state = load_file(path, map_location=map_location)
+    sharded = sharded_model(targets)
     for key, target in targets.items():
         if key not in state:
             raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
-        (unwrap(target) if isinstance(target, torch.nn.Module) else target).load_state_dict(state[key])
+        load_state(target, state[key], sharded)
     return state
+
+
+def load_state(target: Any, state: Any, sharded: torch.nn.Module | None = None) -> None:
+    """Load `state` into `target` (a module unwrapped). Into an fsdp model, or an optimizer of
+    `sharded`, the whole state is loaded and each rank keeps its shards (collective)."""
+    if isinstance(target, torch.nn.Module):
+        bare = unwrap(target)
+        if fsdp.is_sharded(bare):
+            fsdp.load_full_model_state(bare, state)
+        else:
+            bare.load_state_dict(state)
+    elif isinstance(target, torch.optim.Optimizer) and fsdp.holds_dtensors(target):
+        if sharded is None:
+            raise UsageError("an optimizer of an fsdp model is loaded together with its model (one load call)")
+        fsdp.load_full_optimizer_state(sharded, target, state)
+    else:
+        target.load_state_dict(state)

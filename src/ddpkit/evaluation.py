@@ -1,7 +1,8 @@
 """Exact evaluation: every sample of the test set counted once, whatever the world size.
 
 Each rank evaluates its `ShardSampler` share (no padding, no repeated samples), summing on the
-device, and one all-reduce at the end adds the ranks' sums.
+device, and one all-reduce at the end adds the ranks' sums. Under fsdp every forward all-gathers, so a
+rank with one batch fewer than rank 0 runs one forward on an empty batch (`lockstep`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import dist
 from .data import DistributedLoader, ShardSampler
 from .precision import Precision, outputs_to_fp32
 from .strategy import eval_view
+from .strategy.fsdp import is_sharded
 
 
 @torch.no_grad()
@@ -47,6 +49,10 @@ def evaluate(
         correct += (out.argmax(1) == y).sum()
         loss_sum += loss.double() * y.numel()
         count += y.numel()
+    if is_sharded(net):  # ranks' batch counts differ by at most one; rank 0 has the most
+        for _ in range(loader.sampler.most_batches() - len(loader)):
+            with precision.autocast():
+                net(loader.empty_batch()[0])
     net.train(was_training)
     sums = torch.stack([correct, loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
     dist.all_reduce(sums)

@@ -33,7 +33,8 @@ from .evaluation import evaluate
 from .log import print0
 from .precision import Precision
 from .seed import seed_everything, seed_rank
-from .strategy import DDPOptions
+from .strategy import DDPOptions, FSDPOptions
+from .strategy.fsdp import check_settings as check_fsdp_settings
 
 __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
 
@@ -45,7 +46,9 @@ class Runtime:
     as one process, under `ddpkit.launch`, `ddpkit run`, torchrun or srun.
 
     Args:
-        strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'dp'
+        strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'fsdp'
+            (FSDP2: parameters, gradients and optimizer state sharded over the processes; on
+            one process the bare model; fp32 only, no compile, no BatchNorm yet), 'dp'
             (nn.DataParallel over the visible GPUs, one process) or 'single'.
         precision: 'fp32', 'bf16' or 'fp16' (autocast; fp16 adds a GradScaler).
         device: 'auto', 'cpu' or 'cuda'.
@@ -57,6 +60,8 @@ class Runtime:
             torch.compile options); rank 0 warns when the first step compiled nothing.
         ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
             comm hook): a `DDPOptions` or a dict of its fields.
+        fsdp: FSDP2's options (which submodules are shard units, reshard after forward): an
+            `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
             fastest (default: on for CUDA; results may then differ in the last bits run to run).
     """
@@ -72,6 +77,7 @@ class Runtime:
         channels_last: bool = False,
         compile: bool | dict = False,
         ddp: DDPOptions | dict | None = None,
+        fsdp: FSDPOptions | dict | None = None,
         cudnn_benchmark: bool | None = None,
     ):
         self._model: nn.Module | None = None
@@ -87,11 +93,14 @@ class Runtime:
             self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
             self.ddp_options.check_device(self.device.type)
             self.ddp_options.check_compile(compile)
+            fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
             self.precision = Precision(precision, self.device)
-            self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options)
-        except TypeError as err:  # an unknown DDPOptions field
+            if strategy == "fsdp":
+                check_fsdp_settings(precision, compile)
+            self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
+        except TypeError as err:  # an unknown DDPOptions or FSDPOptions field
             self.close()
-            raise UsageError(f"Runtime(ddp=...): {err}") from None
+            raise UsageError(f"Runtime(ddp=...) or Runtime(fsdp=...): {err}") from None
         except BaseException:
             self.close()
             raise
@@ -149,11 +158,13 @@ class Runtime:
         With a Runtime seed, each rank switches to its own random stream here (derived from the
         seed and the rank): build the model before, so its initial weights agree everywhere.
         Parameters are moved in place, so an optimizer built on the bare model before this call
-        keeps pointing at the right tensors. Under bf16/fp16 the wrapped model's forward runs
+        keeps pointing at the right tensors (fsdp replaces them with sharded ones: pass such an
+        optimizer here, and it is pointed at those). Under bf16/fp16 the wrapped model's forward runs
         in autocast and returns fp32 outputs, so the loss is computed in full precision.
         """
         self._check_compiled = bool(self.compile)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
+        self._strategy.adopt(optimizers)
         self._model = wrapped
         self._acc.no_sync = self._strategy.no_sync(wrapped)  # used between micro-batches of a step
         if self.seed is not None:
@@ -179,9 +190,10 @@ class Runtime:
         """The precision's autocast context, for code outside the model's forward."""
         return self.precision.autocast()
 
-    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
-        """Skip the gradient all-reduce for backward passes inside (gradient accumulation)."""
-        return strategies.no_sync(model)
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Skip the gradient reduction for backward passes inside (gradient accumulation)."""
+        make = self._strategy.no_sync(model)
+        return make() if make is not None else strategies.no_sync(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a micro-batch's MEAN loss, weighted so the optimizer sees the mean over
@@ -208,6 +220,7 @@ class Runtime:
         With `max_grad_norm`, gradients are unscaled and clipped first."""
         if not self.step_ready:
             return False
+        self._strategy.check_optimizer(optimizer)
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
@@ -266,6 +279,7 @@ class Runtime:
                 local_world_size=self.env.local_world_size,
                 resident=resident,
                 channels_last=self.channels_last,
+                lockstep=self._strategy.lockstep,  # fsdp: as many micro-batches on every rank
             )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
         return loader

@@ -191,6 +191,13 @@ class DistributedLoader:
         for start, stop, step in self.sampler.chunks():
             yield self.resident.batch(torch.arange(start, stop, step, device=self.device))
 
+    def empty_batch(self) -> Any:
+        """A batch of no samples, shaped like this loader's (for forwards a rank runs only to
+        keep in step with the others: fsdp's evaluation)."""
+        if self.resident is not None:
+            return self.resident.batch(torch.zeros(0, dtype=torch.long, device=self.device))
+        return move(_Collate(self.dataset)([]), self.device, self.channels_last)
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
@@ -256,6 +263,7 @@ def train_loader(
     local_world_size: int = 1,
     resident: bool | None = None,
     channels_last: bool = False,
+    lockstep: bool = False,
 ) -> DistributedLoader:
     sampler = GlobalBatchSampler(
         len(dataset),
@@ -266,6 +274,7 @@ def train_loader(
         seed=seed,
         drop_last=drop_last,
         micro_batch_size=micro_batch_size,
+        lockstep=lockstep,
     )
     if _use_resident(dataset, device, resident, num_workers):
         return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))

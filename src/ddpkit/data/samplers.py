@@ -36,6 +36,10 @@ class ShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.world_size))
 
+    def most_batches(self) -> int:
+        """The batches of the rank with the most (rank 0): ranks differ by at most one."""
+        return len(range(0, self.length, self.world_size * self.batch))
+
     def chunks(self, batch: int | None = None) -> list[tuple[int, int, int]]:
         """This rank's indices in batches of `batch` (default: the batch it was made with), as
         (start, stop, step) ranges."""
@@ -90,12 +94,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         micro_batch_size: int | None = None,
+        lockstep: bool = False,
     ):
         check_global_batch(global_batch, world_size)
         if micro_batch_size is not None:
             checks.positive("--micro-batch-size", micro_batch_size)
         self.length, self.global_batch, self.world_size, self.rank = length, global_batch, world_size, rank
         self.shuffle, self.seed, self.drop_last, self.micro = shuffle, seed, drop_last, micro_batch_size
+        self.lockstep = lockstep  # every rank the same number of micro-batches per step (fsdp)
         self.epoch, self.start_step = 0, 0
         self.keys = False  # yield (index, augmentation key) pairs instead of indices
 
@@ -123,9 +129,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
             # A rank whose share is empty (a last batch smaller than the world) still takes
             # one empty micro-batch: DDP needs every rank's backward to all-reduce.
             starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
+            for _ in range(self._padding(batch_len, len(starts))):
+                # Empty micro-batches first (never the last, which reduces): under lockstep
+                # every rank runs as many forwards per step as the rank with the largest share.
+                yield first + offset, first + offset, MicroBatch(0, batch_len, False)
             for i, start in enumerate(starts):
                 stop = min(start + micro, first + offset + size)
                 yield start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)
+
+    def _padding(self, batch_len: int, count: int) -> int:
+        """Empty micro-batches this rank adds to its `count` for a global batch of `batch_len`."""
+        if not (self.lockstep and self.micro):  # without micro-batches every rank runs one
+            return 0
+        largest = -(-batch_len // self.world_size)  # the first rank's share
+        return max(0, -(-largest // self.micro) - count)
 
     def plan(self) -> Iterator[tuple[list[int], MicroBatch]]:
         """(indices, MicroBatch) for this rank's remaining micro-batches of the epoch."""

@@ -1,8 +1,8 @@
 """How a model is spread over devices, one module per strategy: `single` (the bare model),
-`dp` (nn.DataParallel) and `ddp` (DistributedDataParallel).
+`dp` (nn.DataParallel), `ddp` (DistributedDataParallel) and `fsdp` (FSDP2, sharded).
 
 `resolve` turns a requested name into the strategy that will actually run on this many
-processes: `ddp` on one process is `single`; `dp` without two GPUs is `single` too.
+processes: `ddp` or `fsdp` on one process is `single`; `dp` without two GPUs is `single` too.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from ..errors import UsageError
 from .base import Strategy, compiled_graphs, eval_view, unwrap
 from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync
 from .dp import DataParallel
+from .fsdp import FSDP, FSDPOptions
 from .single import Single
 
-STRATEGIES = ("ddp", "dp", "single")
+STRATEGIES = ("ddp", "dp", "fsdp", "single")
 
 __all__ = [
     "COMM_HOOKS",
     "STRATEGIES",
     "DDPOptions",
+    "FSDPOptions",
     "Strategy",
     "comm_hook",
     "compiled_graphs",
@@ -37,7 +39,7 @@ __all__ = [
 def resolve_name(name: str, world_size: int, device: torch.device) -> str:
     """The strategy that will actually run for `name` on `world_size` processes."""
     checks.choice("--strategy", name, STRATEGIES)
-    if name == "ddp" and world_size == 1:
+    if name in ("ddp", "fsdp") and world_size == 1:
         return "single"
     if name == "single" and world_size > 1:
         raise UsageError(
@@ -52,9 +54,17 @@ def resolve_name(name: str, world_size: int, device: torch.device) -> str:
     return name
 
 
-def resolve(name: str, world_size: int, device: torch.device, ddp: DDPOptions = DDPOptions()) -> Strategy:
+def resolve(
+    name: str,
+    world_size: int,
+    device: torch.device,
+    ddp: DDPOptions = DDPOptions(),
+    fsdp: FSDPOptions = FSDPOptions(),
+) -> Strategy:
     """The `Strategy` object that runs `name` here (see `resolve_name`)."""
     actual = resolve_name(name, world_size, device)
     if actual == "ddp":
         return DDP(device, ddp)
+    if actual == "fsdp":
+        return FSDP(device, fsdp)
     return DataParallel(device) if actual == "dp" else Single(device)

@@ -30,6 +30,8 @@ class Strategy:
     # Inside DDP, torch's DDPOptimizer still splits the compiled graph at DDP's bucket
     # boundaries, so the all-reduce keeps overlapping the backward pass.
     compile_inside: ClassVar[bool] = True
+    # Every rank must run the same number of forwards (fsdp: each forward all-gathers).
+    lockstep: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -57,6 +59,13 @@ class Strategy:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        """Point optimizers built before `wrap` at the wrapped model's parameters (where the
+        strategy replaced them: fsdp)."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise UsageError if `optimizer` cannot step this strategy's model (fsdp)."""
 
     def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Scale the gradients of `optimizer`'s parameters so that their total 2-norm is at most

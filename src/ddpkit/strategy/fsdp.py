@@ -1,0 +1,205 @@
+"""`fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`), parameters, gradients and optimizer
+state sharded over the processes; each unit's parameters are all-gathered for its forward and
+backward, and its gradients reduce-scattered.
+
+FSDP2 changes the model in place: its class becomes `FSDP<Name>` and its parameters DTensors.
+There is no wrapper and no key prefix, so `unwrap` returns the model itself. Three things
+differ from DDP, and are handled here and where noted:
+
+- An optimizer built before `fully_shard` points at the replaced parameters: `adopt` points it
+  at the sharded ones (Runtime.setup calls it).
+- Every forward all-gathers, so every rank must run the same number of forwards (`lockstep`):
+  the training sampler pads micro-batches and exact evaluation pads batches, with empty ones.
+- A state_dict holds shards: checkpoints gather full state dicts through torch's DCP helpers,
+  a collective (see `full_model_state` and checkpoint.save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..errors import UsageError
+from .base import Strategy
+
+# Gathered on every rank, kept on rank 0 only, in CPU memory: what a checkpoint file holds.
+FULL_SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_LOAD = StateDictOptions(full_state_dict=True)  # every rank passes the whole file's state
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """FSDP2's knobs.
+
+    Attributes:
+        units: which submodules are sharded as units of their own (each all-gathered on its
+            own, just before its forward), before the root takes the rest: module classes (a
+            class or a tuple of them), or a callable `(name, module) -> bool`. Default: every
+            direct child of the model that holds parameters.
+        reshard_after_forward: free a unit's gathered parameters after its forward (gathered
+            again for backward): less memory, one more all-gather per unit and step.
+    """
+
+    units: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None = None
+    reshard_after_forward: bool = True
+
+    def is_unit(self, name: str, module: nn.Module) -> bool:
+        if self.units is None:
+            return "." not in name and any(True for _ in module.parameters())
+        if isinstance(self.units, (type, tuple)):
+            return isinstance(module, self.units)
+        return bool(self.units(name, module))
+
+
+def check_settings(precision: str, compile: bool | dict) -> None:
+    """What this first fsdp slice refuses (on any number of processes, so that a run that works
+    on one also starts on two)."""
+    if precision != "fp32":
+        raise UsageError(
+            f"--precision {precision} with --strategy fsdp is not supported yet (FSDP2's mixed-precision "
+            "policy is not wired in); use --precision fp32, or --strategy ddp"
+        )
+    if compile:
+        raise UsageError("--compile with --strategy fsdp is not supported yet; leave --compile off, or use ddp")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model that FSDP's `_wrap` sharded (its root is an FSDPModule)."""
+    return isinstance(model, FSDPModule)
+
+
+def holds_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+
+
+@contextlib.contextmanager
+def no_sync(model: FSDPModule) -> Iterator[None]:
+    """FSDP2's gradient-sync switch (it has no no_sync()): backward passes inside keep their
+    unsharded gradients and skip the reduce-scatter, which the next synced backward does."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class FSDP(Strategy):
+    """FSDP2 over this job's processes (see the module docstring)."""
+
+    name = "fsdp"
+    lockstep: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions()):
+        super().__init__(device)
+        self.options = options
+        self._moved: dict[int, nn.Parameter] = {}  # id of a parameter before sharding -> after
+        self._checked: set[int] = set()  # optimizers check_optimizer accepted
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        _refuse_batchnorm(model)
+        before = dict(model.named_parameters())
+        kwargs = {"reshard_after_forward": self.options.reshard_after_forward}
+        # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
+        for name, module in reversed(list(model.named_modules())):
+            if name and self.options.is_unit(name, module):
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        after = dict(model.named_parameters())  # same names: FSDP2 adds no prefix
+        self._moved = {id(before[name]): after[name] for name in before}
+        return model
+
+    def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        """Point optimizers built on the model before setup() at its sharded parameters."""
+        for opt in optimizers:
+            if opt.state:
+                raise UsageError("under fsdp, pass setup() an optimizer that has not stepped yet")
+            for group in opt.param_groups:
+                group["params"] = [self._moved.get(id(p), p) for p in group["params"]]
+        self._moved = {}
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._checked:
+            return
+        if not holds_dtensors(optimizer):
+            raise UsageError(
+                "under fsdp the optimizer must be passed to setup() (or built after it): this one holds the "
+                "parameters fully_shard replaced, and would train nothing"
+            )
+        self._checked.add(id(optimizer))
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        # torch's clip_grad_norm_ on DTensor gradients reduces the norm over all shards already;
+        # it returns a replicated DTensor.
+        norm = super().clip_grad_norm(optimizer, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
+        return (lambda: no_sync(model)) if is_sharded(model) else None
+
+
+def _refuse_batchnorm(model: nn.Module) -> None:
+    # DDP broadcasts rank 0's buffers every forward; FSDP2 leaves each rank its own running
+    # statistics, so evaluation and checkpoints would depend on the world size.
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):
+        raise UsageError("--strategy fsdp does not support models with BatchNorm yet; use --strategy ddp")
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """The sharded model's whole state_dict, bare keys, on rank 0 (CPU); {} elsewhere.
+    Collective: every rank must call it."""
+    return get_model_state_dict(model, options=FULL_SAVE)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's whole state on rank 0 ({} elsewhere), in `Optimizer.state_dict()`'s own
+    format (parameters numbered in param-group order), so it loads into the bare model's
+    optimizer under single or ddp. Collective."""
+    full = get_optimizer_state_dict(model, optimizer, options=FULL_SAVE)
+    if not full:
+        return {}
+    number: dict[str, int] = {}
+    groups = []
+    for group in full["param_groups"]:
+        ids = [number.setdefault(fqn, len(number)) for fqn in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {number[fqn]: s for fqn, s in full["state"].items()}, "param_groups": groups}
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load a whole (unsharded) state_dict into the sharded model: each rank keeps its shards."""
+    set_model_state_dict(model, state, options=FULL_LOAD)
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load an `Optimizer.state_dict()`-format state (from any strategy) into the sharded one."""
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    saved_groups = state["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)
+    ):
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
+    fqn_of: dict[int, str] = {}
+    groups = []
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        fqns = [names[id(p)] for p in group["params"]]
+        fqn_of.update(zip(saved["params"], fqns))
+        groups.append({**saved, "params": fqns})
+    full = {"state": {fqn_of[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, full, options=FULL_LOAD)
