@@ -11,7 +11,7 @@ import torch
 
 from .. import checks
 from ..errors import UsageError
-from .base import Strategy, compiled_graphs, eval_view, unwrap
+from .base import Strategy, compiled_graphs, eval_view, local, unwrap
 from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync
 from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions
@@ -29,6 +29,7 @@ __all__ = [
     "compiled_graphs",
     "eval_view",
     "find_ddp",
+    "local",
     "no_sync",
     "resolve",
     "resolve_name",

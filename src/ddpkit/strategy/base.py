@@ -117,6 +117,12 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded, DTensor) parameter, detached."""
+    tensor = tensor.detach()
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def eval_view(model: nn.Module) -> nn.Module:
     """The model to evaluate with: without torch.compile (evaluation shapes would compile
     again) and without DDP (whose forward may broadcast buffers, a collective that ranks

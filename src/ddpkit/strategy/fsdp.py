@@ -111,7 +111,7 @@ class FSDP(Strategy):
         self._checked: set[int] = set()  # optimizers check_optimizer accepted
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        _refuse_batchnorm(model)
+        check_model(model)
         before = dict(model.named_parameters())
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward}
         # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
@@ -152,7 +152,8 @@ class FSDP(Strategy):
         return (lambda: no_sync(model)) if is_sharded(model) else None
 
 
-def _refuse_batchnorm(model: nn.Module) -> None:
+def check_model(model: nn.Module) -> None:
+    """Refuse what this first fsdp slice cannot shard with ddpkit's promises intact."""
     # DDP broadcasts rank 0's buffers every forward; FSDP2 leaves each rank its own running
     # statistics, so evaluation and checkpoints would depend on the world size.
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):

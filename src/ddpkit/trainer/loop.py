@@ -21,7 +21,7 @@ from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
-from ..strategy import unwrap
+from ..strategy import local, unwrap
 from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
@@ -286,7 +286,7 @@ class Loop:
         firsts = [int(t) for t in self.rt.all_gather(self.first_bad.view(1))]
         seen = [f for f in firsts if f >= 0]
         if not seen:
-            params_ok = torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()
+            params_ok = torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all()
             if self.rt.all_reduce(params_ok.double(), op="min").item() < 1:
                 raise FloatingPointError(
                     f"the weights hold NaN or inf after step {self.run.step}; stopped before "
@@ -360,7 +360,14 @@ class Loop:
             perf["compile_seconds"] = max(
                 0.0, timing["warmup_seconds"] - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3
             )
-        flops = flops_per_sample(unwrap(self.model), self.plan.in_shape, rt.device) if rt.is_main else None
+        flops = None
+        if rt.is_main:  # on a fresh copy under fsdp: a sharded forward on rank 0 alone would wait for the others
+            net = (
+                unwrap(self.model)
+                if rt.strategy != "fsdp"
+                else models.build(cfg.model, self.plan.in_shape, self.plan.num_classes)
+            )
+            flops = flops_per_sample(net, self.plan.in_shape, rt.device)
         flops = rt.broadcast_object(flops)
         perf["flops_per_sample"] = flops
         perf["achieved_tflops"] = flops * rate / 1e12 if flops else None

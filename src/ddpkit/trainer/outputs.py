@@ -16,11 +16,10 @@ import os
 import sys
 from typing import Any
 
-from ..checkpoint import save_file
+from ..checkpoint import save_file, state_of
 from ..errors import RunError
 from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, replace_with_log, write_json, write_yaml
 from ..plots import plot_curves
-from ..strategy import unwrap
 from .config import TrainConfig
 from .resume import checkpoint_names
 
@@ -111,9 +110,12 @@ class Outputs:
             os.unlink(os.path.join(folder, name))
 
     def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
+        """Rank 0 writes model.pt, results.json and the plot. Collective: every rank calls it
+        (an fsdp model is gathered whole for model.pt)."""
+        weights = state_of(model)  # the bare model's state_dict
         if not self.is_main:
             return
-        save_file(os.path.join(self.dir, "model.pt"), unwrap(model).state_dict())
+        save_file(os.path.join(self.dir, "model.pt"), weights)
         write_json(os.path.join(self.dir, "results.json"), results)
         plot_curves(history, os.path.join(self.dir, "curves.png"), title=f"{self.cfg.model} on {self.cfg.data}")
 

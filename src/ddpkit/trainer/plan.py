@@ -29,6 +29,8 @@ from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions
+from ..strategy.fsdp import check_model as check_fsdp_model
+from ..strategy.fsdp import check_settings as check_fsdp_settings
 from . import resume, rundir
 from .config import FIELDS, TrainConfig
 
@@ -133,6 +135,9 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
+    if cfg.strategy == "fsdp":  # what its first slice supports (a built model: BatchNorm)
+        check_fsdp_settings(cfg.precision, cfg.compile)
+        check_fsdp_model(models.build(cfg.model, in_shape, num_classes))
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
