@@ -11,9 +11,11 @@ from tests import workers
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("nproc,n", [(2, 37), (3, 37), (3, 1)])
-def test_odd_test_set_counted_exactly_once(nproc, n):
-    out = ddpkit.launch(workers.evaluate_odd, n, nproc=nproc)
+@pytest.mark.parametrize(
+    "strategy,nproc,n", [("ddp", 2, 37), ("ddp", 3, 37), ("ddp", 3, 1), ("fsdp", 3, 37), ("fsdp", 3, 1)]
+)  # fsdp: ranks with a batch fewer (or none) run forwards on empty batches to keep in step
+def test_odd_test_set_counted_exactly_once(strategy, nproc, n):
+    out = ddpkit.launch(workers.evaluate_odd, n, strategy, nproc=nproc)
     reference = workers.evaluate_odd(n)  # one process, no sharding
     assert reference["samples"] == n
     assert sum(r["shard"] for r in out.values()) == n  # shards partition the set: no padding

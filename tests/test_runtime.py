@@ -19,19 +19,31 @@ from tests.conftest import run_train
 WORLD_SIZE_ATOL = 1e-6
 
 
+SPLITS = {
+    "even": (12, None),
+    "uneven-over-3": (10, None),
+    "accumulate": (12, 2),
+    "uneven-and-accumulate": (7, 3),  # fsdp: shares 3/2/2 are 1/1/1 micro-batches; 10 below: 4/3/3 are 2/1/1
+    "uneven-and-accumulate-padded": (10, 3),
+    "empty-shares": (89, None),  # 90 samples: each epoch ends with a 1-sample batch
+}
+# fsdp on the splits that stress it: uneven shares, ranks with fewer (padded) micro-batches, empty shares.
+CASES = [("ddp", name) for name in SPLITS if name != "uneven-and-accumulate-padded"] + [
+    ("fsdp", name) for name in ("uneven-over-3", "uneven-and-accumulate-padded", "empty-shares")
+]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "global_batch,micro",
-    [(12, None), (10, None), (12, 2), (7, 3), (89, None)],
-    ids=["even", "uneven-over-3", "accumulate", "uneven-and-accumulate", "empty-shares"],
-)  # 90 samples: each epoch ends with a 1-sample batch
-def test_same_weights_on_1_2_and_3_processes(global_batch, micro):
+@pytest.mark.parametrize("strategy,split", CASES, ids=[f"{s}-{n}" for s, n in CASES])
+def test_same_weights_on_1_2_and_3_processes(strategy, split):
+    global_batch, micro = SPLITS[split]
     reference = workers.plain_reference(8, global_batch)  # plain PyTorch, one process, no ddpkit
-    one = workers.invariant_steps(8, global_batch, micro)
+    one = workers.invariant_steps(8, global_batch, micro, strategy=strategy)  # fsdp on one process: single
     torch.testing.assert_close(one["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
     for nproc in (2, 3):
-        out = ddpkit.launch(workers.invariant_steps, 8, global_batch, micro, nproc=nproc)
+        out = ddpkit.launch(workers.invariant_steps, 8, global_batch, micro, strategy=strategy, nproc=nproc)
         for r in range(nproc):
+            assert out[r]["strategy"] == strategy
             torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
             assert out[r]["position"] == one["position"]
 
@@ -83,14 +95,16 @@ def test_an_unknown_strategy_is_a_usage_error_naming_it_and_leaves_no_process_gr
 
 
 @pytest.mark.distributed
-def test_clipped_steps_same_on_1_and_2_processes():
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_clipped_steps_same_on_1_and_2_processes(strategy):
     # DDP clips the all-reduced gradient, the same on every rank: what one process clips.
+    # fsdp clips by the norm over all ranks' gradient shards: the same norm.
     reference = workers.plain_reference(8, 12, max_grad_norm=0.05)
     one = workers.invariant_steps(8, 12, max_grad_norm=0.05)
     torch.testing.assert_close(one["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
     unclipped = workers.plain_reference(8, 12)
     assert (reference - unclipped).abs().max() > 1e-3  # the norm bound really cut the steps
-    out = ddpkit.launch(workers.invariant_steps, 8, 12, None, 90, 0.05, nproc=2)
+    out = ddpkit.launch(workers.invariant_steps, 8, 12, None, 90, 0.05, strategy, nproc=2)
     for r in range(2):
         torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
 

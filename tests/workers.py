@@ -56,9 +56,9 @@ def train_steps(steps: int = 5, global_batch: int = 12, precision: str = "fp32")
         }
 
 
-def evaluate_odd(n: int) -> dict:
+def evaluate_odd(n: int, strategy: str = "ddp") -> dict:
     """Evaluate a fixed model on a dataset of odd size `n`."""
-    with ddpkit.Runtime(device="cpu") as rt:
+    with ddpkit.Runtime(strategy, device="cpu") as rt:
         model = rt.setup(toy_model(seed=7))
         result = rt.evaluate(model, toy_data(n, seed=3), batch_size=4)
         shard = len(rt.eval_loader(toy_data(n, seed=3), batch_size=4).sampler)
@@ -247,3 +247,44 @@ def ddp_options_weights(options: dict, steps: int = 6) -> torch.Tensor:
                 if done == steps:
                     break
         return flat_params(model)
+
+
+def checkpoint_hop(path: str, strategy: str, phase: str, steps: int = 4) -> dict:
+    """Half of a run that stops and continues elsewhere: AdamW (state to carry) on a fixed set,
+    global batch 10. 'save' trains `steps` steps and saves; 'load' loads and trains `steps`
+    more; 'straight' trains 2 * `steps` without stopping."""
+    with ddpkit.Runtime(strategy, device="cpu", seed=5) as rt:
+        model = toy_model(seed=5)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        model, opt = rt.setup(model, opt)
+        loader = rt.loader(toy_data(90, seed=2), batch_size=10)
+        if phase == "load":
+            rt.load(path, model=model, optimizer=opt, loader=loader)
+        done, todo = 0, 2 * steps if phase == "straight" else steps
+        while done < todo:
+            for x, y in loader:
+                rt.backward(F.cross_entropy(model(x), y))
+                done += rt.step(opt)
+                if done == todo:
+                    break
+        if phase == "save":
+            rt.save(path, model=model, optimizer=opt, loader=loader)
+        return {"params": flat_params(model), "strategy": rt.strategy}
+
+
+def fsdp_sync_switch() -> dict:
+    """One step of 3 micro-batches under fsdp: what the gradients look like after the first
+    backward (no reduce-scatter: FSDP2 keeps them unsharded inside, p.grad stays None) and
+    after the last (reduced: sharded DTensor gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    with ddpkit.Runtime("fsdp", device="cpu", seed=5) as rt:
+        model = toy_model(seed=5)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+        for x, y in rt.loader(toy_data(12), batch_size=12, micro_batch_size=2):
+            rt.backward(F.cross_entropy(model(x), y))
+            seen.append({type(p.grad).__name__ for p in model.parameters()})
+            if rt.step(opt):
+                break
+        return {"seen": seen, "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters())}

@@ -136,3 +136,47 @@ def test_compile_with_buckets_smaller_than_ddps_first_is_a_usage_error():
 
     with pytest.raises(UsageError, match=r"--bucket-cap-mb 0.5 with --compile"):  # ddpkit train: exit 2
         resolve(TrainConfig(device="cpu", compile=True, bucket_cap_mb=0.5))
+
+
+@pytest.mark.unit
+def test_fsdp_runs_as_single_on_one_process_and_refuses_what_it_does_not_support_yet():
+    from ddpkit.errors import UsageError
+    from ddpkit.strategy import resolve_name
+    from ddpkit.trainer import TrainConfig, resolve
+
+    assert resolve_name("fsdp", 1, torch.device("cpu")) == "single"
+    assert resolve_name("fsdp", 2, torch.device("cpu")) == "fsdp"
+    with pytest.raises(UsageError, match="--precision bf16 with --strategy fsdp"):
+        ddpkit.Runtime("fsdp", precision="bf16", device="cpu")
+    with pytest.raises(UsageError, match="--compile with --strategy fsdp"):
+        ddpkit.Runtime("fsdp", device="cpu", compile=True)
+    with pytest.raises(UsageError, match="BatchNorm"):  # ddpkit train: exit 2, before any worker
+        resolve(TrainConfig(device="cpu", strategy="fsdp", model="resnet18", data="synthetic"))
+    resolve(TrainConfig(device="cpu", strategy="fsdp"))  # the default CNN
+
+
+@pytest.mark.distributed
+def test_fsdp_accumulation_skips_the_reduce_scatter_until_the_last_micro_batch():
+    out = ddpkit.launch(workers.fsdp_sync_switch, nproc=2, device="cpu")
+    for r in out.values():
+        assert r["dtensor_params"]  # sharded in place; the optimizer built before setup was re-pointed
+        # 6 samples per rank in micro-batches of 2: no reduction after the first two backwards
+        assert r["seen"] == [{"NoneType"}, {"NoneType"}, {"DTensor"}]
+
+
+@pytest.mark.distributed
+def test_fsdp_checkpoints_move_to_single_and_back_and_continue_to_the_same_result(tmp_path):
+    straight = workers.checkpoint_hop("", "single", "straight")["params"]
+    # fsdp on 2 saves; one process (bare model, plain AdamW) continues
+    ddpkit.launch(workers.checkpoint_hop, str(tmp_path / "a.pt"), "fsdp", "save", nproc=2, device="cpu")
+    saved = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert list(saved["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the bare model's keys
+    assert sorted(saved["optimizer"]["state"]) == [0, 1, 2, 3]  # Optimizer.state_dict()'s own format
+    continued = workers.checkpoint_hop(str(tmp_path / "a.pt"), "single", "load")["params"]
+    torch.testing.assert_close(continued, straight, rtol=0, atol=1e-6)
+    # one process saves; fsdp on 3 (uneven shards of 16 rows) continues
+    workers.checkpoint_hop(str(tmp_path / "b.pt"), "single", "save")
+    out = ddpkit.launch(workers.checkpoint_hop, str(tmp_path / "b.pt"), "fsdp", "load", nproc=3, device="cpu")
+    for r in out.values():
+        assert r["strategy"] == "fsdp"
+        torch.testing.assert_close(r["params"], straight, rtol=0, atol=1e-6)

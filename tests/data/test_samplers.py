@@ -56,3 +56,31 @@ def test_resuming_mid_epoch_yields_exactly_the_rest():
     one.set_epoch(2, start_step=5)
     assert sum((idx for idx, _ in one.plan()), []) == full.order()[20:].tolist()
     assert len(list(rest.plan())) == full.steps_per_epoch - 5
+
+
+def per_step(infos: list) -> list[list[int]]:
+    """Micro-batch sizes, step by step."""
+    steps, current = [], []
+    for info in infos:
+        current.append(info.size)
+        if info.last:
+            steps.append(current)
+            current = []
+    return steps
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("n,batch,micro,world", [(40, 10, 3, 3), (40, 7, 3, 2), (9, 5, 1, 3), (11, 10, 4, 4)])
+def test_lockstep_gives_every_rank_as_many_micro_batches_padding_with_empty_ones_first(n, batch, micro, world):
+    # fsdp: every forward all-gathers, so no rank may run one forward fewer than another.
+    counts = set()
+    for rank in range(world):
+        free = data.GlobalBatchSampler(n, batch, world, rank, shuffle=False, micro_batch_size=micro)
+        locked = data.GlobalBatchSampler(n, batch, world, rank, shuffle=False, micro_batch_size=micro, lockstep=True)
+        real = [(idx, info) for idx, info in locked.plan() if info.size]
+        assert real == [(idx, info) for idx, info in free.plan() if info.size]  # same samples, weights, last
+        steps = per_step([info for _, info in locked.plan()])
+        counts.add(tuple(len(sizes) for sizes in steps))
+        for sizes in steps:
+            assert sizes == sorted(sizes, key=bool)  # empty ones first: the last one, which reduces, is real
+    assert len(counts) == 1  # every rank runs as many micro-batches in every step

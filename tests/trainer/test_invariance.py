@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 @pytest.mark.parametrize(
     "extra",
-    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8")],
-    ids=["1-process", "3-processes-uneven-accumulating"],
+    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8"), ("--nproc", "2", "--strategy", "fsdp")],
+    ids=["1-process", "3-processes-uneven-accumulating", "fsdp-2-processes"],
 )
 def test_same_result_on_any_number_of_processes(straight, tmp_path, extra):
     # 64 over 3 ranks is uneven (22/21/21); micro-batches of 8 make each rank accumulate.
