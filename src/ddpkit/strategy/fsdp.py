@@ -17,29 +17,31 @@ differ from DDP, and are handled here and where noted:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..errors import UsageError
 from .base import Strategy
 
-# Gathered on every rank, kept on rank 0 only, in CPU memory: what a checkpoint file holds.
-FULL_SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
-FULL_LOAD = StateDictOptions(full_state_dict=True)  # every rank passes the whole file's state
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+# torch's FSDP and DCP modules are imported where they are used: importing them costs about half
+# a second, which every run (ddp too: checkpoint and evaluation ask `is_sharded`) would pay.
+
+
+def _options(save: bool) -> Any:
+    """Gathered on every rank, kept on rank 0 only, in CPU memory: what a checkpoint file holds;
+    on load every rank passes the whole file's state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True) if save else StateDictOptions(full_state_dict=True)
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,15 @@ def check_settings(precision: str, compile: bool | dict) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a model that FSDP's `_wrap` sharded (its root is an FSDPModule)."""
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing was sharded
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def holds_dtensors(optimizer: torch.optim.Optimizer) -> bool:
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+    tensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+    return tensor is not None and any(
+        isinstance(p, tensor.DTensor) for group in optimizer.param_groups for p in group["params"]
+    )
 
 
 @contextlib.contextmanager
@@ -111,6 +117,8 @@ class FSDP(Strategy):
         self._checked: set[int] = set()  # optimizers check_optimizer accepted
 
     def _wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
         check_model(model)
         before = dict(model.named_parameters())
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward}
@@ -146,6 +154,8 @@ class FSDP(Strategy):
         # torch's clip_grad_norm_ on DTensor gradients reduces the norm over all shards already;
         # it returns a replicated DTensor.
         norm = super().clip_grad_norm(optimizer, max_norm)
+        from torch.distributed.tensor import DTensor
+
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
@@ -163,14 +173,18 @@ def check_model(model: nn.Module) -> None:
 def full_model_state(model: nn.Module) -> dict[str, Any]:
     """The sharded model's whole state_dict, bare keys, on rank 0 (CPU); {} elsewhere.
     Collective: every rank must call it."""
-    return get_model_state_dict(model, options=FULL_SAVE)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(save=True))
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state on rank 0 ({} elsewhere), in `Optimizer.state_dict()`'s own
     format (parameters numbered in param-group order), so it loads into the bare model's
     optimizer under single or ddp. Collective."""
-    full = get_optimizer_state_dict(model, optimizer, options=FULL_SAVE)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=_options(save=True))
     if not full:
         return {}
     number: dict[str, int] = {}
@@ -183,11 +197,15 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     """Load a whole (unsharded) state_dict into the sharded model: each rank keeps its shards."""
-    set_model_state_dict(model, state, options=FULL_LOAD)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(save=False))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load an `Optimizer.state_dict()`-format state (from any strategy) into the sharded one."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
@@ -203,4 +221,4 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         fqn_of.update(zip(saved["params"], fqns))
         groups.append({**saved, "params": fqns})
     full = {"state": {fqn_of[i]: s for i, s in state["state"].items()}, "param_groups": groups}
-    set_optimizer_state_dict(model, optimizer, full, options=FULL_LOAD)
+    set_optimizer_state_dict(model, optimizer, full, options=_options(save=False))
