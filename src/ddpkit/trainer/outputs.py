@@ -21,7 +21,7 @@ from ..errors import RunError
 from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, replace_with_log, write_json, write_yaml
 from ..plots import plot_curves
 from .config import TrainConfig
-from .resume import checkpoint_names
+from .resume import checkpoint_names, newest_checkpoint
 
 
 class Outputs:
@@ -73,11 +73,11 @@ class Outputs:
 
     def intact(self) -> str:
         """Which checkpoint a failed write left intact, for the message that ends the run."""
-        names = checkpoint_names(os.path.join(self.dir, "checkpoints"))
-        if not names:
+        newest = newest_checkpoint(self.dir)
+        if newest is None:
             return "no checkpoint was saved before it"
-        newest = os.path.join(self.dir, "checkpoints", names[-1])
-        return f"checkpoint {int(names[-1][len('step-') : -len('.pt')])} is intact ({newest})"
+        step = int(os.path.basename(newest)[len("step-") : -len(".pt")])
+        return f"checkpoint {step} is intact ({newest})"
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics is None:

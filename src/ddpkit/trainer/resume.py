@@ -253,14 +253,18 @@ RESUME_MUST_MATCH = (
 )
 
 
+def newest_checkpoint(out: str) -> str | None:
+    """The path of the newest complete checkpoint in `out`/checkpoints, or None."""
+    folder = os.path.join(out, "checkpoints")
+    names = checkpoint_names(folder)
+    return os.path.join(folder, names[-1]) if names else None
+
+
 def last_checkpoint(out: str) -> str:
     """'last checkpoint DIR/checkpoints/step-N.pt (continue with --resume auto)', or that there
     is none: what an interrupted run says."""
-    folder = os.path.join(out, "checkpoints")
-    names = checkpoint_names(folder)
-    if not names:
-        return "no checkpoint was written yet"
-    return f"last checkpoint {os.path.join(folder, names[-1])} (continue with --resume auto)"
+    newest = newest_checkpoint(out)
+    return f"last checkpoint {newest} (continue with --resume auto)" if newest else "no checkpoint was written yet"
 
 
 def checkpoint_names(folder: str) -> list[str]:
