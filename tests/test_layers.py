@@ -31,6 +31,7 @@ LAYERS = {
         "env",
         "precision",
         "strategy",
+        "shards",
         "checkpoint",
         "launcher",
     },

@@ -5,21 +5,22 @@ target, so a crash mid-write leaves the previous file intact; a full disk is an 
 naming the file, not torch's "unexpected pos". Reads use `torch.load(weights_only=True)`:
 tensors, numbers, strings and containers only.
 
-A model sharded by fsdp is saved whole (gathered through torch's DCP state-dict helpers, on
-every rank, kept by rank 0) with the bare model's keys, and its optimizer in
-`Optimizer.state_dict()`'s format: the file is the same as under single or ddp, and loads
-into any strategy on any number of processes.
+A state holding a model sharded by fsdp is saved as a checkpoint directory instead (see
+`shards`): every rank writes its own shards through torch's Distributed Checkpoint, nothing is
+gathered. Both forms load into any strategy on any number of processes. `state_of` gathers a
+sharded model whole when one file is wanted (model.pt).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, shards
 from .errors import UsageError
 from .files import atomic_write
 from .strategy import fsdp, unwrap
@@ -96,20 +97,41 @@ def sharded_model(state: dict[str, Any]) -> torch.nn.Module | None:
     return next((m for m in bare if fsdp.is_sharded(m)), None)
 
 
-def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Rank 0 writes `state` (see `state_of`); every rank waits until the file is complete. The
-    wait does not count against a short collective timeout (see dist.wait_for_main). With an
-    fsdp model every rank gathers the state first (a collective)."""
+def save(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    background: bool = False,
+    on_complete: Callable[[], None] | None = None,
+) -> shards.Pending | None:
+    """Rank 0 writes `state` (see `state_of`) to one file; every rank waits until the file is
+    complete. The wait does not count against a short collective timeout (see
+    dist.wait_for_main). With an fsdp model, `path` becomes a checkpoint directory of every
+    rank's shards instead (see `shards.save`; with `background` it is written from a thread,
+    and the returned `Pending` says when it is complete). Rank 0 calls `on_complete` once the
+    checkpoint is in place. Collective."""
     sharded = sharded_model(state)
-    if sharded is not None or dist.is_main():
-        whole = {key: state_of(value, sharded) for key, value in state.items()}
-        if dist.is_main():
-            save_file(path, whole)
+    if sharded is not None:
+        entries = {key: _bare(value) for key, value in state.items() if shards.in_shards(value)}
+        rest = {key: state_of(value) for key, value in state.items() if not shards.in_shards(value)}
+        return shards.save(path, entries, sharded, rest, background=background, on_complete=on_complete)
+    if dist.is_main():
+        save_file(path, {key: state_of(value) for key, value in state.items()})
+        if on_complete is not None:
+            on_complete()
     dist.wait_for_main()
+    return None
+
+
+def _bare(value: Any) -> Any:
+    return unwrap(value) if isinstance(value, torch.nn.Module) else value
 
 
 def load_into(path: str | os.PathLike, targets: dict[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint and each target's entry into it (modules unwrapped); the whole dict."""
+    """Load a checkpoint and each target's entry into it (modules unwrapped); the whole dict (of
+    a checkpoint directory: its entries other than modules and optimizers, which went straight
+    into their targets). Collective for a checkpoint directory or an fsdp target."""
+    if shards.is_checkpoint_dir(path):
+        return _load_dir(os.fspath(path), targets)
     state = load_file(path, map_location=map_location)
     sharded = sharded_model(targets)
     for key, target in targets.items():
@@ -117,6 +139,22 @@ def load_into(path: str | os.PathLike, targets: dict[str, Any], map_location: An
             raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
         load_state(target, state[key], sharded)
     return state
+
+
+def _load_dir(path: str, targets: dict[str, Any]) -> dict[str, Any]:
+    entries = {key: _bare(value) for key, value in targets.items() if shards.in_shards(value)}
+    modules = [value for value in entries.values() if isinstance(value, torch.nn.Module)]
+    model = sharded_model(targets) or (modules[0] if len(modules) == 1 else None)
+    if model is None and any(isinstance(v, torch.optim.Optimizer) for v in entries.values()):
+        raise UsageError("an optimizer is loaded from a checkpoint directory together with its (one) model")
+    rest = shards.load(path, entries, model)
+    for key, target in targets.items():
+        if key in entries:
+            continue
+        if key not in rest:
+            raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(rest)}")
+        load_state(target, rest[key])
+    return rest
 
 
 def load_state(target: Any, state: Any, sharded: torch.nn.Module | None = None) -> None:

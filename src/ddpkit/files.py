@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -92,7 +93,7 @@ def _temp_beside(path: str) -> tuple[int, str]:
 
 def prune_temp_files(folder: str | os.PathLike) -> list[str]:
     """Remove what writes in `folder` left when their process died mid-write (a SIGKILL, a
-    power cut: no `except` ran); the names removed. Only while no write of ours can be under
+    power cut: no `except` ran), files and checkpoint directories; the names removed. Only while no write of ours can be under
     way there: a run holds its directory's lock."""
     folder = os.fspath(folder)
     try:
@@ -100,9 +101,17 @@ def prune_temp_files(folder: str | os.PathLike) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, name))
+        remove(os.path.join(folder, name))
     return names
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove a file, or a directory with what it holds (a link itself, never what it names)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def json_safe(value: Any) -> Any:

@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 @pytest.mark.parametrize(
     "extra",
-    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8"), ("--nproc", "2", "--strategy", "fsdp")],
-    ids=["1-process", "3-processes-uneven-accumulating", "fsdp-2-processes"],
+    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8")],
+    ids=["1-process", "3-processes-uneven-accumulating"],
 )
 def test_same_result_on_any_number_of_processes(straight, tmp_path, extra):
     # 64 over 3 ranks is uneven (22/21/21); micro-batches of 8 make each rank accumulate.
@@ -48,3 +48,28 @@ def test_resume_on_another_number_of_processes(straight, tmp_path, nproc):
     assert resumed["results"]["steps"] == 46
     assert resumed["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
     assert max_diff(resumed["weights"], straight["weights"]) < ATOL_46_STEPS
+
+
+def test_fsdp_resumes_across_world_sizes_and_strategies(straight, tmp_path):
+    fsdp = train(tmp_path / "fsdp", "--nproc", "2", "--strategy", "fsdp")  # uninterrupted
+    assert max_diff(fsdp["weights"], straight["weights"]) < ATOL_46_STEPS
+    assert fsdp["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
+    # fsdp on 2 -> fsdp on 3 (uneven shards) -> one process (ddp) -> fsdp on 2, each resumed mid-epoch
+    out = tmp_path / "chain"
+    train(out, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "12")
+    sharded = out / "checkpoints" / "step-00000012"
+    assert sorted(p.name for p in sharded.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    train(out, "--nproc", "3", "--strategy", "fsdp", "--max-steps", "24", "--resume", "auto")
+    assert (out / "checkpoints" / "step-00000024" / "__2_0.distcp").is_file()
+    one = train(out, "--nproc", "1", "--max-steps", "34", "--resume", "auto")
+    assert "resumed from" in one["stdout"] and "step-00000024 at step 24" in one["stdout"]
+    assert (out / "checkpoints" / "step-00000034.pt").is_file()  # ddp on one process writes one file
+    last = train(out, "--nproc", "2", "--strategy", "fsdp", "--resume", "auto")
+    assert last["results"]["steps"] == 46
+    assert max_diff(last["weights"], straight["weights"]) < ATOL_46_STEPS
+    # on the same number of processes, a resumed fsdp run is bit-identical to the uninterrupted one
+    same = tmp_path / "same"
+    train(same, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "30")
+    resumed = train(same, "--nproc", "2", "--strategy", "fsdp", "--resume", "auto")
+    assert max_diff(resumed["weights"], fsdp["weights"]) == 0.0
+    assert resumed["results"]["final_train_loss"] == fsdp["results"]["final_train_loss"]

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import data, dist, models
+from .. import checkpoint, data, dist, models
 from ..errors import Interrupted
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
+from ..shards import Pending
 from ..strategy import local, unwrap
 from ..version import __version__
 from .config import TrainConfig
@@ -127,6 +128,8 @@ class Loop:
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
+        self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
+        self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
 
     def restore(self, path: str, restart: str | None = None) -> None:
         """Continue from the checkpoint at `path`; `restart` says why, after a restart."""
@@ -165,11 +168,14 @@ class Loop:
                 self.end_epoch(out, time.perf_counter() - t_epoch)
             self.save(out)
         self.check_finite()
+        self.wait_for_checkpoint()
         ev = self.rt.evaluate(self.model, self.test_loader)
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
         results = self.results(ev, rate, time.time() - t0)
         results["samples_per_second_basis"] = basis
+        # How long training stood still for checkpoints (fsdp writes them in the background).
+        results["checkpoint_seconds"] = round(self.checkpoint_seconds, 4)
         results.update(self.performance(rate))
         out.finish(results, self.model, self.run.history)
         return results
@@ -329,19 +335,36 @@ class Loop:
 
     def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
-        Collective: every rank calls it at the same step. Never saves weights trained on NaN."""
+        Collective: every rank calls it at the same step. Never saves weights trained on NaN.
+        Under fsdp every rank writes its own shards in the background while training goes
+        on; the next save (and the end of the run) waits for it first."""
         self.check_finite()
+        self.wait_for_checkpoint()
+        t0 = time.perf_counter()
         run_state = {**self.run.state_dict(self.rt), "throughput": self.figures()}
-        self.rt.save(
-            out.checkpoint_path(self.run.step),
-            model=self.model,
-            optimizer=self.opt,
-            scheduler=self.sched,
-            precision=self.rt.precision,
-            loader=self.train_loader,
-            run=run_state,
+        sharded = self.rt.strategy == "fsdp"
+        self.pending = checkpoint.save(
+            out.checkpoint_path(self.run.step, sharded),
+            {
+                "model": self.model,
+                "optimizer": self.opt,
+                "scheduler": self.sched,
+                "precision": self.rt.precision,
+                "loader": self.train_loader,
+                "run": run_state,
+            },
+            background=sharded,
+            on_complete=out.prune_checkpoints,
         )
-        out.prune_checkpoints()
+        self.checkpoint_seconds += time.perf_counter() - t0
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the checkpoint being written in the background (if any) is complete."""
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            pending, self.pending = self.pending, None
+            pending.wait()
+            self.checkpoint_seconds += time.perf_counter() - t0
 
     def performance(self, rate: float) -> dict[str, Any]:
         """Step-time percentiles (rank 0's; warm-up and compilation apart), peak memory of

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..checkpoint import save_file, state_of
 from ..errors import RunError
-from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, replace_with_log, write_json, write_yaml
+from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, remove, replace_with_log, write_json, write_yaml
 from ..plots import plot_curves
 from .config import TrainConfig
 from .resume import checkpoint_names, newest_checkpoint
@@ -98,8 +98,9 @@ class Outputs:
 
         return tqdm(loader, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch", leave=False)
 
-    def checkpoint_path(self, step: int) -> str:
-        return os.path.join(self.dir, "checkpoints", f"step-{step:08d}.pt")
+    def checkpoint_path(self, step: int, sharded: bool = False) -> str:
+        """Where step `step`'s checkpoint goes: one file, or (`sharded`: fsdp) a directory."""
+        return os.path.join(self.dir, "checkpoints", f"step-{step:08d}" + ("" if sharded else ".pt"))
 
     def prune_checkpoints(self) -> None:
         """Keep the newest --keep-checkpoints; older ones go only after the new one is complete."""
@@ -107,7 +108,7 @@ class Outputs:
             return
         folder = os.path.join(self.dir, "checkpoints")
         for name in checkpoint_names(folder)[: -self.cfg.keep_checkpoints]:
-            os.unlink(os.path.join(folder, name))
+            remove(os.path.join(folder, name))
 
     def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
         """Rank 0 writes model.pt, results.json and the plot. Collective: every rank calls it

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import checks, models
+from .. import checks, models, shards
 from ..checkpoint import load_file
 from ..dist import detect_env
 from ..errors import IncompatibleCheckpoint, UsageError
@@ -103,7 +104,12 @@ def check_resumable(
 ) -> None:
     """Raise UsageError unless `path` is a readable training checkpoint that this config can
     continue: same model, optimizer and dataset, and epochs left to run."""
-    state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
+    sharded = shards.is_checkpoint_dir(path)
+    if sharded:  # fsdp's checkpoint directory: its metadata and state.pt, checked; no tensor read
+        metadata = shards.read_metadata(path)
+        state = {**shards.read_rest(path), "model": {}, "optimizer": {}}
+    else:
+        state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
     need = ("model", "optimizer", "scheduler", "loader", "run")
     missing = [k for k in need if not isinstance(state, dict) or k not in state]
     if missing:
@@ -125,6 +131,16 @@ def check_resumable(
             f"checkpoint {path}: the run already finished its {run['epoch']} epochs; raise --epochs to continue it"
         )
     model = models.build(cfg.model, in_shape, num_classes)
+    if sharded:
+        want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        problem = shards.shape_problem(shards.saved_shapes(metadata, "model"), want)
+        if problem:
+            raise IncompatibleCheckpoint(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({problem})")
+        if not shards.saved_shapes(metadata, "optimizer") and not any(
+            key.startswith("optimizer.") for key in metadata.state_dict_metadata
+        ):
+            raise UsageError(f"checkpoint {path}: damaged or not written by ddpkit train (no optimizer state)")
+        return
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
@@ -267,12 +283,17 @@ def last_checkpoint(out: str) -> str:
     return f"last checkpoint {newest} (continue with --resume auto)" if newest else "no checkpoint was written yet"
 
 
+CHECKPOINT_NAME = re.compile(r"step-(\d+)(\.pt)?")  # a file, or (fsdp) a directory of shards
+
+
 def checkpoint_names(folder: str) -> list[str]:
-    """Complete checkpoints in `folder`, oldest first. Writes go to '.tmp-*' files renamed
-    only when complete, so a half-written file never has a checkpoint's name."""
+    """Complete checkpoints in `folder`, oldest first: 'step-N.pt' files and (fsdp) 'step-N'
+    directories. Writes go to '.tmp-*' names renamed only when complete, so a half-written
+    checkpoint never has a checkpoint's name."""
     if not os.path.isdir(folder):
         return []
-    return sorted(n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(".pt"))
+    found = [(m, n) for n in os.listdir(folder) if (m := CHECKPOINT_NAME.fullmatch(n))]
+    return [n for m, n in sorted(found, key=lambda pair: (int(pair[0][1]), pair[1]))]
 
 
 class RunState:

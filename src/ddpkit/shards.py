@@ -1,0 +1,379 @@
+"""Sharded checkpoints (fsdp): a directory in which every rank writes its own shards through
+torch's Distributed Checkpoint (DCP), read back onto any number of processes and into any
+strategy, without unpickling code.
+
+A checkpoint directory holds:
+
+    .metadata, __R_0.distcp   DCP's files: "model" and "optimizer", in the fully-qualified-name
+                              form of torch's state-dict helpers (each rank's own shards)
+    state.pt                  everything else (scheduler, loader position, run state): one
+                              file rank 0 writes, read with weights_only=True
+
+It is written under a `.tmp-*` name beside its final one and renamed once every rank's shards,
+DCP's metadata and state.pt are on disk, so a directory with a checkpoint's name is complete.
+Its metadata is read here, not by DCP: DCP unpickles `.metadata` with plain `pickle.load`, and
+the optimizer's non-tensor entries with `torch.load(weights_only=False)`, either of which runs
+whatever code a planted file carries. `read_metadata` admits only DCP's own metadata classes,
+and non-tensor entries load with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import threading
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from . import dist
+from .errors import UsageError
+from .files import TEMP_PREFIX, remove
+
+STATE_FILE = "state.pt"
+METADATA_FILE = ".metadata"
+DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # what DCP's FileSystemWriter names its data files
+
+# Everything DCP's metadata pickle holds (torch 2.13): its dataclasses, tensor sizes and dtypes.
+ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+}
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path)
+
+
+class _Refused(pickle.UnpicklingError):
+    """The metadata pickle names a global outside DCP's metadata classes."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def read_metadata(path: str | os.PathLike) -> Any:
+    """DCP's metadata of the checkpoint directory `path`, checked: every data file it names is
+    one of DCP's, inside the directory, and long enough for what it is said to hold. Raises
+    UsageError naming the directory when the checkpoint is incomplete, damaged or would run
+    code."""
+    path = os.fspath(path)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(where):  # DCP would fall back to per-rank metadata files: never
+        raise UsageError(f"checkpoint {path}: incomplete (no {METADATA_FILE}: its write never finished)")
+    try:
+        with open(where, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except _Refused as err:
+        raise UsageError(f"checkpoint {path}: refused, loading its {METADATA_FILE} would run code ({err})") from None
+    except Exception:  # noqa: BLE001 - garbage bytes fail anywhere inside the unpickler
+        raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} is not readable)") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} is not DCP metadata)")
+    _check_data_files(path, metadata.storage_data)
+    return metadata
+
+
+def _check_data_files(path: str, storage: dict[Any, Any]) -> None:
+    need: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(name, str) and DATA_FILE.fullmatch(name)) or not all(
+            isinstance(v, int) and v >= 0 for v in (offset, length)
+        ):
+            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} names a data file {name!r})")
+        need[name] = max(need.get(name, 0), offset + length)
+    for name, size in sorted(need.items()):
+        try:
+            have = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            raise UsageError(f"checkpoint {path}: incomplete ({name} is missing)") from None
+        if have < size:
+            raise UsageError(f"checkpoint {path}: truncated ({name} holds {have} of {size} bytes)")
+
+
+def saved_shapes(metadata: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The whole (unsharded) shapes of the tensors saved under `prefix` ('model'), by name."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    head = prefix + "."
+    return {
+        key[len(head) :]: tuple(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(head) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def _reader(path: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # DCP's own loads these with weights_only=False: numbers, strings and lists suffice.
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner()
+
+
+def _dcp_state(entries: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Each entry's state in the helpers' form: each rank's own shards of an fsdp model, whole
+    tensors of a replicated one; an optimizer's (of `model`) keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {
+        key: get_model_state_dict(value)
+        if isinstance(value, torch.nn.Module)
+        else get_optimizer_state_dict(model, value)
+        for key, value in entries.items()
+    }
+
+
+def in_shards(value: Any) -> bool:
+    """Whether a checkpoint entry goes through DCP (modules and optimizers) or into state.pt."""
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
+
+
+class Pending:
+    """A checkpoint being written in the background: `wait()` until it is complete (raising
+    what went wrong). Rank 0 renames it into place as soon as every rank's write is done."""
+
+    def __init__(self, future: Future, path: str) -> None:
+        self.future, self.path = future, path
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        try:
+            self.future.result()
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(err)}") from None
+
+
+_async_group: Any = None
+_lock = threading.Lock()
+
+
+def save(
+    path: str | os.PathLike,
+    entries: dict[str, Any],
+    model: torch.nn.Module,
+    rest: dict[str, Any],
+    background: bool = False,
+    on_complete: Callable[[], None] | None = None,
+) -> Pending | None:
+    """Write a checkpoint directory at `path`: the shards of `entries` (the bare `model` and
+    its optimizers, by key) from every rank, `rest` (already in its saved form) from rank 0.
+    Collective.
+
+    With `background`, DCP copies this rank's shards to memory and writes them from a thread;
+    training goes on, and the returned `Pending` completes when every rank's write is done.
+    Rank 0 then renames the directory into place and calls `on_complete`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    global _async_group
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    tmp = dist.broadcast_object(os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:8]}"))
+    if dist.is_main():
+        os.makedirs(tmp)
+        _save_rest(os.path.join(tmp, STATE_FILE), rest)
+    state = _dcp_state(entries, model)
+    writer = FileSystemWriter(tmp)
+    no_dist = dist.world_size() == 1
+    if not background:
+        try:
+            dcp.save(state, storage_writer=writer, no_dist=no_dist)
+        except BaseException as err:
+            remove(tmp)
+            raise _as_oserror(err, path) from None
+        if dist.is_main():
+            _put_in_place(tmp, path)
+            if on_complete is not None:
+                on_complete()
+        dist.wait_for_main()
+        return None
+    if not no_dist and _async_group is None:
+        # DCP's background collectives must not share a group with training's (gloo aborts on
+        # the interleaving): one group of its own, made once, by every rank here.
+        _async_group = torch.distributed.new_group(backend="gloo")
+    future = dcp.async_save(state, storage_writer=writer, process_group=_async_group, no_dist=no_dist)
+    pending = Pending(future, path)
+    if dist.is_main():
+
+        def finish(done: Future) -> None:
+            if done.exception() is None:
+                with _lock:
+                    _put_in_place(tmp, path)
+                    if on_complete is not None:
+                        on_complete()
+
+        future.add_done_callback(finish)
+    return pending
+
+
+def _save_rest(where: str, rest: dict[str, Any]) -> None:
+    from .checkpoint import save_file
+
+    save_file(where, rest)
+
+
+def _put_in_place(tmp: str, path: str) -> None:
+    """Rename the finished directory `tmp` to `path` (replacing an older one there)."""
+    old = None
+    if os.path.lexists(path):
+        old = f"{os.path.dirname(path)}/{TEMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    if old is not None:
+        remove(old)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    # DCP's CheckpointException lists each rank's traceback: keep the innermost error's line.
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    return (errors[-1] if errors else lines[0] if lines else type(err).__name__)[:300]
+
+
+def _as_oserror(err: BaseException, path: str) -> BaseException:
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return err
+    if isinstance(err, OSError):
+        return err
+    return OSError(f"checkpoint {path}: the write failed: {_first_line(err)}")
+
+
+def read_rest(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint directory's state.pt (everything but model and optimizer), checked."""
+    from .checkpoint import load_file
+
+    path = os.fspath(path)
+    where = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(where):
+        raise UsageError(f"checkpoint {path}: incomplete (no {STATE_FILE})")
+    try:
+        rest = load_file(where)
+    except UsageError as err:
+        raise UsageError(str(err).replace(f"checkpoint {where}", f"checkpoint {path}: {STATE_FILE}")) from None
+    if not isinstance(rest, dict):
+        raise UsageError(f"checkpoint {path}: damaged ({STATE_FILE} is not a dict)")
+    return rest
+
+
+def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:
+    """Load the directory's entries into `targets` (the bare `model` and its optimizers, by key;
+    fsdp: each rank reads its own shards, whatever the world size that wrote them; replicated:
+    every rank reads the whole tensors). Collective under a process group. Returns state.pt's
+    entries."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    path = os.fspath(path)
+    metadata = read_metadata(path)
+    rest = read_rest(path)
+    if not targets:
+        return rest
+    state = _dcp_state(targets, model)
+    _check_keys(path, metadata, state, targets)
+    try:
+        with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_reader(path), planner=_planner(), no_dist=dist.world_size() == 1)
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise UsageError(f"checkpoint {path}: does not load ({_first_line(err)})") from None
+    for key, target in targets.items():
+        if isinstance(target, torch.nn.Module):
+            set_model_state_dict(target, state[key])
+        else:
+            set_optimizer_state_dict(model, target, state[key])
+    return rest
+
+
+def _check_keys(path: str, metadata: Any, state: dict[str, Any], targets: dict[str, Any]) -> None:
+    """Refuse, in one line, a checkpoint whose model does not fit (rather than DCP's per-rank
+    tracebacks, or a hang when ranks disagree)."""
+    saved_keys = metadata.state_dict_metadata
+    for key, target in targets.items():
+        if not any(k.startswith(key + ".") for k in saved_keys):
+            have = sorted({k.split(".")[0] for k in saved_keys})
+            raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {have}")
+        if isinstance(target, torch.nn.Module):
+            want = {name: tuple(t.shape) for name, t in state[key].items() if isinstance(t, torch.Tensor)}
+            problem = shape_problem(saved_shapes(metadata, key), want)
+            if problem:
+                raise UsageError(f"checkpoint {path}: its weights do not fit this model ({problem})")
+
+
+def shape_problem(saved: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> str | None:
+    missing = sorted(set(want) - set(saved))
+    unexpected = sorted(set(saved) - set(want))
+    if missing:
+        return f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+    if unexpected:
+        return f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
+    for name in want:
+        if saved[name] != want[name]:
+            return f"{name} is {list(saved[name])} in the checkpoint, {list(want[name])} here"
+    return None
