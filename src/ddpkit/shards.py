@@ -19,6 +19,7 @@ and non-tensor entries load with `weights_only=True`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -26,7 +27,7 @@ import re
 import threading
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -232,7 +233,8 @@ def save(
     no_dist = dist.world_size() == 1
     if not background:
         try:
-            dcp.save(state, storage_writer=writer, no_dist=no_dist)
+            with _one_process_quiet():
+                dcp.save(state, storage_writer=writer, no_dist=no_dist)
         except BaseException as err:
             remove(tmp)
             raise _as_oserror(err, path) from None
@@ -265,6 +267,14 @@ def _save_rest(where: str, rest: dict[str, Any]) -> None:
     from .checkpoint import save_file
 
     save_file(where, rest)
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns, on every save and load, that it assumes one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _put_in_place(tmp: str, path: str) -> None:
@@ -336,8 +346,7 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     state = _dcp_state(targets, model)
     _check_keys(path, metadata, state, targets)
     try:
-        with warnings.catch_warnings():  # one process: DCP warns that it assumes so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _one_process_quiet():
             dcp.load(state, storage_reader=_reader(path), planner=_planner(), no_dist=dist.world_size() == 1)
     except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):

@@ -25,6 +25,7 @@ def train(out, *extra: str) -> dict:
         "results": json.loads((out / "results.json").read_text()),
         "weights": torch.load(out / "model.pt", weights_only=True),
         "stdout": proc.stdout,
+        "stderr": proc.stderr,
     }
 
 

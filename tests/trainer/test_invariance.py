@@ -56,10 +56,14 @@ def test_fsdp_resumes_across_world_sizes_and_strategies(straight, tmp_path):
     assert fsdp["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
     # fsdp on 2 -> fsdp on 3 (uneven shards) -> one process (ddp) -> fsdp on 2, each resumed mid-epoch
     out = tmp_path / "chain"
-    train(out, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "12")
+    train(out, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "12", "--checkpoint-every", "6")
     sharded = out / "checkpoints" / "step-00000012"
     assert sorted(p.name for p in sharded.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
-    train(out, "--nproc", "3", "--strategy", "fsdp", "--max-steps", "24", "--resume", "auto")
+    shard = sharded / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])  # a damaged copy: never picked, the older one is
+    three = train(out, "--nproc", "3", "--strategy", "fsdp", "--max-steps", "24", "--resume", "auto")
+    assert "skipped" in three["stderr"] and "step-00000012: truncated (__1_0.distcp holds" in three["stderr"]
+    assert "step-00000006 at step 6" in three["stdout"]
     assert (out / "checkpoints" / "step-00000024" / "__2_0.distcp").is_file()
     one = train(out, "--nproc", "1", "--max-steps", "34", "--resume", "auto")
     assert "resumed from" in one["stdout"] and "step-00000024 at step 24" in one["stdout"]

@@ -1,0 +1,151 @@
+"""`shards`: checkpoint directories (fsdp's, through torch's DCP) read without running code,
+and never taken for complete when they are not. One process here; the multi-process writes
+and the resumes onto other world sizes are in tests/core/test_strategy.py and
+tests/trainer/test_invariance.py."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit import checkpoint, shards
+from ddpkit.errors import UsageError
+from ddpkit.trainer import TrainConfig
+from ddpkit.trainer.resume import check_resumable, resume_path
+from tests.conftest import run_cli
+from tests.core.test_checkpoint import _Payload
+
+
+def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _trained()
+    shards.save(path, {"model": model, "optimizer": opt}, model, {"loader": {"position": 3}})
+    return model, opt
+
+
+@pytest.mark.unit
+def test_a_directory_round_trip_restores_model_optimizer_and_the_rest(tmp_path):
+    model, opt = _save(tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "state.pt"]
+    fresh, fresh_opt = _trained(seed=1)
+    rest = checkpoint.load_into(tmp_path / "ck", {"model": fresh, "optimizer": fresh_opt})
+    assert rest == {"loader": {"position": 3}}
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value)
+    saved, loaded = opt.state_dict(), fresh_opt.state_dict()
+    for i, state in saved["state"].items():
+        assert all(torch.equal(state[k], loaded["state"][i][k]) for k in state)
+    assert loaded["param_groups"][0]["lr"] == 0.01
+    # a model of another shape is one line, before DCP reads anything
+    with pytest.raises(UsageError, match=r"do not fit this model \(0.weight is \[7, 5\] in the checkpoint, \[9, 5\]"):
+        checkpoint.load_into(tmp_path / "ck", {"model": nn.Sequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 3))})
+
+
+@pytest.mark.unit
+def test_a_planted_metadata_pickle_never_runs(tmp_path):
+    _save(tmp_path / "ck")
+    marker = tmp_path / "payload-ran"
+    with open(tmp_path / "ck" / ".metadata", "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    model, opt = _trained()
+    with pytest.raises(UsageError, match=r"ck: refused, loading its .metadata would run code \(posix.system\)"):
+        checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
+    with pytest.raises(UsageError, match="would run code"):
+        shards.read_metadata(tmp_path / "ck")
+    assert not marker.exists()
+
+
+@pytest.mark.unit
+def test_a_planted_optimizer_entry_never_runs(tmp_path):
+    # DCP's metadata is clean, but a non-tensor entry (an optimizer's lr) holds a pickle that runs
+    # code: DCP itself would load it with torch.load(weights_only=False).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model, opt = _trained()
+    marker = tmp_path / "payload-ran"
+    optim_state = get_optimizer_state_dict(model, opt)
+    optim_state["param_groups"][0]["lr"] = _Payload(marker)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optimizer": optim_state}, checkpoint_id=tmp_path / "ck", no_dist=True
+    )
+    checkpoint.save_file(tmp_path / "ck" / "state.pt", {})
+    with pytest.raises(UsageError, match=r"ck: does not load \(.*Weights only load failed"):
+        checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
+    assert not marker.exists()
+
+
+@pytest.mark.unit
+def test_incomplete_truncated_or_misdirected_directories_are_refused(tmp_path):
+    _save(tmp_path / "ck")
+    shards.read_metadata(tmp_path / "ck")  # intact
+    data = tmp_path / "ck" / "__0_0.distcp"
+    whole = data.read_bytes()
+    data.write_bytes(whole[:-10])
+    with pytest.raises(
+        UsageError, match=rf"ck: truncated \(__0_0.distcp holds {len(whole) - 10} of {len(whole)} bytes\)"
+    ):
+        shards.read_metadata(tmp_path / "ck")
+    data.unlink()
+    with pytest.raises(UsageError, match=r"incomplete \(__0_0.distcp is missing\)"):
+        shards.read_metadata(tmp_path / "ck")
+    data.write_bytes(whole)
+    # metadata naming a file outside the directory: refused before anything is read
+    metadata = shards.read_metadata(tmp_path / "ck")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere"
+    with open(tmp_path / "ck" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UsageError, match=r"names a data file '../elsewhere'"):
+        shards.read_metadata(tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").unlink()  # a write that never finished: DCP writes it last
+    with pytest.raises(UsageError, match=r"incomplete \(no .metadata"):
+        shards.read_metadata(tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(UsageError, match=r"damaged \(.metadata is not readable\)"):
+        shards.read_metadata(tmp_path / "ck")
+
+
+@pytest.mark.unit
+def test_resume_never_runs_a_planted_checkpoint_directory(tmp_path):
+    """--resume PATH and --resume auto check a directory before any worker starts: one line,
+    exit 2 (auto: skipped, and with nothing else usable, exit 2), and the pickle never runs."""
+    out = tmp_path / "out"
+    planted = out / "checkpoints" / "step-00000007"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "payload-ran"
+    with open(planted / ".metadata", "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    cfg = TrainConfig(device="cpu", out=str(out), resume="auto")
+    with pytest.raises(
+        UsageError, match=r"none of the 1 checkpoints .* \(step-00000007: refused, loading its .metadata would run code"
+    ):
+        resume_path(cfg, (1, 8, 8), 10)
+    with pytest.raises(UsageError, match="would run code"):
+        check_resumable(str(planted), cfg, (1, 8, 8), 10)
+    assert not marker.exists()
+
+
+@pytest.mark.cli
+def test_ddpkit_train_resume_path_refuses_a_planted_directory(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "payload-ran"
+    with open(planted / ".metadata", "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    proc = run_cli("train", "--device", "cpu", "--out", str(tmp_path / "other"), "--resume", str(planted))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("refused, loading its .metadata would run code (posix.system)")
+    assert not marker.exists()
