@@ -198,3 +198,24 @@ def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
     for pid in alive:  # leave nothing behind, even when failing
         os.kill(pid, signal.SIGKILL)
     assert not alive, "script workers outlived their launcher"
+
+
+def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(tmp_path):
+    fsdp = ("--strategy", "fsdp")
+    reference = _start(tmp_path / "reference", *fsdp)
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err[-2000:]
+    out = tmp_path / "run"
+    proc = _start(out, *fsdp, "--max-restarts", "1")
+    _wait_for(proc, lambda: (out / "checkpoints" / "step-00000008" / ".metadata").exists(), "a sharded checkpoint")
+    time.sleep(0.15)  # into the next steps, with the write of 8 done or under way in the background
+    victim = _workers(proc)[-1]
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
+    assert len(restart) == 1 and f"(pid {victim}) was killed by SIGKILL" in restart[0], stdout + stderr
+    assert re.search(r"resumed from \S+/checkpoints/step-000000\d\d at step", restart[0]), restart[0]
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # the interrupted writes were pruned or finished
+    ref, got = _weights(tmp_path / "reference"), _weights(out)
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill under fsdp"
