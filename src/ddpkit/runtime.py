@@ -33,6 +33,7 @@ from .evaluation import evaluate
 from .log import print0
 from .precision import Precision
 from .seed import seed_everything, seed_rank
+from .shards import Pending
 from .strategy import DDPOptions, FSDPOptions
 from .strategy.fsdp import check_settings as check_fsdp_settings
 
@@ -340,14 +341,24 @@ class Runtime:
         return dist.gather_objects(obj)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, **state: Any) -> None:
+    def save(self, path: str | os.PathLike, background: bool = False, **state: Any) -> Pending | None:
         """Write a checkpoint of `state` (modules, optimizers, anything with state_dict(), or
-        plain values). Rank 0 writes a temp file and renames it; all ranks wait for it.
-        Modules are unwrapped first: no `module.` prefixes in the file. The other ranks' wait
-        does not count against `timeout_s` (see dist.wait_for_main)."""
-        checkpoint.save(path, state)
+        plain values). Modules are unwrapped first: no `module.` prefixes. Collective.
+
+        Replicated models (single, ddp, dp): rank 0 writes one file (temp file, then rename);
+        all ranks wait for it, and the wait does not count against `timeout_s` (see
+        dist.wait_for_main). A model sharded by fsdp: `path` becomes a directory in which every
+        rank writes its own shards through torch's Distributed Checkpoint, renamed into place
+        once complete; with `background=True` the shards are copied to memory and written from
+        a thread while training goes on, and the returned handle's `wait()` blocks until the
+        checkpoint is complete (call it before the next save). Either form loads with `load()`
+        into any strategy on any number of processes."""
+        return checkpoint.save(path, state, background=background)
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
-        """Load a checkpoint written by `save()` (with `weights_only=True`: no code runs).
-        Each target's entry is loaded into it; returns the whole loaded dict."""
+        """Load a checkpoint written by `save()`, a file or an fsdp checkpoint directory, into
+        this run's strategy and world size; no code in it runs (files load with
+        `weights_only=True`; a directory's metadata admits only DCP's own classes). Each target's
+        entry is loaded into it; returns the loaded dict (of a directory: its entries other than
+        modules and optimizers). Collective for a directory or an fsdp target."""
         return checkpoint.load_into(path, targets, map_location=self.device)

@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "precision": "ddpkit.bench.precision",
     "comm": "ddpkit.bench.comm",
     "strategies": "ddpkit.bench.strategies",
+    "checkpoint": "ddpkit.bench.checkpoint",
     "models": "ddpkit.bench.models",
     "fast-cifar": "ddpkit.bench.fast_cifar",
 }
