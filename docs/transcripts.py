@@ -322,6 +322,7 @@ VOLATILE = [  # timings, throughput and memory: they differ from run to run
     (re.compile(r"\b\d+(\.\d+)? (s|ms)\b"), r"N \2"),
     (re.compile(r"[\d,]+( / [\d,]+)* MiB"), "N MiB"),
     (re.compile(r"^[WIE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "), "W "),  # torch's log prefix
+    (re.compile(r"\(pid \d+\)"), "(pid N)"),  # a process id differs every run
 ]
 
 
