@@ -145,13 +145,21 @@ def invariant_steps(
     n: int = 90,
     max_grad_norm: float | None = None,
     strategy: str = "ddp",
+    precision: str = "fp32",
+    fsdp: dict | None = None,
+    compile: bool = False,
 ) -> dict:
-    """`steps` SGD steps of a fixed model on a fixed set: what 1, 2 and 3 ranks must agree on."""
-    with ddpkit.Runtime(strategy, device="cpu", seed=5) as rt:
+    """`steps` SGD steps of a fixed model on a fixed set: what 1, 2 and 3 ranks must agree on.
+    Also returns the exact loss over the whole set before and after, the dtypes of the
+    (sharded) parameters, the GradScaler's scale (fp16) and this process's compiled graphs."""
+    from ddpkit.strategy import compiled_graphs
+
+    with ddpkit.Runtime(strategy, precision, device="cpu", seed=5, fsdp=fsdp, compile=compile) as rt:
         model = toy_model(seed=5)
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         model, opt = rt.setup(model, opt)
         loader = rt.loader(toy_data(n, seed=2), batch_size=global_batch, micro_batch_size=micro)
+        loss_before = rt.evaluate(model, toy_data(n, seed=2), batch_size=32)["loss"]
         done = 0
         while done < steps:
             for x, y in loader:
@@ -159,7 +167,42 @@ def invariant_steps(
                 done += rt.step(opt, max_grad_norm=max_grad_norm)
                 if done == steps and rt.step_ready:
                     break
-        return {"params": flat_params(model), "position": (loader.epoch, loader.position), "strategy": rt.strategy}
+        scaler = rt.precision.scaler
+        return {
+            "params": flat_params(model),
+            "position": (loader.epoch, loader.position),
+            "strategy": rt.strategy,
+            "loss": (loss_before, rt.evaluate(model, toy_data(n, seed=2), batch_size=32)["loss"]),
+            "dtypes": {p.dtype for p in model.parameters()},
+            "scale": scaler.get_scale() if scaler else None,
+            "graphs": compiled_graphs(),
+        }
+
+
+def several_runs(runs: dict[str, dict]) -> dict:
+    """`invariant_steps(**kwargs)` for each name -> kwargs, one after another in one job: the
+    outer Runtime's process group serves them all (a Runtime uses a group that exists)."""
+    with ddpkit.Runtime(device="cpu"):
+        return {name: invariant_steps(**kwargs) for name, kwargs in runs.items()}
+
+
+def fsdp_fp16_overflow_on_one_rank() -> dict:
+    """An fp16 step under fsdp whose gradient overflows in rank 1's shard only: what each rank
+    did with it (every rank must skip the step and halve the scale, or the shards diverge)."""
+    from ddpkit.strategy import local  # this rank's shard, sharing its memory
+
+    with ddpkit.Runtime("fsdp", "fp16", device="cpu", seed=5) as rt:
+        model = toy_model(seed=5)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+        before = [local(p).clone() for p in model.parameters()]
+        scale = rt.precision.scaler.get_scale()
+        x, y = toy_data(8, seed=2).tensors
+        rt.backward(F.cross_entropy(model(x[rt.rank :: 2]), y[rt.rank :: 2]))
+        if rt.rank == 1:
+            local(next(model.parameters()).grad)[0, 0] = float("inf")  # this rank's shard only
+        rt.step(opt)
+        unchanged = all(torch.equal(b, local(p)) for b, p in zip(before, model.parameters()))
+        return {"unchanged": unchanged, "scale": (scale, rt.precision.scaler.get_scale())}
 
 
 def rank_streams() -> dict:

@@ -104,8 +104,12 @@ def detect_env() -> DistEnv:
     return DistEnv()
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
+    """gloo on CPU, NCCL on CUDA; with `cpu_collectives`, NCCL for CUDA tensors and gloo for
+    CPU ones (fsdp's CPU offload keeps the shards and their gradients in host memory)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
 
 # Waiting while rank 0 writes a checkpoint or the final outputs is not a stalled peer: those
@@ -115,8 +119,9 @@ IO_TIMEOUT_S = 1800.0
 _io_group: Any = None
 
 
-def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> bool:
+def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_collectives: bool = False) -> bool:
     """Create the default process group for `env` unless one exists. True if this call made it.
+    `cpu_collectives`: on CUDA, also reduce CPU tensors (see backend_for).
 
     Does nothing for a single process: every helper below works without a group.
     """
@@ -130,7 +135,7 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> bool:
         # "guessing device id" warning on the first barrier.
         kwargs["device_id"] = device
     tdist.init_process_group(
-        backend=backend_for(device),
+        backend=backend_for(device, cpu_collectives),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -27,6 +27,11 @@ class Precision:
         # is scaled up first. bf16 has fp32's range and needs no scaler.
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the forward computes in: bfloat16, float16, or float32."""
+        return _DTYPES.get(self.name, torch.float32)
+
     def autocast(self) -> AbstractContextManager[Any]:
         if self.name == "fp32":
             return contextlib.nullcontext()

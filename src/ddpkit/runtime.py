@@ -35,7 +35,6 @@ from .precision import Precision
 from .seed import seed_everything, seed_rank
 from .shards import Pending
 from .strategy import DDPOptions, FSDPOptions
-from .strategy.fsdp import check_settings as check_fsdp_settings
 
 __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
 
@@ -49,20 +48,22 @@ class Runtime:
     Args:
         strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'fsdp'
             (FSDP2: parameters, gradients and optimizer state sharded over the processes; on
-            one process the bare model; fp32 only, no compile, no BatchNorm yet), 'dp'
-            (nn.DataParallel over the visible GPUs, one process) or 'single'.
-        precision: 'fp32', 'bf16' or 'fp16' (autocast; fp16 adds a GradScaler).
+            one process the bare model; no BatchNorm models yet), 'dp' (nn.DataParallel over
+            the visible GPUs, one process) or 'single'.
+        precision: 'fp32', 'bf16' or 'fp16' (autocast; under fsdp FSDP2's mixed-precision
+            policy, fp32 shards and fp32 gradient reduction; fp16 adds a GradScaler).
         device: 'auto', 'cpu' or 'cuda'.
         seed: seeds torch, NumPy and `random` on every rank before you build the model.
         timeout_s: how long a collective may wait for the slowest rank before failing.
         channels_last: model and image batches in NHWC layout (faster convolutions on tensor
             cores, with bf16/fp16).
         compile: torch.compile the model inside the strategy's wrapper (True, or a dict of
-            torch.compile options); rank 0 warns when the first step compiled nothing.
+            torch.compile options; under fsdp each shard unit's forward); rank 0 warns when
+            the first step compiled nothing.
         ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
             comm hook): a `DDPOptions` or a dict of its fields.
-        fsdp: FSDP2's options (which submodules are shard units, reshard after forward): an
-            `FSDPOptions` or a dict of its fields.
+        fsdp: FSDP2's options (which submodules are shard units, reshard after forward, the
+            gradients' reduce dtype, CPU offload): an `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
             fastest (default: on for CUDA; results may then differ in the last bits run to run).
     """
@@ -89,19 +90,23 @@ class Runtime:
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Without this every process starts one thread per core and they fight over them.
             torch.set_num_threads(max(1, cpu_count() // self.env.local_world_size))
-        self._owns_group = dist.init(self.env, self.device, timeout_s)
+        try:
+            fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
+        except TypeError as err:  # an unknown field
+            raise UsageError(f"Runtime(fsdp=...): {err}") from None
+        # Offloaded shards and their gradients are CPU tensors: reducing them (the clipping norm,
+        # fp16's inf check, the finite check) on CUDA needs gloo beside NCCL, as torchtitan does.
+        cpu_collectives = strategy == "fsdp" and fsdp_options.cpu_offload
+        self._owns_group = dist.init(self.env, self.device, timeout_s, cpu_collectives)
         try:
             self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
             self.ddp_options.check_device(self.device.type)
             self.ddp_options.check_compile(compile)
-            fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
             self.precision = Precision(precision, self.device)
-            if strategy == "fsdp":
-                check_fsdp_settings(precision, compile)
             self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
-        except TypeError as err:  # an unknown DDPOptions or FSDPOptions field
+        except TypeError as err:  # an unknown DDPOptions field
             self.close()
-            raise UsageError(f"Runtime(ddp=...) or Runtime(fsdp=...): {err}") from None
+            raise UsageError(f"Runtime(ddp=...): {err}") from None
         except BaseException:
             self.close()
             raise
@@ -161,7 +166,8 @@ class Runtime:
         Parameters are moved in place, so an optimizer built on the bare model before this call
         keeps pointing at the right tensors (fsdp replaces them with sharded ones: pass such an
         optimizer here, and it is pointed at those). Under bf16/fp16 the wrapped model's forward runs
-        in autocast and returns fp32 outputs, so the loss is computed in full precision.
+        in autocast (fsdp: in FSDP2's mixed-precision policy) and returns fp32 outputs, so the
+        loss is computed in full precision.
         """
         self._check_compiled = bool(self.compile)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)

@@ -50,6 +50,22 @@ def test_cli_two_processes_json_png_and_the_knee(tmp_path):
     assert proc.stdout.count("per-device   global") == 1  # one table, from rank 0 only
 
 
+def test_cli_fsdp_runs_the_sharded_step_on_every_process(tmp_path):
+    json_path = tmp_path / "fbs.json"
+    proc = run_cli(
+        "find-batch-size",
+        *("--strategy", "fsdp", "--nproc", "2", "--device", "cpu", "--model", "mlp"),
+        *("--max-batch", "8", "--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "2 x cpu fsdp" in proc.stdout
+    r = json.loads(json_path.read_text())
+    assert r["strategy"] == "fsdp" and r["world_size"] == 2
+    assert [t["per_device_batch"] for t in r["trials"]] == [1, 2, 4, 8]
+    assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -61,8 +77,9 @@ def test_cli_two_processes_json_png_and_the_knee(tmp_path):
         ["--nproc", "two"],
         ["--plot", "curve.jpg"],
         ["--json", "/dev/null/r.json"],
+        ["--strategy", "fsdp", "--model", "resnet18", "--data", "synthetic"],
     ],
-    ids=["max-batch", "start", "model", "shape", "steps", "nproc", "plot", "json"],
+    ids=["max-batch", "start", "model", "shape", "steps", "nproc", "plot", "json", "fsdp-batchnorm"],
 )
 def test_bad_input_exits_2_with_one_line(args, tmp_path):
     proc = run_cli("find-batch-size", "--device", "cpu", *args, timeout=60, cwd=str(tmp_path))

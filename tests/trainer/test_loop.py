@@ -103,3 +103,26 @@ def test_max_steps_on_an_epoch_end_completes_that_epoch(tmp_path):
     r = train(tmp_path / "out", "--nproc", "1", "--max-steps", "46")  # = the whole 2-epoch run
     assert r["results"]["epochs_completed"] == 2 and not r["results"]["stopped_early"]
     assert r["results"]["final_train_loss"] is not None
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_max_grad_norm_clips_each_step_alike_under_fsdp_on_2_and_on_1_and_must_match_to_resume(tmp_path):
+    from tests.conftest import run_cli
+    from tests.trainer.helpers import ATOL_46_STEPS, max_diff
+
+    steps = ("--epochs", "1", "--max-steps", "6")
+    one = train(tmp_path / "one", *steps, "--nproc", "1", "--max-grad-norm", "0.2")
+    # The other fsdp flags change where shards live and when they are gathered, not the result.
+    fsdp_flags = ("--strategy", "fsdp", "--fsdp-cpu-offload", "--nofsdp-reshard-after-forward")
+    fsdp = train(tmp_path / "fsdp", *steps, "--nproc", "2", *fsdp_flags, "--max-grad-norm", "0.2")
+    unclipped = train(tmp_path / "unclipped", *steps, "--nproc", "1")
+    assert one["results"]["max_grad_norm"] == fsdp["results"]["max_grad_norm"] == 0.2
+    assert "max_grad_norm: 0.2" in (tmp_path / "fsdp" / "config.yaml").read_text()
+    assert max_diff(one["weights"], unclipped["weights"]) > 1e-3  # the bound cut the steps
+    assert fsdp["results"]["strategy"] == "fsdp"
+    assert max_diff(fsdp["weights"], one["weights"]) < ATOL_46_STEPS  # the norm over all shards
+    # It changes every update: a run cannot continue without it.
+    proc = run_cli("train", "--device", "cpu", "--out", str(tmp_path / "one"), "--resume", "auto")
+    assert proc.returncode == 2
+    assert "was trained with --max-grad-norm 0.2; this run has no --max-grad-norm" in proc.stderr

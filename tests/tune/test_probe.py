@@ -26,7 +26,7 @@ def test_cpu_refuses_a_size_predicted_to_exceed_the_available_memory(monkeypatch
     # peak at 1,900 MiB, 1,500 more than now, on each of the 2 local ranks. (On Linux running
     # out of memory gives no exception to catch: the kernel's OOM killer ends the worker.)
     rank = type("Rt", (), {"env": DistEnv(local_world_size=2)})()
-    stub = type("T", (), {"cuda": False, "last_fit": (64, 400.0), "base_rss": 300.0, "rt": rank})()
+    stub = type("T", (), {"cuda": False, "sharded": False, "last_fit": (64, 400.0), "base_rss": 300.0, "rt": rank})()
     monkeypatch.setattr(probe, "rss_mib", lambda: 400.0)
     monkeypatch.setattr(probe, "available_mib", lambda: 3000.0)
     assert not tune.Tuner._predicted_too_big(stub, 512)  # 2 x 700 MiB <= 80% of 3,000
@@ -55,11 +55,14 @@ def oom_above(rank: int, limit: int, this_rank: int, size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_ranks_agree_on_the_minimum_when_one_rank_runs_out_of_memory():
-    settings = tune.Settings(start=1, max_batch=1024, **SMALL)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_agree_on_the_minimum_when_one_rank_runs_out_of_memory(strategy):
+    # fsdp: the hook fails before the step, where an out-of-memory verdict can still be agreed.
+    settings = tune.Settings(start=1, max_batch=1024, strategy=strategy, **SMALL)
     out = ddpkit.launch(tune.worker, settings, functools.partial(oom_above, 1, 37), nproc=2, device="cpu")
     assert sorted(out) == [0, 1]
     for r in (0, 1):
+        assert out[r]["strategy"] == strategy
         assert out[r]["per_device_batch"] == 37 and out[r]["global_batch"] == 74
         assert out[r]["criterion"] == "largest that fits" and out[r]["world_size"] == 2
     assert out[0]["trials"] == out[1]["trials"]  # the same verdicts, times and memory on both

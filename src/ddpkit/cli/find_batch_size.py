@@ -39,6 +39,11 @@ def _parser() -> ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
     p.add_argument("--optimizer", default="sgd", help="sgd or adamw: its state counts in the memory")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        help="ddp, or fsdp (parameters, gradients and optimizer state sharded over the processes); default ddp",
+    )
     p.add_argument("--start", type=int, help="first per-device batch (default 8 on CUDA, 1 on CPU)")
     p.add_argument("--max-batch", type=int, default=65536, help="largest per-device batch to try (default 65536)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per size (default 5; the median counts)")

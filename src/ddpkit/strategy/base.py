@@ -91,10 +91,15 @@ def _compile(model: nn.Module, options: bool | dict) -> nn.Module:
     # torch.compile(model), an OptimizedModule, rather than model.compile(): the latter compiles
     # nn.Module's own call, a frame in dynamo's skip list, and so compiled nothing for a bare
     # nn.Sequential (measured with torch 2.13). The `_orig_mod.` it adds is what unwrap removes.
+    return torch.compile(model, **compile_options(options))
+
+
+def compile_options(options: bool | dict) -> dict[str, Any]:
+    """torch.compile's keyword arguments for `--compile` (True) or a dict of them."""
     kwargs = dict(options) if isinstance(options, dict) else {}
     if kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs:  # torch takes mode or options
         kwargs["options"] = {**INDUCTOR_OPTIONS, **kwargs.get("options", {})}
-    return torch.compile(model, **kwargs)
+    return kwargs
 
 
 def compiled_graphs() -> int:

@@ -12,6 +12,10 @@ differ from DDP, and are handled here and where noted:
   the training sampler pads micro-batches and exact evaluation pads batches, with empty ones.
 - A state_dict holds shards: checkpoints gather full state dicts through torch's DCP helpers,
   a collective (see `full_model_state` and checkpoint.save).
+
+Two things that `Strategy.wrap` does for the other strategies are done differently here:
+bf16/fp16 is FSDP2's `MixedPrecisionPolicy`, not the autocast wrapper, and `--compile` compiles
+each shard unit's forward, not the whole model (see `FSDP.wrap`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .. import checks
 from ..errors import UsageError
-from .base import Strategy
+from .base import Strategy, compile_options
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
+    from ..precision import Precision
+
 # torch's FSDP and DCP modules are imported where they are used: importing them costs about half
 # a second, which every run (ddp too: checkpoint and evaluation ask `is_sharded`) would pay.
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _options(save: bool) -> Any:
@@ -55,10 +64,23 @@ class FSDPOptions:
             direct child of the model that holds parameters.
         reshard_after_forward: free a unit's gathered parameters after its forward (gathered
             again for backward): less memory, one more all-gather per unit and step.
+        reduce_dtype: 'fp32', 'bf16' or 'fp16': the dtype gradients are reduce-scattered (and,
+            between the micro-batches of a step, accumulated) in. Under `--precision bf16|fp16`
+            the backward computes in that dtype; fp32 (the default) sums the ranks' gradients
+            without rounding them to 16 bits; bf16/fp16 halve the bytes sent.
+        cpu_offload: keep the sharded parameters, their gradients and the optimizer state in
+            host memory (FSDP2's `CPUOffloadPolicy`; the optimizer steps on the CPU), copied to
+            the device for each unit's all-gather. On a CPU device they are there already: it
+            runs, and changes nothing.
     """
 
     units: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None = None
     reshard_after_forward: bool = True
+    reduce_dtype: str = "fp32"
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        checks.choice("--fsdp-reduce-dtype", self.reduce_dtype, REDUCE_DTYPES)
 
     def is_unit(self, name: str, module: nn.Module) -> bool:
         if self.units is None:
@@ -66,18 +88,6 @@ class FSDPOptions:
         if isinstance(self.units, (type, tuple)):
             return isinstance(module, self.units)
         return bool(self.units(name, module))
-
-
-def check_settings(precision: str, compile: bool | dict) -> None:
-    """What this first fsdp slice refuses (on any number of processes, so that a run that works
-    on one also starts on two)."""
-    if precision != "fp32":
-        raise UsageError(
-            f"--precision {precision} with --strategy fsdp is not supported yet (FSDP2's mixed-precision "
-            "policy is not wired in); use --precision fp32, or --strategy ddp"
-        )
-    if compile:
-        raise UsageError("--compile with --strategy fsdp is not supported yet; leave --compile off, or use ddp")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -115,21 +125,63 @@ class FSDP(Strategy):
         self.options = options
         self._moved: dict[int, nn.Parameter] = {}  # id of a parameter before sharding -> after
         self._checked: set[int] = set()  # optimizers check_optimizer accepted
+        self._param_dtype: torch.dtype | None = None  # bf16/fp16: the policy's; set by wrap
+        self._compile: bool | dict = False
+
+    def wrap(
+        self,
+        model: nn.Module,
+        precision: Precision | None = None,
+        channels_last: bool = False,
+        compile: bool | dict = False,
+    ) -> nn.Module:
+        # No AutocastModule here. FSDP2's MixedPrecisionPolicy all-gathers the parameters in
+        # bf16/fp16 and runs every unit's forward and backward on them and on inputs cast to
+        # that dtype, while the sharded copy the optimizer steps stays fp32; the root's outputs
+        # come back in fp32, so the loss is computed in full precision, as AutocastModule
+        # promises. The matrix products see the same bf16 operands as under autocast (which casts
+        # the fp32 weights per op); what differs is the ops autocast keeps in fp32 (softmax,
+        # norms, reductions), which here run in bf16 inside a unit. Autocast on top would make no
+        # parameter smaller, and as the root module it would put `module.` into every name
+        # fully_shard and the DCP state dicts see. Measured on CPU (docs/fsdp.md): bf16 and
+        # fp16 give ddp's autocast weights bit for bit on 2 processes (tests/core/test_strategy.py).
+        # Evaluation (evaluation.py) runs the forward under the precision's autocast as well.
+        self._param_dtype = precision.dtype if precision is not None and precision.name != "fp32" else None
+        # torch.compile from outside a sharded model compiled nothing (torch 2.13: dynamo skips
+        # FSDP2's hooks and nn.Sequential's forward): each unit's forward is compiled in _wrap.
+        self._compile = compile
+        return super().wrap(model, None, channels_last, False)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         check_model(model)
         before = dict(model.named_parameters())
-        kwargs = {"reshard_after_forward": self.options.reshard_after_forward}
         # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
         for name, module in reversed(list(model.named_modules())):
             if name and self.options.is_unit(name, module):
-                fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
+                if self._compile:
+                    compile_forward(module, self._compile)
+                fully_shard(module, **self._shard_kwargs(root=False))
+        fully_shard(model, **self._shard_kwargs(root=True))
         after = dict(model.named_parameters())  # same names: FSDP2 adds no prefix
         self._moved = {id(before[name]): after[name] for name in before}
         return model
+
+    def _shard_kwargs(self, root: bool) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(
+            param_dtype=self._param_dtype,
+            reduce_dtype=REDUCE_DTYPES[self.options.reduce_dtype],
+            # Only the root's outputs: between units they stay in the compute dtype.
+            output_dtype=torch.float32 if root and self._param_dtype is not None else None,
+        )
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.options.reshard_after_forward, "mp_policy": policy}
+        if self.options.cpu_offload:
+            # Pinned host memory needs an accelerator (torch 2.13 raises without one).
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        return kwargs
 
     def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
         """Point optimizers built on the model before setup() at its sharded parameters."""
@@ -160,6 +212,13 @@ class FSDP(Strategy):
 
     def no_sync(self, model: nn.Module) -> Callable[[], AbstractContextManager[Any]] | None:
         return (lambda: no_sync(model)) if is_sharded(model) else None
+
+
+def compile_forward(module: nn.Module, options: bool | dict) -> None:
+    """torch.compile `module`'s forward in place, as torchtitan compiles each block before
+    sharding it: FSDP2's hooks around it stay eager (dynamo skips them), and the module keeps its
+    class and parameter names (torch.compile(module) would add `_orig_mod.` to them)."""
+    module.forward = torch.compile(module.forward, **compile_options(options))
 
 
 def check_model(model: nn.Module) -> None:

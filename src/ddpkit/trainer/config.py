@@ -27,9 +27,7 @@ class TrainConfig:
     model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar (a recipe: see docs/flags.md), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
-    strategy: str = (
-        "ddp"  # ddp, fsdp (FSDP2, sharded; fp32, no --compile yet), dp (nn.DataParallel, one process) or single
-    )
+    strategy: str = "ddp"  # ddp, fsdp (FSDP2: parameters sharded), dp (nn.DataParallel, one process) or single
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # GLOBAL batch: samples per optimizer step over all processes together
     micro_batch_size: int | None = None  # most samples per forward on one process; more accumulate
@@ -67,12 +65,16 @@ class TrainConfig:
     augment: str = "none"  # training augmentation: none, crop, flip or crop-flip (images only)
     crop_padding: int = 4  # --augment crop: zero-pad by this many pixels, then crop back
     label_smoothing: float = 0.0  # cross-entropy label smoothing (0 to 1)
+    max_grad_norm: float | None = None  # clip gradients to this total 2-norm before each step (fsdp: over all shards)
     channels_last: bool = False  # NHWC model and batches (faster convolutions with bf16/fp16 on GPUs)
     compile: bool = False  # torch.compile the model (compile time is reported apart from step times)
     bucket_cap_mb: float | None = None  # DDP gradient bucket size in MiB (torch default 25)
     gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
     comm_hook: str = "none"  # DDP gradient compression for the all-reduce: none, fp16 or bf16
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered parameters after each unit's forward (less memory)
+    fsdp_reduce_dtype: str = "fp32"  # fsdp: reduce-scatter gradients in fp32, bf16 or fp16
+    fsdp_cpu_offload: bool = False  # fsdp: shards, gradients and optimizer state in host memory (CUDA not run)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

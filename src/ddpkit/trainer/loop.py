@@ -55,6 +55,7 @@ def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
         channels_last=cfg.channels_last,
         compile=cfg.compile,
         ddp=plan.ddp,
+        fsdp=plan.fsdp,
     ) as rt:
         # Under torchrun each rank made its own plan and clock: rank 0's win.
         if rt.is_main and (restart := after_restart(cfg, plan.in_shape, plan.num_classes)):
@@ -222,7 +223,7 @@ class Loop:
                 step_loss += loss.detach().double() * n
             if cfg.on_nonfinite == "skip" and rt.step_ready and self._skip_step(out):
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
-            elif not rt.step(self.opt):
+            elif not rt.step(self.opt, max_grad_norm=cfg.max_grad_norm):
                 continue  # more micro-batches of this global batch to come
             self.sched.step()
             self.timer.mark(tuple(x.shape))
@@ -428,6 +429,7 @@ class Loop:
             "seed": cfg.seed,
             "lr": cfg.lr,
             "peak_lr": self.plan.peak_lr,
+            "max_grad_norm": cfg.max_grad_norm,
             "model": cfg.model,
             "data": cfg.data,
             "resumed_from_step": run.start_step,

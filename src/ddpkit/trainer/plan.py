@@ -28,9 +28,8 @@ from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
-from ..strategy import STRATEGIES, DDPOptions
+from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
 from ..strategy.fsdp import check_model as check_fsdp_model
-from ..strategy.fsdp import check_settings as check_fsdp_settings
 from . import resume, rundir
 from .config import FIELDS, TrainConfig
 
@@ -67,6 +66,7 @@ POSITIVE = (
     "keep_checkpoints",
     "micro_batch_size",
     "max_steps",
+    "max_grad_norm",
 )
 AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
 FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
@@ -81,7 +81,7 @@ class RunPlan:
     The rest is derived here, once: where the processes run (`topology`: device type,
     process count, world size, nodes), the dataset's input shape and classes, the training
     augmentation, the peak learning rate and where warmup starts, the data path (`resident`),
-    the DDP options, and the checkpoint to resume from.
+    the DDP and FSDP options, and the checkpoint to resume from.
     """
 
     cfg: TrainConfig
@@ -94,6 +94,7 @@ class RunPlan:
     resident: bool | None  # Runtime.loader's `resident`: None lets the loader choose
     ddp: DDPOptions
     resume: str | None
+    fsdp: FSDPOptions = FSDPOptions()
 
     @property
     def out(self) -> str:
@@ -135,8 +136,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
-    if cfg.strategy == "fsdp":  # what its first slice supports (a built model: BatchNorm)
-        check_fsdp_settings(cfg.precision, cfg.compile)
+    fsdp = _fsdp_options(cfg)
+    if cfg.strategy == "fsdp":  # what it supports (a built model: BatchNorm)
         check_fsdp_model(models.build(cfg.model, in_shape, num_classes))
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
@@ -145,7 +146,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     scale = peak_lr / cfg.lr
     warmup_start = 1.0 / scale if scale > 1 else 0.0
     return RunPlan(
-        cfg, topology, in_shape, num_classes, augment, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint
+        cfg, topology, in_shape, num_classes, augment, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint, fsdp
     )
 
 
@@ -212,6 +213,25 @@ def _warn_batch_above_set(cfg: TrainConfig) -> None:
             f"--data {cfg.data}: every step is the whole set",
             file=sys.stderr,
         )
+
+
+def _fsdp_options(cfg: TrainConfig) -> FSDPOptions:
+    """The --fsdp-* flags, which only --strategy fsdp uses (on one process it runs as single)."""
+    fsdp = FSDPOptions(
+        reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        reduce_dtype=cfg.fsdp_reduce_dtype,
+        cpu_offload=cfg.fsdp_cpu_offload,
+    )
+    changed = [f for f in ("fsdp_reshard_after_forward", "fsdp_reduce_dtype", "fsdp_cpu_offload") if _is_set(cfg, f)]
+    if changed and cfg.strategy != "fsdp":
+        raise UsageError(
+            f"{checks.flag(changed[0])} applies to --strategy fsdp only (this run has --strategy {cfg.strategy})"
+        )
+    return fsdp
+
+
+def _is_set(cfg: TrainConfig, name: str) -> bool:
+    return getattr(cfg, name) != getattr(TrainConfig, name)
 
 
 def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) -> None:

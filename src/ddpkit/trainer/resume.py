@@ -122,9 +122,10 @@ def check_resumable(
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
     for key in RESUME_MUST_MATCH:
         if key in run and run[key] != getattr(cfg, key):
-            flag = checks.flag(key)
+            flag, now = checks.flag(key), getattr(cfg, key)
+            trained = f"without {flag}" if run[key] is None else f"with {flag} {run[key]}"
             raise IncompatibleCheckpoint(
-                f"checkpoint {path}: was trained with {flag} {run[key]}; this run has {flag} {getattr(cfg, key)}"
+                f"checkpoint {path}: was trained {trained}; this run has {f'no {flag}' if now is None else f'{flag} {now}'}"
             )
     if run["epoch"] >= cfg.epochs and not (allow_finished and run["epoch"] == cfg.epochs):
         raise IncompatibleCheckpoint(
@@ -247,7 +248,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 # The optimizer's and scheduler's saved state would silently override a changed --lr,
 # --weight-decay or scaling, so those must match too. --epochs may grow (that is how a finished
-# run continues); the cosine schedule then stretches over the new total.
+# run continues); the cosine schedule then stretches over the new total. --max-grad-norm
+# changes every update as --label-smoothing does: set, changed or dropped mid-run, the result
+# is a run nobody asked for (a checkpoint from before it existed holds none: not checked).
 RESUME_MUST_MATCH = (
     "model",
     "optimizer",
@@ -266,6 +269,7 @@ RESUME_MUST_MATCH = (
     "crop_padding",
     "label_smoothing",
     "momentum",
+    "max_grad_norm",
 )
 
 

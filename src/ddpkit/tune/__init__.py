@@ -1,10 +1,10 @@
 """`ddpkit find-batch-size`: the largest per-device batch that fits, and the throughput curve.
 
-Each size is one trial of real training steps (forward, backward, optimizer step under DDP) on
-a synthetic batch of that many samples per process.
+Each size is one trial of real training steps (forward, backward, optimizer step under DDP or
+FSDP2) on a synthetic batch of that many samples per process.
 
 - `search`: the pure search (doubling, then bisection; the knee) and `Trial`;
-- `probe`: one trial on one rank (probe below DDP, agree by all-reduce, timed DDP steps);
+- `probe`: one trial on one rank (probe below DDP, agree by all-reduce, timed steps);
 - `plan`: `Settings` and their resolution from the command line;
 - `output`: the table, the conclusion, JSON and plot.
 """
@@ -43,7 +43,11 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
     from ..runtime import Runtime
 
     with Runtime(
-        strategy="ddp", precision=settings.precision, device=settings.device, seed=0, timeout_s=settings.timeout_s
+        strategy=settings.strategy,
+        precision=settings.precision,
+        device=settings.device,
+        seed=0,
+        timeout_s=settings.timeout_s,
     ) as rt:
         tuner = Tuner(rt, settings, probe_hook)
         criterion = settings.resolved_criterion(rt.device.type)

@@ -18,6 +18,8 @@ from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from .search import CRITERIA
 
+TUNE_STRATEGIES = ("ddp", "fsdp")  # the strategies a search runs (ddp on one process is the bare model)
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -31,6 +33,7 @@ class Settings:
     device: str = "auto"
     precision: str = "fp32"
     optimizer: str = "sgd"
+    strategy: str = "ddp"
     start: int = 1
     max_batch: int = 65536
     steps: int = 5
@@ -42,6 +45,7 @@ class Settings:
     def __post_init__(self) -> None:
         checks.choice("--precision", self.precision, PRECISIONS)
         checks.choice("--optimizer", self.optimizer, OPTIMIZERS)
+        checks.choice("--strategy", self.strategy, TUNE_STRATEGIES)
         checks.choice("--criterion", self.criterion, ("auto", *CRITERIA))
         for flag, value in (
             ("--start", self.start),
@@ -55,6 +59,10 @@ class Settings:
         checks.at_least("--warmup", self.warmup, 0)
         checks.at_least("--plateau", self.plateau, 0)
         models.check(self.model, self.in_shape, self.num_classes)
+        if self.strategy == "fsdp":  # a model fsdp refuses fails here, not in every worker
+            from ..strategy.fsdp import check_model
+
+            check_model(models.build(self.model, self.in_shape, self.num_classes))
 
     def resolved_criterion(self, device_type: str) -> str:
         return criterion_for(self.criterion, device_type)
@@ -85,6 +93,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         device=topology.device_type,
         precision=a.precision,
         optimizer=a.optimizer,
+        strategy=a.strategy,
         start=start,
         max_batch=a.max_batch,
         steps=a.steps,

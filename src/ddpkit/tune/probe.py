@@ -11,6 +11,13 @@ half-way through a DDP step strands its peers there. A trial therefore runs in t
 
 So every rank runs the same sequence of collectives whatever happens on any one of them, and
 the size chosen fits on every rank (the minimum over ranks).
+
+Under fsdp no forward is free of collectives (each shard unit all-gathers its parameters), so
+there is no step to probe with below the strategy: the ranks agree on a verdict reached before
+any step (on CPU, and under fsdp on CUDA too, a size whose memory, extrapolated from the last
+size that fitted, would exceed what is available), then run fsdp's real steps on every rank,
+each rank as many forwards as the others. An out-of-memory error inside those steps ends the
+search with the size to rerun below, as it does in DDP's timed steps.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from .plan import Settings
 from .search import Trial
 
 CPU_MEMORY_HEADROOM = 0.8  # a CPU trial may use at most this share of the available memory
+CUDA_MEMORY_HEADROOM = 0.9  # fsdp on CUDA: of the memory this process's allocator could still get
 
 # What a rank reports for a trial in the agreement all-reduce (0: it fitted).
 OOM, PREDICTED = 1, 2
@@ -45,7 +53,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 class Tuner:
-    """Runs trials on one rank: probe, agree, then the timed DDP steps.
+    """Runs trials on one rank: probe, agree, then the timed steps.
 
     `probe_hook(rank, per_device_batch)` runs at the start of every probe, inside the
     out-of-memory handling; tests use it to make one rank fail above a size.
@@ -64,9 +72,11 @@ class Tuner:
         # The probe runs the module inside DDP (with its autocast, if any): no collectives.
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         self.bare = self.model.module if ddp else self.model
+        self.sharded = rt.strategy == "fsdp"  # no probe step (see the module docstring)
         self._allocate_optimizer_state()
         self.cuda = rt.device.type == "cuda"
         self.base_rss = rss_mib()
+        self.base_cuda_mib = torch.cuda.memory_allocated(rt.device) / 2**20 if self.cuda else 0.0
         self.last_fit: tuple[int, float] | None = None  # (size, this rank's peak) of the last fit
         self.local: dict[int, str] = {}  # what this rank alone saw: size -> reason it failed here
 
@@ -74,7 +84,7 @@ class Tuner:
         """One optimizer step on zero gradients, the same on every rank: momentum (or Adam's
         moments) then exists before the first probe, which so measures a steady-state step."""
         for p in self.bare.parameters():
-            p.grad = p.detach().new_zeros(p.shape)
+            p.grad = torch.zeros_like(p.detach())  # fsdp: a DTensor sharded as its parameter
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -133,18 +143,21 @@ class Tuner:
     def _probe_step(self, size: int) -> None:
         if self.hook is not None:
             self.hook(self.rt.rank, size)
+        if self.sharded:  # every forward would all-gather: the timed steps run after the agreement
+            return
         x, y = self.batch(size)
         self.rt.backward(F.cross_entropy(self.bare(x), y))
 
     def timed(self, size: int) -> tuple[float, float]:
-        """(median seconds per DDP step, this rank's peak memory in MiB) over the timed steps."""
+        """(median seconds per step, this rank's peak memory in MiB) over the timed steps."""
         try:
             times = self._time_steps(size)
         except Exception as err:
-            if is_oom(err):  # the peers are inside the DDP step: this run cannot go on
+            if is_oom(err):  # the peers are inside the step's collectives: this run cannot go on
+                fitted = "" if self.sharded else ", after a probe of that size fitted"
                 raise RuntimeError(
-                    f"out of memory in the DDP step at per-device batch {size}, after a probe of "
-                    f"that size fitted; rerun with --max-batch {max(1, size - 1)}"
+                    f"out of memory in the {self.rt.strategy} step at per-device batch {size}{fitted}; "
+                    f"rerun with --max-batch {max(1, size - 1)}"
                 ) from None
             raise
         peak = peak_memory_mib(self.rt.device)
@@ -171,13 +184,25 @@ class Tuner:
             torch.cuda.empty_cache()
 
     def _predicted_too_big(self, size: int) -> bool:
-        """CPU only: whether `size` would need more than the memory the machine has left,
-        extrapolated linearly from the last size that fitted. On Linux the alternative is not
-        an exception to catch but the kernel's OOM killer ending the worker."""
-        if self.cuda or self.last_fit is None:
+        """Whether `size` would need more than the memory the machine has left, extrapolated
+        linearly from the last size that fitted. On CPU: on Linux the alternative is not an
+        exception to catch but the kernel's OOM killer ending the worker. On CUDA under fsdp
+        only: elsewhere the probe catches the allocator's error below the strategy."""
+        if self.last_fit is None:
             return False
+        if self.cuda:
+            return self.sharded and self._cuda_predicted_too_big(size)
         fitted, peak = self.last_fit
         predicted = self.base_rss + (peak - self.base_rss) * size / fitted
         growth = (predicted - rss_mib()) * self.rt.env.local_world_size  # every local rank grows alike
         available = available_mib()
         return available is not None and growth > CPU_MEMORY_HEADROOM * available
+
+    def _cuda_predicted_too_big(self, size: int) -> bool:
+        """The CUDA memory tensors would take at `size` (peak allocated, extrapolated) against what
+        this process's allocator holds plus what the device still has free. Not run on a GPU yet."""
+        fitted, peak = self.last_fit  # type: ignore[misc]
+        predicted = self.base_cuda_mib + (peak - self.base_cuda_mib) * size / fitted
+        free, _ = torch.cuda.mem_get_info(self.rt.device)
+        reachable = (free + torch.cuda.memory_reserved(self.rt.device)) / 2**20
+        return predicted > CUDA_MEMORY_HEADROOM * reachable
