@@ -331,3 +331,31 @@ def fsdp_sync_switch() -> dict:
             if rt.step(opt):
                 break
         return {"seen": seen, "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters())}
+
+
+def batchnorm_steps() -> dict:
+    """6 SGD steps of a BatchNorm MLP under ddp and under fsdp, in one job: each rank's weights
+    and buffers, and (fsdp) the running statistics its own batches alone would have given."""
+    out = {}
+    with ddpkit.Runtime(device="cpu"):
+        for strategy in ("ddp", "fsdp"):
+            with ddpkit.Runtime(strategy, device="cpu", seed=5) as rt:
+                torch.manual_seed(5)
+                model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+                own = nn.BatchNorm1d(16)  # fed this rank's batches, never broadcast
+                model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+                done = 0
+                for x, y in rt.loader(toy_data(90, seed=2), batch_size=10):
+                    rt.backward(F.cross_entropy(model(x), y))
+                    with torch.no_grad():
+                        own(ddpkit.Runtime.unwrap(model)[0](x))
+                    done += rt.step(opt)
+                    if done == 6:
+                        break
+                bn = ddpkit.Runtime.unwrap(model)[1]
+                out[strategy] = {
+                    "params": flat_params(model),
+                    "buffers": torch.cat([bn.running_mean, bn.running_var]).clone(),
+                    "own": torch.cat([own.running_mean, own.running_var]),
+                }
+    return out

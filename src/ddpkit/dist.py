@@ -207,6 +207,23 @@ def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [g[tuple(slice(0, s) for s in sh.tolist())] for g, sh in zip(gathered, shapes)]
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite `tensors` in place with rank `src`'s: one broadcast per dtype (the tensors of
+    a dtype are flattened into one)."""
+    if world_size() == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        tdist.broadcast(flat, src=src)
+        offset = 0
+        for t in same:
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """The `src` rank's Python object, on every rank."""
     if world_size() == 1:

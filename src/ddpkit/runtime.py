@@ -48,7 +48,7 @@ class Runtime:
     Args:
         strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'fsdp'
             (FSDP2: parameters, gradients and optimizer state sharded over the processes; on
-            one process the bare model; no BatchNorm models yet), 'dp' (nn.DataParallel over
+            one process the bare model), 'dp' (nn.DataParallel over
             the visible GPUs, one process) or 'single'.
         precision: 'fp32', 'bf16' or 'fp16' (autocast; under fsdp FSDP2's mixed-precision
             policy, fp32 shards and fp32 gradient reduction; fp16 adds a GradScaler).

@@ -228,6 +228,10 @@ def save(
     if dist.is_main():
         os.makedirs(tmp)
         _save_rest(os.path.join(tmp, STATE_FILE), rest)
+    # Buffers (BatchNorm's running statistics) are replicated, and DCP saves one rank's copy of
+    # a replicated tensor, not always rank 0's: make every rank's rank 0's, which the next
+    # training forward would broadcast anyway (see strategy.fsdp), so a resume is bit-identical.
+    dist.broadcast_tensors(list(model.buffers()))
     state = _dcp_state(entries, model)
     writer = FileSystemWriter(tmp)
     no_dist = dist.world_size() == 1

@@ -154,9 +154,11 @@ def test_fsdp_runs_as_single_on_one_process_and_refuses_what_it_does_not_support
     with pytest.raises(UsageError, match="--fsdp-cpu-offload applies to --strategy fsdp only"):
         resolve(TrainConfig(device="cpu", fsdp_cpu_offload=True))  # not silently ignored under ddp
     assert resolve(TrainConfig(device="cpu", strategy="fsdp", fsdp_reduce_dtype="bf16")).fsdp.reduce_dtype == "bf16"
-    with pytest.raises(UsageError, match="BatchNorm"):  # ddpkit train: exit 2, before any worker
-        resolve(TrainConfig(device="cpu", strategy="fsdp", model="resnet18", data="synthetic"))
-    resolve(TrainConfig(device="cpu", strategy="fsdp"))  # the default CNN
+    resolve(TrainConfig(device="cpu", strategy="fsdp", model="resnet18", data="synthetic"))  # BatchNorm: as ddp
+    with pytest.raises(UsageError, match="does not support SyncBatchNorm"):
+        from ddpkit.strategy.fsdp import check_model
+
+        check_model(nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))))
 
 
 @pytest.mark.distributed
@@ -248,3 +250,18 @@ def test_fsdp_compiles_each_shard_unit_to_the_same_weights():
     for r in out.values():
         assert r["eager"]["graphs"] == 0 and r["compiled"]["graphs"] > 0
         torch.testing.assert_close(r["compiled"]["params"], r["eager"]["params"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_fsdp_batchnorm_keeps_ddps_buffers_rank_0s_running_statistics_every_step():
+    # DDP broadcasts rank 0's buffers before each training forward; fsdp does the same, so a
+    # BatchNorm model trains as under ddp (statistics over each rank's share: see invariance.md).
+    out = ddpkit.launch(workers.batchnorm_steps, nproc=2, device="cpu")
+    for r in out.values():
+        torch.testing.assert_close(r["fsdp"]["params"], r["ddp"]["params"], rtol=0, atol=1e-6)
+        # each rank: rank 0's statistics before the last forward, plus its own last update
+        torch.testing.assert_close(r["fsdp"]["buffers"], r["ddp"]["buffers"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[0]["fsdp"]["own"], out[0]["fsdp"]["buffers"], rtol=0, atol=1e-6)
+    # rank 1 on its own would hold other statistics: the broadcast is what made them rank 0's
+    assert (out[1]["fsdp"]["own"] - out[1]["fsdp"]["buffers"]).abs().max() > 1e-3
+    assert not torch.equal(out[0]["fsdp"]["buffers"], out[1]["fsdp"]["buffers"])  # its last own update

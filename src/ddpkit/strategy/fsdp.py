@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .. import checks
+from .. import checks, dist
 from ..errors import UsageError
 from .base import Strategy, compile_options
 
@@ -164,6 +164,8 @@ class FSDP(Strategy):
                     compile_forward(module, self._compile)
                 fully_shard(module, **self._shard_kwargs(root=False))
         fully_shard(model, **self._shard_kwargs(root=True))
+        if any(True for _ in model.buffers()):
+            model.register_forward_pre_hook(_broadcast_buffers)
         after = dict(model.named_parameters())  # same names: FSDP2 adds no prefix
         self._moved = {id(before[name]): after[name] for name in before}
         return model
@@ -221,12 +223,23 @@ def compile_forward(module: nn.Module, options: bool | dict) -> None:
     module.forward = torch.compile(module.forward, **compile_options(options))
 
 
+# SyncBatchNorm's forward is a collective of its own, and fsdp runs empty micro-batches to keep
+# the ranks in step: not tried yet (it runs on GPUs only).
+NO_SYNC_BATCHNORM = "--strategy fsdp does not support SyncBatchNorm (--sync-batchnorm) yet; use --strategy ddp"
+
+
 def check_model(model: nn.Module) -> None:
-    """Refuse what this first fsdp slice cannot shard with ddpkit's promises intact."""
-    # DDP broadcasts rank 0's buffers every forward; FSDP2 leaves each rank its own running
-    # statistics, so evaluation and checkpoints would depend on the world size.
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):
-        raise UsageError("--strategy fsdp does not support models with BatchNorm yet; use --strategy ddp")
+    """Refuse what fsdp cannot shard with ddpkit's promises intact."""
+    if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        raise UsageError(NO_SYNC_BATCHNORM)
+
+
+def _broadcast_buffers(model: nn.Module, args: Any) -> None:
+    """Before each training forward, every rank takes rank 0's buffers (BatchNorm's running
+    statistics), as DDP does: the ranks' copies then agree at every step, and a checkpoint and
+    evaluation see rank 0's, as under ddp. (Every rank runs as many forwards: lockstep.)"""
+    if model.training:
+        dist.broadcast_tensors(list(model.buffers()))
 
 
 def full_model_state(model: nn.Module) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
-from ..strategy.fsdp import check_model as check_fsdp_model
+from ..strategy.fsdp import NO_SYNC_BATCHNORM
 from . import resume, rundir
 from .config import FIELDS, TrainConfig
 
@@ -137,8 +137,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
-    if cfg.strategy == "fsdp":  # what it supports (a built model: BatchNorm)
-        check_fsdp_model(models.build(cfg.model, in_shape, num_classes))
+    if cfg.strategy == "fsdp" and cfg.sync_batchnorm:
+        raise UsageError(NO_SYNC_BATCHNORM)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here

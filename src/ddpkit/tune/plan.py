@@ -59,10 +59,6 @@ class Settings:
         checks.at_least("--warmup", self.warmup, 0)
         checks.at_least("--plateau", self.plateau, 0)
         models.check(self.model, self.in_shape, self.num_classes)
-        if self.strategy == "fsdp":  # a model fsdp refuses fails here, not in every worker
-            from ..strategy.fsdp import check_model
-
-            check_model(models.build(self.model, self.in_shape, self.num_classes))
 
     def resolved_criterion(self, device_type: str) -> str:
         return criterion_for(self.criterion, device_type)
