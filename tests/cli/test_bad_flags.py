@@ -78,6 +78,7 @@ KINDS = {
     ("train", "--loader"): "choice",
     ("train", "--augment"): "choice",
     ("train", "--comm-hook"): "choice",
+    ("train", "--text-path"): "text-path",
     ("run", "--nproc"): "nproc",
     ("run", "--nnodes"): "nnodes",
     ("run", "--master-addr"): "free",
@@ -135,6 +136,7 @@ VALUES = {
     "config": ("{MISSING}", "{DIR}", "{BINARY}", "{UTF16}", "{FILE}/sub.yaml"),
     "checkpoint": ("{MISSING}", "{DIR}", "{BINARY}"),
     "data-dir": ("{FILE}",),
+    "text-path": ("{MISSING}", "{DIR}", "{FILE}"),  # none, an empty folder, 13 bytes: too little text
     "out-dir": ("{FILE}", "{FILE}/sub"),
     "out-file": ("{DIR}", "{FILE}/sub.json"),
     "out-png": ("{DIR}", "{FILE}/sub.png", "{CWD}/plot.txt"),
@@ -169,6 +171,7 @@ EXTRA_VALUES = {
     ("train", "--num-workers"): ("100000",),  # each one a process
     ("train", "--timeout"): ("1e300",),  # a timedelta, then int64 milliseconds in torch
     ("train", "--crop-padding"): ("1000000",),  # padded images of that size
+    ("train", "--gpt-width"): ("6", "1000000"),  # not a multiple of --gpt-heads 4; 10^13 parameters
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters
@@ -213,6 +216,9 @@ CONTEXT = {
     ("train", "--synthetic-size"): ("--data", "synthetic"),
     ("train", "--num-classes"): ("--data", "synthetic"),
     ("train", "--crop-padding"): ("--augment", "crop"),
+    ("train", "--text-path"): ("--model", "gpt"),  # its recipe has --data text
+    ("train", "--gpt-width"): ("--model", "gpt"),
+    ("train", "--seq-len"): ("--model", "gpt"),
     ("find-batch-size", "--synthetic-shape"): ("--data", "synthetic"),
     ("find-batch-size", "--num-classes"): ("--data", "synthetic"),
 }
