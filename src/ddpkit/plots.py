@@ -63,9 +63,9 @@ def plot_token_curves(steps: list[dict[str, Any]], history: list[dict[str, Any]]
         ax.plot(test_x, [f(v) for v in test_loss], "s", markersize=7, label="test (epoch ends)")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
-        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
+    ax_ppl.set_yscale("log")
     if title:
         fig.suptitle(title)
     save_figure(fig, path, dpi=100)
