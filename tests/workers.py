@@ -359,3 +359,80 @@ def batchnorm_steps() -> dict:
                     "own": torch.cat([own.running_mean, own.running_var]),
                 }
     return out
+
+
+def uneven_text(n_docs: int = 10, seq_len: int = 12, seed: int = 5):
+    """A TextSet of documents of random lengths (2 to 40 bytes): sequences of 1 to `seq_len`
+    tokens, cut at document ends (21 with the defaults: a global batch of 10 leaves one for the
+    third step, so two of three ranks have empty shares)."""
+    from ddpkit.data import TextSet
+    from ddpkit.data.text import cut
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 41, (n_docs,), generator=g).tolist()
+    documents = [bytes(torch.randint(97, 123, (n,), generator=g).tolist()) for n in lengths]
+    return TextSet(*cut(documents, seq_len), seq_len)
+
+
+def tiny_gpt(seq_len: int = 12) -> nn.Module:
+    from ddpkit import models
+
+    torch.manual_seed(7)
+    return models.build("gpt", (seq_len,), 256, width=16, depth=2, heads=2)
+
+
+def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch's real tokens (padding is IGNORE)."""
+    from ddpkit.data import IGNORE
+
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+
+
+def token_weighted_steps(steps: int, global_batch: int, micro: int | None, strategy: str) -> dict:
+    """`steps` SGD steps of a tiny gpt on sequences of uneven length, twice from the same
+    weights: on the TextSet (its `token_counts` make the loader weigh micro-batches by
+    tokens), and on the same padded samples as a TensorDataset (no token counts: weighted by
+    samples, what the runtime did before token weighting)."""
+    from ddpkit.strategy.fsdp import is_sharded
+
+    text = uneven_text()
+    x_all, y_all = text.batch(torch.arange(len(text)))
+    out = {}
+    with ddpkit.Runtime(strategy, device="cpu", seed=5) as rt:
+        for name, dataset in (("tokens", text), ("samples", TensorDataset(x_all, y_all))):
+            model = tiny_gpt()
+            model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+            loader = rt.loader(dataset, batch_size=global_batch, micro_batch_size=micro)
+            done = 0
+            while done < steps:
+                for x, y in loader:
+                    rt.backward(token_loss(model, x, y))
+                    done += rt.step(opt)
+                    if done == steps and rt.step_ready:
+                        break
+            out[name] = flat_params(model)
+        out["strategy"] = rt.strategy
+        out["units"] = sorted(name for name, m in model.named_modules() if is_sharded(m))  # fsdp's
+    return out
+
+
+def token_reference(steps: int, global_batch: int) -> torch.Tensor:
+    """The same training in plain PyTorch on one process: each step the mean over every real
+    token of the whole global batch, in the sampler's order."""
+    from ddpkit.data import GlobalBatchSampler
+
+    text = uneven_text()
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sampler, done, epoch = GlobalBatchSampler(len(text), global_batch, 1, 0, seed=5), 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        for indices, _ in sampler.plan():
+            token_loss(model, *text.batch(torch.tensor(indices))).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                break
+        epoch += 1
+    return flat_params(model)

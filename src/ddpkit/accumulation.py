@@ -2,7 +2,11 @@
 global batch however it was split over ranks and micro-batches.
 
 A rank's micro-batch of n samples, out of a global batch of B, counts n * world_size / B in
-the backward pass (the strategy's gradient reduction then averages over the ranks). The
+the backward pass (the strategy's gradient reduction then averages over the ranks). When the
+loss is a mean over tokens (the dataset has `token_counts`: sequences of varying length), a
+micro-batch of t tokens, out of T in the global batch, counts t * world_size / T instead: the
+optimizer then sees the mean over every token of the global batch, as one process would,
+however unevenly the tokens fall on ranks and micro-batches. The
 reduction itself runs only on a rank's last micro-batch of a step: the strategy's `no_sync`
 is entered as the loader hands out any earlier one. It must already be on during the forward
 pass, not only around backward, because DDP arms its all-reduce in the forward. Ranks may so
@@ -47,9 +51,9 @@ class Accumulation:
         micro = self.micro
         if micro is None:
             return loss
-        if micro.size == 0:  # an empty share: zero gradients, but the reduction still runs
+        if micro.count == 0:  # an empty share (or no real token): zero gradients, but the reduction still runs
             return loss.nan_to_num(0.0) * 0.0
-        weight = micro.size * self.world_size / micro.step_size
+        weight = micro.count * self.world_size / micro.step_count  # samples, or tokens
         # even shares, no accumulation: the hand-written loop's backward exactly
         return loss * weight if weight != 1.0 else loss
 

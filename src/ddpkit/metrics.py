@@ -213,15 +213,21 @@ def time_calls(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 2
     return timer.seconds()
 
 
-def flops_per_sample(model: nn.Module, sample_shape: tuple[int, ...], device: torch.device) -> float | None:
+def flops_per_sample(
+    model: nn.Module, sample_shape: tuple[int, ...], device: torch.device, vocab: int | None = None
+) -> float | None:
     """Floating-point operations of one training sample (forward and backward), counted by
     torch's FlopCounterMode on a copy of the bare model (the run's weights, RNG and
-    BatchNorm statistics are left alone). None when the model cannot be counted."""
+    BatchNorm statistics are left alone). A model of token ids (`vocab` given) gets a
+    sequence of `sample_shape` tokens. None when the model cannot be counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
     try:
         net = copy.deepcopy(model).to(device).train()
-        x = torch.randn((2, *sample_shape), device=device)
+        if vocab is None:
+            x = torch.randn((2, *sample_shape), device=device)
+        else:
+            x = torch.randint(0, vocab, (2, *sample_shape), device=device)
         with (
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
             FlopCounterMode(display=False) as counter,

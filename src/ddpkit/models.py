@@ -1,5 +1,14 @@
 """The built-in networks, each built from the dataset's input shape and number of classes,
-and `--model package.module:function`: a network of the user's own, built the same way."""
+and `--model package.module:function`: a network of the user's own, built the same way.
+
+The image classifiers map (B, C, H, W) to logits (B, classes). `gpt`, the language model,
+maps byte sequences (B, T) to next-byte logits (B, T, 256): its "input shape" is its context
+length (T,) and its "classes" the vocabulary.
+
+Under `--strategy fsdp` every direct child of a model that holds parameters is a shard unit
+(see strategy/fsdp.py): so each model is a sequence of its stages, convolutions and blocks,
+and `gpt` one of its embedding, each transformer block, and its head.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import math
 import os
 import sys
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +183,118 @@ def fast_cifar(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which position t sees positions <= t only: one linear map
+    to queries, keys and values, torch's fused `scaled_dot_product_attention` with its causal
+    mask, one linear map back."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, C / heads)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block (GPT-2's layout): x + attention(norm(x)), then
+    x + MLP(norm(x)) with a 4x wider GELU hidden layer. LayerNorm, not BatchNorm: each token is
+    normalized on its own, so nothing depends on how the batch is split over processes."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding plus a learned embedding of each position (0 .. context - 1)."""
+
+    def __init__(self, vocab: int, context: int, width: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        return self.tokens(x) + self.positions(positions)
+
+
+class Head(nn.Module):
+    """The final LayerNorm and the map to next-token logits (its own weights: not tied to the
+    token embedding, which costs 256 x width parameters and keeps every unit's weights its own
+    under fsdp)."""
+
+    def __init__(self, width: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.logits = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.norm(x))
+
+
+class GPT(nn.Sequential):
+    """A small decoder-only transformer over bytes: `embed`, then `block0` .. `block{depth-1}`,
+    then `head`; (B, T) token ids (T <= context) to logits (B, T, vocab).
+
+    Being a sequence of its stages, each block is a direct child, hence its own shard unit
+    under fsdp (the embedding and the head are units too). No dropout: a step depends on its
+    batch alone. Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
+    stream scaled by 1/sqrt(2 * depth), biases zero, LayerNorms one and zero.
+    """
+
+    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int):
+        for name, value in (("width", width), ("depth", depth), ("heads", heads), ("context", context)):
+            if value < 1:
+                raise ValueError(f"gpt: {name} must be positive, got {value}")
+        if width % heads:
+            raise ValueError(f"gpt: the width ({width}) must be a multiple of the number of heads ({heads})")
+        blocks = [(f"block{i}", Block(width, heads)) for i in range(depth)]
+        super().__init__(
+            OrderedDict([("embed", Embedding(vocab, context, width)), *blocks, ("head", Head(width, vocab))])
+        )
+        self.context = context
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".norm" in name:
+                nn.init.ones_(p)
+            else:
+                residual = name.endswith(("attn.out.weight", "mlp.2.weight"))
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * depth) if residual else 0.02)
+
+
+# `--gpt-width`, `--gpt-depth`, `--gpt-heads` defaults: about 0.8 million parameters at a
+# context of 256 bytes, a run of a minute or two on two CPU cores.
+GPT_WIDTH, GPT_DEPTH, GPT_HEADS = 128, 4, 4
+
+
+def gpt(
+    in_shape: tuple[int, ...], num_classes: int, width: int = GPT_WIDTH, depth: int = GPT_DEPTH, heads: int = GPT_HEADS
+) -> nn.Module:
+    """The byte-level language model: `in_shape` is (context,), `num_classes` the vocabulary
+    (256 for bytes). See `GPT`."""
+    return GPT(num_classes, in_shape[0], width, depth, heads)
+
+
+def gpt_parameters(context: int, vocab: int, width: int, depth: int) -> int:
+    """How many parameters `gpt` has, without building it."""
+    block = 12 * width * width + 13 * width  # attention 4w^2 + 4w, MLP 8w^2 + 5w, two norms 4w
+    return (vocab + context) * width + depth * block + 2 * width + width * vocab
+
+
 MODELS: dict[str, Builder] = {
     "cnn": small_cnn,
     "simple-cnn": simple_cnn,
@@ -180,7 +302,11 @@ MODELS: dict[str, Builder] = {
     "mlp": mlp,
     "resnet18": resnet18,
     "fast-cifar": fast_cifar,
+    "gpt": gpt,
 }
+# Models of token sequences, (B, T) -> (B, T, vocab), trained on `--data text`; the rest are
+# image (or vector) classifiers.
+LANGUAGE_MODELS = ("gpt",)
 
 
 # The smallest image side each convolutional model takes (its pooling must not reach zero).
@@ -260,6 +386,10 @@ def check(name: str, in_shape: tuple[int, ...], num_classes: int = 10, what: str
                 warnings.simplefilter("ignore")
                 _probe(name, fn, tuple(in_shape), num_classes)
             return
+        if name in LANGUAGE_MODELS:
+            if len(in_shape) != 1:
+                raise ValueError(f"model {name!r} is a language model of byte sequences: use it with --data text")
+            return
         if name != "mlp" and len(in_shape) != 3:
             raise ValueError(f"model {name!r} needs images shaped C,H,W, got {in_shape}")
         smallest = MIN_SIZE.get(name, 1)
@@ -333,14 +463,15 @@ def _raised(err: BaseException) -> str:
     return f"raised {type(err).__name__}: {err}"
 
 
-def build(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build(name: str, in_shape: tuple[int, ...], num_classes: int, **options: Any) -> nn.Module:
     """A built-in model by name, or a user's from `package.module:function`, which is called
     as function(in_shape, num_classes): `in_shape` a tuple like (3, 32, 32) (one sample, no
     batch dimension), `num_classes` an int; it must return an nn.Module whose forward maps a
-    batch (B, *in_shape) to logits (B, num_classes)."""
+    batch (B, *in_shape) to logits (B, num_classes). `options` go to a built-in builder that
+    takes them (`gpt`: width, depth, heads)."""
     if not is_custom(name):
         check(name, in_shape, num_classes)
-        return MODELS[name](in_shape, num_classes)
+        return MODELS[name](in_shape, num_classes, **options)
     with usage_errors(f"--model {name}: "):
         fn = resolve(name)
     model = fn(tuple(in_shape), num_classes)  # whatever the user's function raises, as it is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -43,6 +44,28 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> No
         ax.grid(alpha=0.3)
         ax.legend()
     ax_loss.set_yscale("log")
+    if title:
+        fig.suptitle(title)
+    save_figure(fig, path, dpi=100)
+
+
+def plot_token_curves(steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """A language model's loss per token and perplexity against the optimizer step: training
+    at every logged step (`steps`, metrics.jsonl's step records), test at each epoch's end
+    (`history`). A run of one epoch still shows how it learned."""
+    plt = pyplot()
+
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 4))
+    train_x, train_loss = [r["step"] for r in steps], [r["loss"] for r in steps]
+    test_x, test_loss = [h["step"] for h in history], [h["test_loss"] for h in history]
+    for ax, f, label in ((ax_loss, lambda v: v, "loss per token (nats)"), (ax_ppl, math.exp, "perplexity")):
+        ax.plot(train_x, [f(v) for v in train_loss], "-", label="train (logged steps)")
+        ax.plot(test_x, [f(v) for v in test_loss], "s", markersize=7, label="test (epoch ends)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_ppl.set_yscale("log")
     if title:
         fig.suptitle(title)
     save_figure(fig, path, dpi=100)

@@ -209,6 +209,12 @@ class Runtime:
         For batches from `loader()`: a rank's micro-batch of n samples, out of a global batch
         of B, counts n * world_size / B (DDP then averages over ranks), and DDP's gradient
         all-reduce runs only on the rank's last micro-batch of the step (`no_sync` before).
+
+        When the loss is a mean over tokens (sequences of varying length, padding ignored),
+        give the dataset a `token_counts` attribute: a tensor of each sample's tokens (the
+        targets its loss averages over). A micro-batch of t tokens, out of T in the global
+        batch, then counts t * world_size / T, so the step is the mean over all T tokens, as on
+        one process (`ddpkit.data.TextSet` has one).
         """
         try:
             self.precision.backward(self._acc.weigh(loss))
@@ -267,9 +273,10 @@ class Runtime:
         Which samples form step k depends on `seed` (default: the Runtime's, else 0) and the
         epoch only; the loader reshuffles every epoch and resumes mid-epoch from its state.
 
-        `resident` (default: whenever the dataset is an ImageSet or TensorDataset that fits)
-        keeps the dataset whole on the device and cuts batches there by index; False reads
-        through a DataLoader (with `num_workers` workers). Both give the same batches."""
+        `resident` (default: whenever the dataset is an ImageSet, TextSet or TensorDataset
+        that fits) keeps the dataset whole on the device and cuts batches there by index; False
+        reads through a DataLoader (with `num_workers` workers). Both give the same batches.
+        A dataset with `token_counts` gets its micro-batches weighted by tokens (see backward)."""
         seed = seed if seed is not None else (self.seed or 0)
         with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
             loader = train_loader(

@@ -79,6 +79,7 @@ KINDS = {
     ("train", "--augment"): "choice",
     ("train", "--comm-hook"): "choice",
     ("train", "--fsdp-reduce-dtype"): "choice",
+    ("train", "--text-path"): "text-path",
     ("run", "--nproc"): "nproc",
     ("run", "--nnodes"): "nnodes",
     ("run", "--master-addr"): "free",
@@ -115,6 +116,7 @@ KINDS = {
     ("report", "--json"): "out-file",
     ("bench", "--json"): "out-file",
     ("bench", "--plot"): "out-png",
+    ("bench", "--dir"): "out-dir",  # bench checkpoint: where its checkpoints go
     ("bench", "--device"): "choice",
     ("bench", "--model"): "name",  # built-in models only; "" is the benchmark's default
     ("bench", "--shape"): "shape",
@@ -137,6 +139,7 @@ VALUES = {
     "config": ("{MISSING}", "{DIR}", "{BINARY}", "{UTF16}", "{FILE}/sub.yaml"),
     "checkpoint": ("{MISSING}", "{DIR}", "{BINARY}"),
     "data-dir": ("{FILE}",),
+    "text-path": ("{MISSING}", "{DIR}", "{FILE}"),  # none, an empty folder, 13 bytes: too little text
     "out-dir": ("{FILE}", "{FILE}/sub"),
     "out-file": ("{DIR}", "{FILE}/sub.json"),
     "out-png": ("{DIR}", "{FILE}/sub.png", "{CWD}/plot.txt"),
@@ -171,6 +174,7 @@ EXTRA_VALUES = {
     ("train", "--num-workers"): ("100000",),  # each one a process
     ("train", "--timeout"): ("1e300",),  # a timedelta, then int64 milliseconds in torch
     ("train", "--crop-padding"): ("1000000",),  # padded images of that size
+    ("train", "--gpt-width"): ("6", "1000000"),  # not a multiple of --gpt-heads 4; 10^13 parameters
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters
@@ -215,6 +219,9 @@ CONTEXT = {
     ("train", "--synthetic-size"): ("--data", "synthetic"),
     ("train", "--num-classes"): ("--data", "synthetic"),
     ("train", "--crop-padding"): ("--augment", "crop"),
+    ("train", "--text-path"): ("--model", "gpt"),  # its recipe has --data text
+    ("train", "--gpt-width"): ("--model", "gpt"),
+    ("train", "--seq-len"): ("--model", "gpt"),
     ("find-batch-size", "--synthetic-shape"): ("--data", "synthetic"),
     ("find-batch-size", "--num-classes"): ("--data", "synthetic"),
 }

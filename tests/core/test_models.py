@@ -18,7 +18,7 @@ from tests.conftest import run_cli
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name", list(models.MODELS))
+@pytest.mark.parametrize("name", [m for m in models.MODELS if m not in models.LANGUAGE_MODELS])
 @pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32), (1, 28, 28)])
 def test_models_build_and_run(name, shape):
     if min(shape[1:]) < models.MIN_SIZE.get(name, 1):
@@ -27,6 +27,25 @@ def test_models_build_and_run(name, shape):
         return
     net = models.build(name, shape, 10)
     assert net(torch.randn(2, *shape)).shape == (2, 10)
+
+
+@pytest.mark.unit
+def test_gpt_is_causal_and_a_sequence_of_shard_units():
+    net = models.build("gpt", (16,), 256, width=32, depth=3, heads=4)
+    assert [name for name, _ in net.named_children()] == ["embed", "block0", "block1", "block2", "head"]
+    assert sum(p.numel() for p in net.parameters()) == models.gpt_parameters(16, 256, 32, 3)
+    x = torch.randint(0, 256, (2, 16))
+    changed = x.clone()
+    changed[:, 9:] = (x[:, 9:] + 1) % 256
+    out, out_changed = net(x), net(changed)
+    assert out.shape == (2, 16, 256)
+    torch.testing.assert_close(out[:, :9], out_changed[:, :9])  # position t sees positions <= t only
+    assert (out[:, 9:] - out_changed[:, 9:]).abs().max() > 1e-3
+    assert net(x[:, :5]).shape == (2, 5, 256) and net(x[:0]).shape == (0, 16, 256)  # shorter, and empty
+    with pytest.raises(ValueError, match="multiple"):
+        models.build("gpt", (16,), 256, width=30, heads=4)
+    with pytest.raises(ValueError, match="--data text"):
+        models.check("gpt", (1, 8, 8))
 
 
 @pytest.mark.unit

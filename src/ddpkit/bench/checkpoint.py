@@ -46,6 +46,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         raise UsageError(f"--width {width}: must be at least 1")
     reps = opts.reps(5, quick=2)
     root = opts.extra.get("dir")
+    if root is not None and not os.path.isdir(root):
+        raise UsageError(f"--dir {root}: not a directory")
     with tempfile.TemporaryDirectory(dir=root) as folder:
         per_rank = launch(_worker, width, reps, folder, nproc=2, device=device)
     rows = {}

@@ -1,8 +1,9 @@
 """Data: the dataset catalogue and its files, images and augmentation, the samplers that make
 a run independent of the number of processes, and the distributed loader.
 
-- `datasets`: the catalogue (digits, synthetic, toy, mnist, fashion-mnist, cifar10), shapes,
+- `datasets`: the catalogue (digits, synthetic, toy, mnist, fashion-mnist, cifar10, text), shapes,
   loading; `readers` (the file formats) and `download` (where files live, fetching them);
+- `text`: `TextSet`, byte sequences of varying length for the language model;
 - `images`: `ImageSet` and `Augment` (batched augmentation keyed by sample position);
 - `samplers`: `GlobalBatchSampler` (world-size-invariant global batches) and `ShardSampler`
   (exact evaluation);
@@ -15,6 +16,7 @@ from .datasets import (
     DATASETS,
     FILE_DATASETS,
     NORMALIZATION,
+    TEXT_DATASETS,
     Splits,
     digits,
     load,
@@ -28,11 +30,15 @@ from .datasets import (
 from .images import Augment, ImageSet, augment_keys
 from .loader import DistributedLoader, Resident, eval_loader, fits_on, move, train_loader
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler, check_global_batch, share
+from .text import IGNORE, VOCAB, TextSet
 
 __all__ = [
     "DATASETS",
     "FILE_DATASETS",
+    "IGNORE",
     "NORMALIZATION",
+    "TEXT_DATASETS",
+    "VOCAB",
     "Augment",
     "DistributedLoader",
     "GlobalBatchSampler",
@@ -41,6 +47,7 @@ __all__ = [
     "Resident",
     "ShardSampler",
     "Splits",
+    "TextSet",
     "augment_keys",
     "check_global_batch",
     "digits",

@@ -8,6 +8,9 @@
 - `mnist`, `fashion-mnist` (IDX files) and `cifar10` (pickled batches): read from
   `--data-dir` (see `download` for the folder and the downloads, `readers` for the formats),
   normalized with each set's published per-channel mean and std.
+- `text`: byte sequences for the language model, from `--text-path` or by default the Python
+  standard library's sources (see `text`). Its "shape" is (seq_len,), its "classes" the 256
+  byte values.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from .. import checks
 from ..errors import UsageError
 from . import download, readers
 from .images import ImageSet
+from .text import VOCAB, text
 
-DATASETS = ("digits", "synthetic", "toy", "mnist", "fashion-mnist", "cifar10")
+DATASETS = ("digits", "synthetic", "toy", "mnist", "fashion-mnist", "cifar10", "text")
+TEXT_DATASETS = ("text",)  # sequences for a language model; the others are for classifiers
 # Datasets read from files: (input shape, classes), known without reading them.
 FILE_DATASETS = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
 # Per-channel mean and std of each training set in [0, 1] units, the values in common use
@@ -117,21 +122,26 @@ def synthetic_bytes(shape: tuple[int, ...], size: int, num_classes: int) -> int:
     return total + n * values + 12 * min(n, 4096) * values + 4 * size * math.prod(shape[1:])
 
 
-def train_size(name: str, data_dir: str | None = None, synthetic_size: int = 4096) -> int:
+def train_size(
+    name: str, data_dir: str | None = None, synthetic_size: int = 4096, text_path: str | None = None, seq_len: int = 128
+) -> int:
     """Training samples of dataset `name` (file datasets are read: call after `prepare`)."""
     if name == "synthetic":
         return synthetic_size
     if name == "digits":
         return len(_digits_array()) - DIGITS_TEST_SIZE
-    return len(load(name, data_dir=data_dir).train)  # toy, or files this process has read already
+    # toy, text, or files this process has read already
+    return len(load(name, data_dir=data_dir, text_path=text_path, seq_len=seq_len).train)
 
 
 def shape_of(
-    name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
+    name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seq_len: int = 128
 ) -> tuple[tuple[int, ...], int]:
     """(input shape, number of classes) of a dataset without loading it."""
     if name in FILE_DATASETS:
         return FILE_DATASETS[name]
+    if name == "text":
+        return (seq_len,), VOCAB
     if name == "toy":
         return (2,), 2
     return ((1, 8, 8), 10) if name == "digits" else (tuple(synthetic_shape), num_classes)
@@ -164,9 +174,12 @@ def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
     return found, missing
 
 
-def prepare(name: str, data_dir: str | None = None) -> None:
+def prepare(name: str, data_dir: str | None = None, text_path: str | None = None, seq_len: int = 128) -> None:
     """Download what dataset `name` lacks into its folder, then check that it reads. Called
     once by `ddpkit train` before workers start, so they only read (`load`)."""
+    if name == "text":  # read, to refuse a path without enough text before any worker starts
+        text(text_path, seq_len)
+        return
     if name not in FILE_DATASETS:
         return
     folder = download.dataset_dir(name, data_dir)
@@ -234,8 +247,11 @@ def load(
     synthetic_size: int = 4096,
     num_classes: int = 10,
     seed: int = 0,
+    text_path: str | None = None,
+    seq_len: int = 128,
 ) -> Splits:
-    """Dataset `name`. File datasets are read, never downloaded, here (see `prepare`)."""
+    """Dataset `name`. File datasets are read, never downloaded, here (see `prepare`).
+    `text_path` and `seq_len` are `--data text`'s (None: the standard library's sources)."""
     if name == "digits":
         return digits()
     if name == "synthetic":
@@ -244,5 +260,8 @@ def load(
         return toy()
     if name in FILE_DATASETS:
         return _read_files(name, data_dir)
+    if name == "text":
+        train, test = text(text_path, seq_len)
+        return Splits(train, test, (seq_len,), VOCAB)
     checks.choice("--data", name, DATASETS)
     raise AssertionError(name)  # every name of DATASETS is handled above

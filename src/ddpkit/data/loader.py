@@ -8,6 +8,10 @@ Two ways to turn a sampler's indices into batches, with the same samples in the 
   normalization on the device. No per-sample Python, no collate, no host-to-device copy.
 - a DataLoader (for datasets that are not tensors in memory): per-sample `__getitem__` in
   worker processes, pinned memory and non-blocking copies on CUDA.
+
+A dataset with a `token_counts` attribute (one count per sample: `TextSet`, or a user's) has
+losses that are means over tokens: its training micro-batches say how many tokens they hold
+and their global batch holds (`MicroBatch.tokens`), which the runtime weighs them by.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..seed import loader_generator, seed_worker
 from ..tree import map_tensors
 from .images import ImageSet, augment_keys
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
+from .text import TextSet
 
 
 class _Collate:
@@ -55,25 +60,27 @@ def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
 
 class Resident:
     """A dataset held whole on the device: batches are index gathers there (plus, for an
-    ImageSet, batched augmentation and normalization). Works for ImageSet and TensorDataset."""
+    ImageSet, batched augmentation and normalization; for a TextSet, the cutting and padding
+    of its sequences). Works for ImageSet, TextSet and TensorDataset."""
 
     def __init__(self, dataset: Dataset, device: torch.device, channels_last: bool = False):
         self.channels_last = channels_last
-        if isinstance(dataset, ImageSet):
-            self.images: ImageSet | None = dataset.to(device)
-            self.tensors: tuple[torch.Tensor, ...] = ()
-        else:
-            self.images = None
+        self.images: ImageSet | None = dataset.to(device) if isinstance(dataset, ImageSet) else None
+        self.text: TextSet | None = dataset.to(device) if isinstance(dataset, TextSet) else None
+        self.tensors: tuple[torch.Tensor, ...] = ()
+        if isinstance(dataset, TensorDataset):
             self.tensors = tuple(t.to(device) for t in dataset.tensors)
         self.device = device
 
     @staticmethod
     def supports(dataset: Any) -> bool:
-        return isinstance(dataset, (ImageSet, TensorDataset))
+        return isinstance(dataset, (ImageSet, TextSet, TensorDataset))
 
     def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> Any:
         if self.images is not None:
             batch = list(self.images.batch(indices, keys))
+        elif self.text is not None:
+            batch = list(self.text.batch(indices))
         else:
             batch = [t[indices] for t in self.tensors]
         if self.channels_last:
@@ -212,7 +219,7 @@ def loader_options(
     """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
     only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
     if num_workers is None:
-        in_memory = isinstance(dataset, (TensorDataset, ImageSet))
+        in_memory = isinstance(dataset, (TensorDataset, ImageSet, TextSet))
         cores = cpu_count() // max(1, local_world_size)
         num_workers = 0 if in_memory or device.type != "cuda" else min(4, max(1, cores - 1))
     return {
@@ -231,7 +238,7 @@ def fits_on(dataset: Dataset, device: torch.device) -> bool:
         return True
     size = (
         dataset.nbytes()
-        if isinstance(dataset, ImageSet)
+        if isinstance(dataset, (ImageSet, TextSet))
         else sum(t.numel() * t.element_size() for t in dataset.tensors)
     )
     return size < torch.cuda.get_device_properties(device).total_memory // 4
@@ -242,7 +249,7 @@ def _use_resident(dataset: Dataset, device: torch.device, resident: bool | None,
         return not num_workers and fits_on(dataset, device)
     if resident and not Resident.supports(dataset):
         raise UsageError(
-            f"a resident loader needs an ImageSet or TensorDataset, not {type(dataset).__name__}; "
+            f"a resident loader needs an ImageSet, TextSet or TensorDataset, not {type(dataset).__name__}; "
             "use the DataLoader path"
         )
     return resident
@@ -275,6 +282,7 @@ def train_loader(
         drop_last=drop_last,
         micro_batch_size=micro_batch_size,
         lockstep=lockstep,
+        token_counts=getattr(dataset, "token_counts", None),
     )
     if _use_resident(dataset, device, resident, num_workers):
         return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))

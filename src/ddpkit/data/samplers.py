@@ -8,6 +8,7 @@ without padding, so every test sample is counted exactly once whatever the world
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +67,28 @@ def share(batch_len: int, world_size: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """What the runtime needs to know about the micro-batch a loader just handed out."""
+    """What the runtime needs to know about the micro-batch a loader just handed out.
+
+    `tokens` and `step_tokens` are set when the dataset says how many tokens each sample's
+    loss averages over (`token_counts`, see `GlobalBatchSampler`): then the loss of a batch is a
+    mean over its tokens, and `count` and `step_count` are tokens; otherwise samples.
+    """
 
     size: int  # samples in it, on this rank
     step_size: int  # samples in the whole global batch (all ranks, all micro-batches)
     last: bool  # the last micro-batch of this rank for this optimizer step
+    tokens: int | None = None  # tokens in it, on this rank
+    step_tokens: int | None = None  # tokens in the whole global batch
+
+    @property
+    def count(self) -> int:
+        """What this micro-batch's mean loss is a mean over: its tokens, or its samples."""
+        return self.size if self.tokens is None else self.tokens
+
+    @property
+    def step_count(self) -> int:
+        """The same over the whole global batch."""
+        return self.step_size if self.step_tokens is None else self.step_tokens
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -81,6 +99,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
     when B does not divide evenly) and splits it into micro-batches of at most
     `micro_batch_size`. So which samples form step k depends on the seed and the epoch only,
     and a run can stop after any step and continue on any number of processes.
+
+    `token_counts` (one count per sample, such as `TextSet.token_counts`) makes each
+    MicroBatch carry its tokens and its global batch's: every rank knows the whole global
+    batch's indices, so each computes the step's total on its own, without a collective.
     """
 
     def __init__(
@@ -95,13 +117,17 @@ class GlobalBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         micro_batch_size: int | None = None,
         lockstep: bool = False,
+        token_counts: torch.Tensor | None = None,
     ):
         check_global_batch(global_batch, world_size)
+        if token_counts is not None and len(token_counts) != length:
+            raise ValueError(f"token_counts has {len(token_counts)} entries for {length} samples")
         if micro_batch_size is not None:
             checks.positive("--micro-batch-size", micro_batch_size)
         self.length, self.global_batch, self.world_size, self.rank = length, global_batch, world_size, rank
         self.shuffle, self.seed, self.drop_last, self.micro = shuffle, seed, drop_last, micro_batch_size
         self.lockstep = lockstep  # every rank the same number of micro-batches per step (fsdp)
+        self.token_counts = None if token_counts is None else torch.as_tensor(token_counts, device="cpu")
         self.epoch, self.start_step = 0, 0
         self.keys = False  # yield (index, augmentation key) pairs instead of indices
 
@@ -121,6 +147,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         """(start, stop, MicroBatch): this rank's remaining micro-batches of the epoch, as
         positions [start, stop) in the epoch's global order."""
+        if self.token_counts is None:
+            yield from self._spans()
+            return
+        counts = self.token_counts[self.order()]  # in the epoch's order: a global batch is a slice
+        total = {}  # the tokens of the global batch that starts at position `first`
+        for start, stop, info in self._spans():
+            first = start - start % self.global_batch  # every span lies inside its global batch
+            if first not in total:
+                total = {first: int(counts[first : first + info.step_size].sum())}
+            info = dataclasses.replace(info, tokens=int(counts[start:stop].sum()), step_tokens=total[first])
+            yield start, stop, info
+
+    def _spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         for step in range(self.start_step, self.steps_per_epoch):
             first = step * self.global_batch
             batch_len = min(self.global_batch, self.length - first)
@@ -163,4 +202,4 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield list(zip(order[start:stop].tolist(), keys.tolist()))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.spans())
+        return sum(1 for _ in self._spans())

@@ -13,9 +13,8 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .. import checkpoint, data, dist, models
+from .. import checkpoint, data, dist
 from ..errors import Interrupted
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
@@ -26,8 +25,9 @@ from ..strategy import local, unwrap
 from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
-from .plan import RunPlan, make_plan
+from .plan import RunPlan, build_model, make_plan
 from .resume import RunState, after_restart, last_checkpoint
+from .tasks import task_of
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -95,10 +95,13 @@ class Loop:
             synthetic_size=cfg.synthetic_size,
             num_classes=plan.num_classes,
             seed=cfg.seed,
+            text_path=cfg.text_path,
+            seq_len=cfg.seq_len,
         )
         if isinstance(self.splits.train, data.ImageSet):
             self.splits.train.augment = plan.augment
-        model = models.build(cfg.model, plan.in_shape, plan.num_classes)
+        self.task = task_of(cfg)
+        model = build_model(cfg, plan.in_shape, plan.num_classes)
         if cfg.sync_batchnorm and rt.world_size > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         opt = build_optimizer(cfg.optimizer, model.parameters(), plan.peak_lr, cfg.momentum, cfg.weight_decay)
@@ -121,6 +124,7 @@ class Loop:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, factor)
         self.run = RunState(cfg, rt.device, self.train_loader.generator)
         self.samples = 0  # trained on by this attempt (these worker processes), all ranks together
+        self.tokens = 0  # the same in tokens (language models)
         self.train_seconds = 0.0  # this attempt's time in finished train_epoch calls
         self.epoch_t0: float | None = None  # when the train_epoch under way started
         self.carried: dict[str, Any] | None = None  # a checkpoint's throughput figures (see throughput)
@@ -170,10 +174,10 @@ class Loop:
             self.save(out)
         self.check_finite()
         self.wait_for_checkpoint()
-        ev = self.rt.evaluate(self.model, self.test_loader)
+        ev = self.task.evaluate(self.rt, self.model, self.test_loader)
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
-        results = self.results(ev, rate, time.time() - t0)
+        results = self.results(ev, rate, time.time() - t0, basis)
         results["samples_per_second_basis"] = basis
         # How long training stood still for checkpoints (fsdp writes them in the background).
         results["checkpoint_seconds"] = round(self.checkpoint_seconds, 4)
@@ -185,7 +189,8 @@ class Loop:
         """The samples this attempt trained on and its training seconds so far (evaluation
         and end-of-epoch checkpoints apart)."""
         seconds = self.train_seconds + (time.perf_counter() - self.epoch_t0 if self.epoch_t0 else 0.0)
-        return {"samples": self.samples, "train_seconds": seconds}
+        tokens = {"tokens": self.tokens} if self.task.unit == "tokens" else {}
+        return {"samples": self.samples, **tokens, "train_seconds": seconds}
 
     def throughput(self) -> dict[str, Any]:
         """What samples_per_second divides: this attempt's figures; or, when it trained nothing
@@ -205,12 +210,12 @@ class Loop:
         t_log = time.perf_counter()
         self.timer.start()
         for x, y in batches:
-            n = self.train_loader.current.size
+            n = self.train_loader.current.count  # what the loss is a mean over: samples, or tokens
             try:
                 logits = self.model(x)
-                loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+                loss = self.task.loss(logits, y)
             except torch.cuda.OutOfMemoryError:
-                raise torch.cuda.OutOfMemoryError(self._oom_advice(n)) from None
+                raise torch.cuda.OutOfMemoryError(self._oom_advice(len(x))) from None
             if n:
                 bad = ~torch.isfinite(loss.detach())
                 if cfg.on_nonfinite == "skip":
@@ -230,10 +235,11 @@ class Loop:
             run.step += 1
             self.step_t += 1
             self.samples += self.train_loader.current.step_size
+            self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
                 self.check_finite()
                 now = time.perf_counter()
-                value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_size
+                value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_count
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
                 t_log = now
                 out.log(
@@ -256,12 +262,13 @@ class Loop:
         return True
 
     def _count(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, n: int) -> None:
-        """Add a micro-batch to the epoch's per-sample sums. One with a non-finite loss (only
-        with --on-nonfinite skip does the run go on) counts in none of them: its correct
-        predictions would otherwise raise the accuracy above 1 over the samples left."""
+        """Add a micro-batch to the epoch's sums, per sample or per token (`n` of them). One
+        with a non-finite loss (only with --on-nonfinite skip does the run go on) counts in none
+        of them: its correct predictions would otherwise raise the accuracy above 1 over the
+        samples left."""
         finite = torch.isfinite(loss)
         self.run.sums[0] += torch.where(finite, loss.double() * n, 0.0)
-        self.run.sums[1] += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
+        self.run.sums[1] += torch.where(finite, self.task.correct(logits, y), 0)
         self.run.sums[2] += finite * n
 
     def _skip_step(self, out: Outputs) -> bool:
@@ -313,26 +320,19 @@ class Loop:
         loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
         run.sums.zero_()
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
-        ev = rt.evaluate(self.model, self.test_loader)
+        ev = self.task.evaluate(rt, self.model, self.test_loader)
         record = {
             "type": "epoch",
             "epoch": run.epoch + 1,
             "step": run.step,
-            "train_loss": loss / count,
-            "train_accuracy": correct / count,
-            "test_loss": ev["loss"],
-            "test_accuracy": ev["accuracy"],
-            "test_samples": ev["samples"],
+            **self.task.epoch_fields(loss, correct, count, ev),
             "epoch_seconds": seconds,
             "lr": self.sched.get_last_lr()[0],
         }
         run.history.append(record)
         run.epoch += 1
         out.log(record)
-        rt.print(
-            f"epoch {run.epoch:>3}/{self.cfg.epochs}  train loss {loss / count:.4f}  acc {correct / count:.4f}"
-            f"  |  test loss {ev['loss']:.4f}  acc {ev['accuracy']:.4f}  ({ev['samples']} samples)"
-        )
+        rt.print(f"epoch {run.epoch:>3}/{self.cfg.epochs}  {self.task.epoch_line(record)}")
 
     def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
@@ -389,9 +389,10 @@ class Loop:
             net = (
                 unwrap(self.model)
                 if rt.strategy != "fsdp"
-                else models.build(cfg.model, self.plan.in_shape, self.plan.num_classes)
+                else build_model(cfg, self.plan.in_shape, self.plan.num_classes)
             )
-            flops = flops_per_sample(net, self.plan.in_shape, rt.device)
+            vocab = self.plan.num_classes if self.task.unit == "tokens" else None
+            flops = flops_per_sample(net, self.plan.in_shape, rt.device, vocab)
         flops = rt.broadcast_object(flops)
         perf["flops_per_sample"] = flops
         perf["achieved_tflops"] = flops * rate / 1e12 if flops else None
@@ -404,13 +405,11 @@ class Loop:
         perf["gpu_utilization_percent"] = rt.broadcast_object(util)
         return perf
 
-    def results(self, ev: dict[str, Any], rate: float, wall: float) -> dict[str, Any]:
+    def results(self, ev: dict[str, Any], rate: float, wall: float, basis: dict[str, Any]) -> dict[str, Any]:
         cfg, run, rt = self.cfg, self.run, self.rt
         last = run.history[-1] if run.history else {}
         return {
-            "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
-            "test_samples": ev["samples"],
+            **self.task.result_fields(ev, last, basis),
             "train_samples": len(self.splits.train),
             "world_size": rt.world_size,
             "global_batch_size": cfg.batch_size,

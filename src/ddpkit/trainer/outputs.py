@@ -19,9 +19,9 @@ from typing import Any
 from ..checkpoint import save_file, state_of
 from ..errors import RunError
 from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, remove, replace_with_log, write_json, write_yaml
-from ..plots import plot_curves
 from .config import TrainConfig
 from .resume import checkpoint_names, newest_checkpoint
+from .tasks import task_of
 
 
 class Outputs:
@@ -29,6 +29,9 @@ class Outputs:
 
     def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
         self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
+        self.task = task_of(cfg)
+        self.csv_fields = ("epoch", "step", *self.task.csv_fields, "epoch_seconds", "lr")
+        self._steps: list[dict[str, Any]] = []  # step and loss of metrics.jsonl's step records, for the plot
         self._metrics = self._csv_file = self._csv = self._tb = None
         self._paths = {"metrics": os.path.join(self.dir, "metrics.jsonl"), "csv": os.path.join(self.dir, "metrics.csv")}
         if not is_main:
@@ -46,8 +49,10 @@ class Outputs:
         # A resumed run drops what came after its checkpoint; metrics.csv is rewritten from the
         # kept records, so it always agrees with metrics.jsonl.
         self._metrics = replace_with_log(self._paths["metrics"], "".join(json_line(r) + "\n" for r in kept))
-        self._csv_file = replace_with_log(self._paths["csv"], _csv_text(r for r in kept if r.get("type") == "epoch"))
-        self._csv = csv.DictWriter(self._csv_file, CSV_FIELDS, extrasaction="ignore")
+        self._steps = [{"step": r["step"], "loss": r["loss"]} for r in kept if r.get("type") == "step"]
+        epochs = (r for r in kept if r.get("type") == "epoch")
+        self._csv_file = replace_with_log(self._paths["csv"], _csv_text(epochs, self.csv_fields))
+        self._csv = csv.DictWriter(self._csv_file, self.csv_fields, extrasaction="ignore")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -84,6 +89,8 @@ class Outputs:
             return
         with naming_full_disk(self._paths["metrics"]):
             self._metrics.write(json_line(record) + "\n")
+        if record.get("type") == "step":
+            self._steps.append({"step": record["step"], "loss": record["loss"]})
         if record.get("type") == "epoch":
             with naming_full_disk(self._paths["csv"]):
                 self._csv.writerow(json_safe(record))  # NaN as an empty cell, as it reads back from metrics.jsonl
@@ -118,31 +125,19 @@ class Outputs:
             return
         save_file(os.path.join(self.dir, "model.pt"), weights)
         write_json(os.path.join(self.dir, "results.json"), results)
-        plot_curves(history, os.path.join(self.dir, "curves.png"), title=f"{self.cfg.model} on {self.cfg.data}")
+        title = f"{self.cfg.model} on {self.cfg.data}"
+        self.task.plot(self._steps, history, os.path.join(self.dir, "curves.png"), title)
 
     def summary(self, r: dict[str, Any]) -> str:
         """The `done:` line (scripts parse it), then an aligned table of the run's results."""
         done = (
-            f"done: test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples | "
+            f"done: {self.task.headline(r)} | "
             f"{r['steps']} steps, {r['samples_per_second']:,.0f} samples/s on {r['world_size']} x {r['device']} | "
             f"{r['wall_seconds']:.1f} s | outputs in {self.dir}"
         )
-        rows = summary_rows(r)
+        rows = self.task.summary_rows(r) + summary_rows(r)
         width = max(len(k) for k, _ in rows)
         return "\n".join([done, *(f"  {k:<{width}}  {v}" for k, v in rows)])
-
-
-CSV_FIELDS = (
-    "epoch",
-    "step",
-    "train_loss",
-    "train_accuracy",
-    "test_loss",
-    "test_accuracy",
-    "test_samples",
-    "epoch_seconds",
-    "lr",
-)
 
 
 def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
@@ -154,17 +149,17 @@ def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
         writer.add_scalar("train/samples_per_second", record["samples_per_second"], step)
     elif record.get("type") == "epoch":
         for split in ("train", "test"):
-            writer.add_scalar(f"epoch/{split}_loss", record[f"{split}_loss"], step)
-            writer.add_scalar(f"epoch/{split}_accuracy", record[f"{split}_accuracy"], step)
+            for metric in ("loss", "accuracy", "perplexity"):  # perplexity: language models only
+                if f"{split}_{metric}" in record:
+                    writer.add_scalar(f"epoch/{split}_{metric}", record[f"{split}_{metric}"], step)
         if record.get("lr") is not None:
             writer.add_scalar("epoch/lr", record["lr"], step)
 
 
 def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
-    """The final summary table of a results dict, as (label, value) rows."""
+    """The final summary table of a results dict, as (label, value) rows, after the task's
+    own (its test results: `Task.summary_rows`)."""
     rows = [
-        ("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
-        ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
         ("train loss", f"{r['final_train_loss']:.4f}" if r.get("final_train_loss") is not None else "-"),
         ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
         ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}"),
@@ -185,10 +180,10 @@ def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _csv_text(records: Any) -> str:
+def _csv_text(records: Any, fields: tuple[str, ...]) -> str:
     """metrics.csv's header and a row per epoch record."""
     buffer = io.StringIO(newline="")
-    writer = csv.DictWriter(buffer, CSV_FIELDS, extrasaction="ignore")
+    writer = csv.DictWriter(buffer, fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(records)
     return buffer.getvalue()

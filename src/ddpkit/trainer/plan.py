@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .. import checks, data, models
 from .. import device as devices
@@ -31,7 +32,7 @@ from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
 from ..strategy.fsdp import NO_SYNC_BATCHNORM
 from . import resume, rundir
-from .config import FIELDS, TrainConfig
+from .config import FIELDS, TrainConfig, model_options
 
 LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Runtime.loader(resident=...)
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -67,6 +68,10 @@ POSITIVE = (
     "micro_batch_size",
     "max_steps",
     "max_grad_norm",
+    "seq_len",
+    "gpt_width",
+    "gpt_depth",
+    "gpt_heads",
 )
 AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
 FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
@@ -111,7 +116,7 @@ def make_plan(cfg: TrainConfig) -> RunPlan:
     plan = resolve(cfg)
     # Under torchrun every worker gets here: downloads are temp file + rename, so concurrent
     # ones are safe.
-    data.prepare(cfg.data, cfg.data_dir)
+    data.prepare(cfg.data, cfg.data_dir, cfg.text_path, cfg.seq_len)
     _warn_batch_above_set(cfg)
     check_writable(f"--out {plan.out}", os.path.join(plan.out, "checkpoints"))
     if locks:
@@ -137,6 +142,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
+    if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
+        _check_gpt_memory(cfg, in_shape, num_classes, topology)
     if cfg.strategy == "fsdp" and cfg.sync_batchnorm:
         raise UsageError(NO_SYNC_BATCHNORM)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
@@ -178,13 +185,28 @@ def check_settings(cfg: TrainConfig) -> None:
     checks.integer("--seed", cfg.seed, 0, 2**32 - 1)  # NumPy's seeds are 32-bit; torch's take these too
     if cfg.data_dir:  # checked whatever --data is: a file there is a mistake either way
         checks.directory("--data-dir", os.path.expanduser(cfg.data_dir))
+    if cfg.text_path is not None and cfg.data not in data.TEXT_DATASETS:
+        raise UsageError(f"--text-path is the text of --data text; this run has --data {cfg.data}")
+    if cfg.text_path is not None and not os.path.exists(os.path.expanduser(cfg.text_path)):
+        raise UsageError(f"--text-path {cfg.text_path}: no such file or directory")
+    if cfg.gpt_width % cfg.gpt_heads:
+        raise UsageError(f"--gpt-width {cfg.gpt_width} must be a multiple of --gpt-heads {cfg.gpt_heads}")
+
+
+def build_model(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int) -> Any:
+    """The run's model, as every rank builds it: `--model` with its options (gpt's flags)."""
+    return models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
 
 
 def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, ...], int]:
     """The dataset's (input shape, classes), checked against the model and the augmentation."""
     in_shape, num_classes = data.shape_of(
-        cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes
+        cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes, cfg.seq_len
     )
+    if cfg.data in data.TEXT_DATASETS and cfg.model not in models.LANGUAGE_MODELS:
+        raise UsageError(f"--data {cfg.data} is byte sequences for a language model: use --model gpt, not {cfg.model}")
+    if cfg.model in models.LANGUAGE_MODELS and cfg.data not in data.TEXT_DATASETS:
+        raise UsageError(f"--model {cfg.model} is a language model of bytes: use it with --data text")
     if augment is not None and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
     if augment is not None and augment.crop_padding > min(in_shape[1:]):  # crops of padding, and huge pads
@@ -193,6 +215,20 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
         )
     models.check(cfg.model, in_shape, num_classes)
     return in_shape, num_classes
+
+
+def _check_gpt_memory(cfg: TrainConfig, in_shape: tuple[int, ...], vocab: int, topology: Topology) -> None:
+    """Refuse a gpt too large for this machine's memory before any process builds it: its
+    weights (fp32), gradients and optimizer state (AdamW: two values per weight); under fsdp
+    one whole copy at build time plus its shares of the rest."""
+    params = models.gpt_parameters(in_shape[0], vocab, cfg.gpt_width, cfg.gpt_depth)
+    per_weight = 4 + 12 / topology.world_size if cfg.strategy == "fsdp" else 16
+    checks.memory(
+        f"--model gpt with --gpt-width {cfg.gpt_width}, --gpt-depth {cfg.gpt_depth} and --seq-len {cfg.seq_len} "
+        f"({params:,} parameters)",
+        params * per_weight,
+        topology.nproc,
+    )
 
 
 def _synthetic_what(cfg: TrainConfig) -> str:
@@ -206,7 +242,7 @@ def _warn_batch_above_set(cfg: TrainConfig) -> None:
     """A global batch larger than the training set makes every step the whole set. That may be
     meant (a recipe's batch on a small smoke-test set), or a typo that --lr-scaling would
     multiply into the LR: said once, not refused. Files are read by now."""
-    size = data.train_size(cfg.data, cfg.data_dir, cfg.synthetic_size)
+    size = data.train_size(cfg.data, cfg.data_dir, cfg.synthetic_size, cfg.text_path, cfg.seq_len)
     if cfg.batch_size > size:
         print(
             f"ddpkit train: warning: --batch-size {cfg.batch_size} is larger than the {size} training samples of "

@@ -31,7 +31,7 @@ from ..launcher.records import current_attempt
 from ..optim import build_optimizer
 from ..seed import rng_state, seed_rank, set_rng_state
 from . import rundir
-from .config import TrainConfig
+from .config import TrainConfig, model_options
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -131,7 +131,7 @@ def check_resumable(
         raise IncompatibleCheckpoint(
             f"checkpoint {path}: the run already finished its {run['epoch']} epochs; raise --epochs to continue it"
         )
-    model = models.build(cfg.model, in_shape, num_classes)
+    model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
     if sharded:
         want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         problem = shards.shape_problem(shards.saved_shapes(metadata, "model"), want)
@@ -270,6 +270,11 @@ RESUME_MUST_MATCH = (
     "label_smoothing",
     "momentum",
     "max_grad_norm",
+    "text_path",
+    "seq_len",
+    "gpt_width",
+    "gpt_depth",
+    "gpt_heads",
 )
 
 

@@ -74,7 +74,10 @@ def criterion_for(criterion: str, device_type: str) -> str:
 def resolve(a: Any) -> tuple[Settings, Topology]:
     """The search and its processes from the parsed command line (`cli.find_batch_size`)."""
     topology = topologies.resolve(a.device, a.nproc)
-    name = checks.choice("--data", a.data, data.DATASETS)
+    # Language models (--model gpt on --data text) are not probed yet: the probe feeds images.
+    name = checks.choice("--data", a.data, [d for d in data.DATASETS if d not in data.TEXT_DATASETS])
+    if a.model in models.LANGUAGE_MODELS:
+        raise UsageError(f"--model {a.model}: ddpkit find-batch-size does not search for language models yet")
     in_shape, classes = data.shape_of(name, checks.shape("--synthetic-shape", a.synthetic_shape), a.num_classes)
     if name == "synthetic":  # one float32 sample at least must fit, or no batch can be tried
         checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))

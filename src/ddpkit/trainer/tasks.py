@@ -1,0 +1,165 @@
+"""What the built-in loop trains and measures: a classifier (the image models) or a language
+model (`--model gpt`). The loop is the same; a task says what the loss of a micro-batch is,
+what a micro-batch adds to the epoch's sums, how the test set is evaluated, and how an epoch
+and a run are reported.
+
+Both keep the epoch's sums as (loss x count, correct, count), where the count is samples for
+a classifier and real (non-padding) tokens for a language model: the loss of a micro-batch is
+the mean over its count, and `MicroBatch.count` is that count (see data/samplers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import models
+from ..data import IGNORE, DistributedLoader
+from ..evaluation import evaluate_tokens, perplexity
+from ..plots import plot_curves, plot_token_curves
+from ..runtime import Runtime
+from .config import TrainConfig
+
+
+class Classification:
+    """Logits (B, classes) against labels (B,): cross-entropy per sample, accuracy."""
+
+    unit = "samples"
+    csv_fields = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_samples")
+
+    def __init__(self, cfg: TrainConfig):
+        self.label_smoothing = cfg.label_smoothing
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss per sample."""
+        return F.cross_entropy(out, y, label_smoothing=self.label_smoothing)
+
+    def correct(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out.argmax(1) == y).sum()
+
+    def evaluate(self, rt: Runtime, model: torch.nn.Module, loader: DistributedLoader) -> dict[str, Any]:
+        return rt.evaluate(model, loader)
+
+    def epoch_fields(self, loss: float, correct: float, count: float, ev: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "train_loss": loss / count,
+            "train_accuracy": correct / count,
+            "test_loss": ev["loss"],
+            "test_accuracy": ev["accuracy"],
+            "test_samples": ev["samples"],
+        }
+
+    def epoch_line(self, r: dict[str, Any]) -> str:
+        return (
+            f"train loss {r['train_loss']:.4f}  acc {r['train_accuracy']:.4f}"
+            f"  |  test loss {r['test_loss']:.4f}  acc {r['test_accuracy']:.4f}  ({r['test_samples']} samples)"
+        )
+
+    def result_fields(self, ev: dict[str, Any], last: dict[str, Any], basis: dict[str, Any]) -> dict[str, Any]:
+        return {"test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_samples": ev["samples"]}
+
+    def plot(self, steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str) -> None:
+        """curves.png: loss and accuracy per epoch."""
+        plot_curves(history, path, title)
+
+    def headline(self, r: dict[str, Any]) -> str:
+        """The start of the `done:` line (scripts parse it)."""
+        return f"test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples"
+
+    def summary_rows(self, r: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            ("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
+            ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
+        ]
+
+
+class LanguageModel:
+    """Logits (B, T, vocab) against next tokens (B, T), padding marked `IGNORE`: cross-entropy
+    per token, perplexity (exp of it), and next-token top-1 accuracy (kept under the
+    `accuracy` keys every run's outputs have)."""
+
+    unit = "tokens"
+    csv_fields = (
+        "train_loss",
+        "train_perplexity",
+        "train_accuracy",
+        "test_loss",
+        "test_perplexity",
+        "test_accuracy",
+        "test_tokens",
+        "test_samples",
+    )
+
+    def __init__(self, cfg: TrainConfig):
+        self.label_smoothing = cfg.label_smoothing
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss per real token (NaN when it has none: it is then weighed
+        by zero, see accumulation.py)."""
+        return F.cross_entropy(
+            out.flatten(0, 1), y.flatten(), ignore_index=IGNORE, label_smoothing=self.label_smoothing
+        )
+
+    def correct(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out.argmax(-1) == y) & (y != IGNORE)).sum()
+
+    def evaluate(self, rt: Runtime, model: torch.nn.Module, loader: DistributedLoader) -> dict[str, Any]:
+        return evaluate_tokens(model, loader, rt.precision)
+
+    def epoch_fields(self, loss: float, correct: float, count: float, ev: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "train_loss": loss / count,
+            "train_perplexity": perplexity(loss / count),
+            "train_accuracy": correct / count,
+            "test_loss": ev["loss"],
+            "test_perplexity": ev["perplexity"],
+            "test_accuracy": ev["accuracy"],
+            "test_tokens": ev["tokens"],
+            "test_samples": ev["samples"],
+        }
+
+    def epoch_line(self, r: dict[str, Any]) -> str:
+        return (
+            f"train loss {r['train_loss']:.4f}  ppl {r['train_perplexity']:.3f}"
+            f"  |  test loss {r['test_loss']:.4f}  ppl {r['test_perplexity']:.3f}  acc {r['test_accuracy']:.4f}"
+            f"  ({r['test_tokens']:,} tokens)"
+        )
+
+    def result_fields(self, ev: dict[str, Any], last: dict[str, Any], basis: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "test_accuracy": ev["accuracy"],  # per token: the next byte's top-1
+            "test_loss": ev["loss"],  # per token, in nats
+            "test_perplexity": ev["perplexity"],
+            "test_tokens": ev["tokens"],
+            "test_samples": ev["samples"],  # sequences
+            "final_train_perplexity": last.get("train_perplexity"),
+            "tokens_per_second": basis.get("tokens", 0) / max(basis["train_seconds"], 1e-9),
+        }
+
+    def plot(self, steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str) -> None:
+        """curves.png: loss per token and perplexity by step (one epoch is a whole run here)."""
+        plot_token_curves(steps, history, path, title)
+
+    def headline(self, r: dict[str, Any]) -> str:
+        return f"test perplexity {r['test_perplexity']:.3f} (loss {r['test_loss']:.4f} per token) on {r['test_tokens']:,} tokens"
+
+    def summary_rows(self, r: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            ("test perplexity", f"{r['test_perplexity']:.3f}"),
+            (
+                "test loss",
+                f"{r['test_loss']:.4f} per token ({r['test_tokens']:,} tokens in {r['test_samples']:,} sequences)",
+            ),
+            ("test accuracy", f"{r['test_accuracy']:.4f} (next byte, top-1)"),
+            ("tokens/s", f"{r['tokens_per_second']:,.0f}"),
+        ]
+
+
+Task = Classification | LanguageModel
+
+
+def task_of(cfg: TrainConfig) -> Task:
+    """The task `--model` trains."""
+    return LanguageModel(cfg) if cfg.model in models.LANGUAGE_MODELS else Classification(cfg)
