@@ -241,9 +241,8 @@ def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
     assert steps == [(r["type"], r["step"]) for r in _metrics(full)]  # lost epoch's records not doubled
 
 
-def test_default_run_reaches_97_percent(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path))
+def test_default_run_reaches_97_percent(default_run):
+    out, proc = default_run  # `ddpkit train --nproc 1 --device cpu --out DIR` (tests/conftest.py)
     ok(proc)
     r = _results(out)
     assert r["epochs"] == 10

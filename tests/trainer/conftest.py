@@ -1,14 +1,14 @@
 """`straight`, the uninterrupted 2-process `ddpkit train --epochs 2` run that the invariance and
-resume tests compare with: made once for the whole folder."""
+resume tests compare with: the session's `two_process_run` (tests/conftest.py), made once."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.trainer.helpers import train
+from tests.trainer.helpers import finished
 
 
 @pytest.fixture(scope="package")
-def straight(tmp_path_factory):
+def straight(two_process_run):
     """The uninterrupted 2-process run the other runs are compared with."""
-    return train(tmp_path_factory.mktemp("straight") / "out", "--nproc", "2")
+    return finished(*two_process_run)

@@ -19,7 +19,11 @@ COMMON = ("train", "--epochs", "2", "--device", "cpu")
 
 
 def train(out, *extra: str) -> dict:
-    proc = run_cli(*COMMON, "--out", str(out), *extra)
+    return finished(out, run_cli(*COMMON, "--out", str(out), *extra))
+
+
+def finished(out, proc) -> dict:
+    """A run that must have succeeded: its results, weights and output."""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {
         "results": json.loads((out / "results.json").read_text()),
