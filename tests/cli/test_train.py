@@ -202,19 +202,21 @@ def test_resume_auto_continues_to_epoch_3(run1, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
-    # A 3-epoch run, and the same run "crashed" during epoch 3: its last checkpoint and final
-    # outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
+def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(run1, tmp_path):
+    # run1 (2 epochs), and the same run "crashed" during its last epoch: its last checkpoint and
+    # final outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
     # restore model, optimizer, scheduler, loader position and RNG so the end is bit-identical.
-    full, crashed = tmp_path / "full", tmp_path / "crashed"
-    ok(run_cli("train", "--nproc", "2", "--epochs", "3", "--device", "cpu", "--out", str(full), cwd=str(tmp_path)))
-    shutil.copytree(full, crashed)
-    for name in ("checkpoints/step-00000069.pt", "model.pt", "results.json"):
+    full, proc1 = run1
+    ok(proc1)
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)  # run1's own files stay as they were for the other tests
+    for name in ("checkpoints/step-00000046.pt", "model.pt", "results.json"):
         (crashed / name).unlink()
+    assert (crashed / "checkpoints" / "step-00000023.pt").is_file()  # the end of epoch 1: resumed from
     kept = [
         line
         for line in (crashed / "metrics.jsonl").read_text().splitlines()
-        if json.loads(line)["step"] <= 46 or json.loads(line)["type"] == "step"
+        if json.loads(line)["step"] <= 23 or json.loads(line)["type"] == "step"
     ]
     (crashed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     proc = run_cli(
@@ -222,7 +224,7 @@ def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
         "--nproc",
         "2",
         "--epochs",
-        "3",
+        "2",
         "--device",
         "cpu",
         "--resume",
@@ -236,7 +238,7 @@ def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
     b = torch.load(crashed / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _results(crashed)["test_accuracy"] == _results(full)["test_accuracy"]
-    assert _results(crashed)["resumed_from_step"] == 46
+    assert _results(crashed)["resumed_from_step"] == 23
     steps = [(r["type"], r["step"]) for r in _metrics(crashed)]
     assert steps == [(r["type"], r["step"]) for r in _metrics(full)]  # lost epoch's records not doubled
 
