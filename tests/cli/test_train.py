@@ -253,25 +253,22 @@ def test_default_run_reaches_97_percent(default_run):
     assert r["test_accuracy"] >= 0.97, r
 
 
-def test_config_file_and_command_line_override(tmp_path):
-    config = tmp_path / "cfg.yaml"
+@pytest.fixture(scope="module")
+def config_run(tmp_path_factory):
+    """One 1-process run for two tests: a config file under the command-line flags, and
+    --strategy single."""
+    root = tmp_path_factory.mktemp("config_run")
+    config = root / "cfg.yaml"
     config.write_text("epochs: 1\nbatch-size: 32\nmodel: mlp\n")
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train",
-        "--config",
-        str(config),
-        "--batch-size",
-        "16",
-        "--nproc",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        cwd=str(tmp_path),
-    )
+    out = root / "out"
+    args = ("--config", str(config), "--batch-size", "16", "--strategy", "single", "--nproc", "1", "--device", "cpu")
+    proc = run_cli("train", *args, "--out", str(out), cwd=str(root))
     ok(proc)
+    return out
+
+
+def test_config_file_and_command_line_override(config_run):
+    out = config_run
     r = _results(out)
     assert r["epochs"] == 1  # from the file
     assert r["model"] == "mlp"  # from the file
@@ -285,37 +282,30 @@ def test_config_file_and_command_line_override(tmp_path):
     ddpkit_models.build("mlp", (1, 8, 8), 10).load_state_dict(state, strict=True)
 
 
-def test_strategy_single(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train",
-        "--strategy",
-        "single",
-        "--nproc",
-        "1",
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        cwd=str(tmp_path),
-    )
-    ok(proc)
-    r = _results(out)
+def test_strategy_single(config_run):
+    r = _results(config_run)  # --strategy single --nproc 1, one epoch at global batch 16
     assert r["strategy"] == "single"
     assert r["world_size"] == 1
-    assert r["steps"] == math.ceil(DIGITS_TRAIN / 64)
+    assert r["steps"] == math.ceil(DIGITS_TRAIN / 16)
 
 
-def test_strategy_dp_on_cpu_runs_as_single(tmp_path):
+@pytest.fixture(scope="module")
+def toy_dp_run(tmp_path_factory):
+    """`--strategy dp` on CPU (no --nproc), on the toy data with a global batch larger than its
+    training set: one run for the two tests of these."""
+    out = tmp_path_factory.mktemp("toy_dp") / "toy"
+    proc = run_cli(
+        "train", "--data", "toy", "--model", "mlp", "--batch-size", "8", "--epochs", "2", "--strategy", "dp",
+        "--device", "cpu", "--out", str(out),
+    )  # fmt: skip
+    ok(proc)
+    return out, proc
+
+
+def test_strategy_dp_on_cpu_runs_as_single(toy_dp_run):
     # strategy.resolve: 'dp' needs a CUDA device and at least two GPUs; otherwise it is 'single'.
     assert ddpkit_strategy.resolve_name("dp", 1, torch.device("cpu")) == "single"
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train", "--strategy", "dp", "--epochs", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path)
-    )
-    ok(proc)
+    out, proc = toy_dp_run
     r = _results(out)
     assert r["strategy"] == "single"
     assert r["world_size"] == 1
@@ -330,13 +320,8 @@ def test_train_help(cli, tmp_path):
     assert not os.listdir(tmp_path), "--help wrote files"
 
 
-def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(tmp_path):
+def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(toy_dp_run):
     # Full-batch steps may be meant (a recipe's batch on a small smoke-test set): said, not refused.
-    out = tmp_path / "toy"
-    proc = run_cli(
-        "train", "--data", "toy", "--model", "mlp", "--batch-size", "8", "--epochs", "2", "--nproc", "1",
-        "--device", "cpu", "--out", str(out),
-    )  # fmt: skip
-    ok(proc)
+    out, proc = toy_dp_run
     assert "warning: --batch-size 8 is larger than the 5 training samples of --data toy" in proc.stderr
     assert json.loads((out / "results.json").read_text())["steps"] == 2  # one step per epoch: the whole set
