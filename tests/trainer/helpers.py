@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 
@@ -31,6 +32,12 @@ def finished(out, proc) -> dict:
         "stdout": proc.stdout,
         "stderr": proc.stderr,
     }
+
+
+def copied(run, tmp_path):
+    """A copy of a shared run's out directory (tests/trainer/conftest.py), to continue or damage."""
+    shutil.copytree(run, tmp_path / "out")
+    return tmp_path / "out"
 
 
 def max_diff(a: dict, b: dict) -> float:
