@@ -143,7 +143,8 @@ def two_process_run(tmp_path_factory):
     """`ddpkit train --epochs 2 --nproc 2 --device cpu --out DIR` (with --tensorboard when it is
     installed): 46 steps on digits, made once per session and read by every test that needs
     this run: cli/test_train.py and cli/test_bad_input.py (as `run1`), the trainer's invariance
-    and resume tests (as `straight`), and the outputs and report tests (as run A of `runs`).
+    and resume tests (as `straight`), the outputs and report tests (as run A of `runs`), and
+    the two-host test (launcher/test_multinode.py) as the one-host run it compares with.
     Returns (out directory, the completed process); no test writes in it (those that continue
     the run copy it first)."""
     root = tmp_path_factory.mktemp("two_process_run")
