@@ -135,16 +135,42 @@ def run_bench(tmp_path, name: str, *flags: str, timeout: float = 300, comparison
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
+TENSORBOARD = ["--tensorboard"] if HAVE_TENSORBOARD else []
+
+
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Two short real runs: A on 2 processes (with --tensorboard when it is installed), B on one.
-    Shared by the tests of their outputs (trainer/test_outputs.py) and of `ddpkit report`
-    (cli/test_report.py): made once per session."""
-    root = tmp_path_factory.mktemp("runs")
-    a, b = root / "A", root / "B"
-    extra = ["--tensorboard"] if HAVE_TENSORBOARD else []
-    proc_a = run_cli("train", "--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(a), *extra)
-    proc_b = run_cli("train", "--epochs", "2", "--nproc", "1", "--device", "cpu", "--seed", "1", "--out", str(b))
-    for proc in (proc_a, proc_b):
+def two_process_run(tmp_path_factory):
+    """`ddpkit train --epochs 2 --nproc 2 --device cpu --out DIR` (with --tensorboard when it is
+    installed): 46 steps on digits, made once per session and read by every test that needs
+    this run: cli/test_train.py and cli/test_bad_input.py (as `run1`), the trainer's invariance
+    and resume tests (as `straight`), the outputs and report tests (as run A of `runs`), and
+    the two-host test (launcher/test_multinode.py) as the one-host run it compares with.
+    Returns (out directory, the completed process); no test writes in it (those that continue
+    the run copy it first)."""
+    root = tmp_path_factory.mktemp("two_process_run")
+    out = root / "out"
+    proc = run_cli(
+        "train", "--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD, cwd=str(root)
+    )
+    return out, proc
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """`ddpkit train --nproc 1 --device cpu --out DIR`: the default recipe (10 epochs of digits)
+    on one process, made once per session for the test of its accuracy (cli/test_train.py) and
+    as run B of `runs`. Returns (out directory, the completed process)."""
+    root = tmp_path_factory.mktemp("default_run")
+    out = root / "out"
+    return out, run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(root))
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, two_process_run, default_run):
+    """Two real runs, for the tests of their outputs (trainer/test_outputs.py) and of `ddpkit
+    report` (cli/test_report.py): A, 2 epochs on 2 processes (with --tensorboard when it is
+    installed: `two_process_run`), and B, the default 10 epochs on one (`default_run`). Returns
+    a folder for the tests' own files, then (A, its process) and (B, its process)."""
+    for _, proc in (two_process_run, default_run):
         assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, (a, proc_a), (b, proc_b)
+    return tmp_path_factory.mktemp("runs"), two_process_run, default_run

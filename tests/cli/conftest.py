@@ -1,16 +1,12 @@
 """`run1`: one `ddpkit train --nproc 2 --epochs 2 --device cpu --out DIR` run, shared by every
-test in this folder that only reads its outputs (or points a bad input at them): made once."""
+test in this folder that only reads its outputs (or points a bad input at them): the session's
+`two_process_run` (tests/conftest.py), made once."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
-
 
 @pytest.fixture(scope="package")
-def run1(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run1")
-    out = root / "out"
-    proc = run_cli("train", "--nproc", "2", "--epochs", "2", "--device", "cpu", "--out", str(out), cwd=str(root))
-    return out, proc
+def run1(two_process_run):
+    return two_process_run

@@ -202,19 +202,21 @@ def test_resume_auto_continues_to_epoch_3(run1, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
-    # A 3-epoch run, and the same run "crashed" during epoch 3: its last checkpoint and final
-    # outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
+def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(run1, tmp_path):
+    # run1 (2 epochs), and the same run "crashed" during its last epoch: its last checkpoint and
+    # final outputs gone, and step records of the lost epoch left in metrics.jsonl. Resuming must
     # restore model, optimizer, scheduler, loader position and RNG so the end is bit-identical.
-    full, crashed = tmp_path / "full", tmp_path / "crashed"
-    ok(run_cli("train", "--nproc", "2", "--epochs", "3", "--device", "cpu", "--out", str(full), cwd=str(tmp_path)))
-    shutil.copytree(full, crashed)
-    for name in ("checkpoints/step-00000069.pt", "model.pt", "results.json"):
+    full, proc1 = run1
+    ok(proc1)
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)  # run1's own files stay as they were for the other tests
+    for name in ("checkpoints/step-00000046.pt", "model.pt", "results.json"):
         (crashed / name).unlink()
+    assert (crashed / "checkpoints" / "step-00000023.pt").is_file()  # the end of epoch 1: resumed from
     kept = [
         line
         for line in (crashed / "metrics.jsonl").read_text().splitlines()
-        if json.loads(line)["step"] <= 46 or json.loads(line)["type"] == "step"
+        if json.loads(line)["step"] <= 23 or json.loads(line)["type"] == "step"
     ]
     (crashed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     proc = run_cli(
@@ -222,7 +224,7 @@ def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
         "--nproc",
         "2",
         "--epochs",
-        "3",
+        "2",
         "--device",
         "cpu",
         "--resume",
@@ -236,14 +238,13 @@ def test_resume_after_a_crash_ends_where_the_uninterrupted_run_ends(tmp_path):
     b = torch.load(crashed / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _results(crashed)["test_accuracy"] == _results(full)["test_accuracy"]
-    assert _results(crashed)["resumed_from_step"] == 46
+    assert _results(crashed)["resumed_from_step"] == 23
     steps = [(r["type"], r["step"]) for r in _metrics(crashed)]
     assert steps == [(r["type"], r["step"]) for r in _metrics(full)]  # lost epoch's records not doubled
 
 
-def test_default_run_reaches_97_percent(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path))
+def test_default_run_reaches_97_percent(default_run):
+    out, proc = default_run  # `ddpkit train --nproc 1 --device cpu --out DIR` (tests/conftest.py)
     ok(proc)
     r = _results(out)
     assert r["epochs"] == 10
@@ -252,25 +253,22 @@ def test_default_run_reaches_97_percent(tmp_path):
     assert r["test_accuracy"] >= 0.97, r
 
 
-def test_config_file_and_command_line_override(tmp_path):
-    config = tmp_path / "cfg.yaml"
+@pytest.fixture(scope="module")
+def config_run(tmp_path_factory):
+    """One 1-process run for two tests: a config file under the command-line flags, and
+    --strategy single."""
+    root = tmp_path_factory.mktemp("config_run")
+    config = root / "cfg.yaml"
     config.write_text("epochs: 1\nbatch-size: 32\nmodel: mlp\n")
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train",
-        "--config",
-        str(config),
-        "--batch-size",
-        "16",
-        "--nproc",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        cwd=str(tmp_path),
-    )
+    out = root / "out"
+    args = ("--config", str(config), "--batch-size", "16", "--strategy", "single", "--nproc", "1", "--device", "cpu")
+    proc = run_cli("train", *args, "--out", str(out), cwd=str(root))
     ok(proc)
+    return out
+
+
+def test_config_file_and_command_line_override(config_run):
+    out = config_run
     r = _results(out)
     assert r["epochs"] == 1  # from the file
     assert r["model"] == "mlp"  # from the file
@@ -284,37 +282,30 @@ def test_config_file_and_command_line_override(tmp_path):
     ddpkit_models.build("mlp", (1, 8, 8), 10).load_state_dict(state, strict=True)
 
 
-def test_strategy_single(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train",
-        "--strategy",
-        "single",
-        "--nproc",
-        "1",
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        cwd=str(tmp_path),
-    )
-    ok(proc)
-    r = _results(out)
+def test_strategy_single(config_run):
+    r = _results(config_run)  # --strategy single --nproc 1, one epoch at global batch 16
     assert r["strategy"] == "single"
     assert r["world_size"] == 1
-    assert r["steps"] == math.ceil(DIGITS_TRAIN / 64)
+    assert r["steps"] == math.ceil(DIGITS_TRAIN / 16)
 
 
-def test_strategy_dp_on_cpu_runs_as_single(tmp_path):
+@pytest.fixture(scope="module")
+def toy_dp_run(tmp_path_factory):
+    """`--strategy dp` on CPU (no --nproc), on the toy data with a global batch larger than its
+    training set: one run for the two tests of these."""
+    out = tmp_path_factory.mktemp("toy_dp") / "toy"
+    proc = run_cli(
+        "train", "--data", "toy", "--model", "mlp", "--batch-size", "8", "--epochs", "2", "--strategy", "dp",
+        "--device", "cpu", "--out", str(out),
+    )  # fmt: skip
+    ok(proc)
+    return out, proc
+
+
+def test_strategy_dp_on_cpu_runs_as_single(toy_dp_run):
     # strategy.resolve: 'dp' needs a CUDA device and at least two GPUs; otherwise it is 'single'.
     assert ddpkit_strategy.resolve_name("dp", 1, torch.device("cpu")) == "single"
-    out = tmp_path / "out"
-    proc = run_cli(
-        "train", "--strategy", "dp", "--epochs", "1", "--device", "cpu", "--out", str(out), cwd=str(tmp_path)
-    )
-    ok(proc)
+    out, proc = toy_dp_run
     r = _results(out)
     assert r["strategy"] == "single"
     assert r["world_size"] == 1
@@ -329,13 +320,8 @@ def test_train_help(cli, tmp_path):
     assert not os.listdir(tmp_path), "--help wrote files"
 
 
-def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(tmp_path):
+def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(toy_dp_run):
     # Full-batch steps may be meant (a recipe's batch on a small smoke-test set): said, not refused.
-    out = tmp_path / "toy"
-    proc = run_cli(
-        "train", "--data", "toy", "--model", "mlp", "--batch-size", "8", "--epochs", "2", "--nproc", "1",
-        "--device", "cpu", "--out", str(out),
-    )  # fmt: skip
-    ok(proc)
+    out, proc = toy_dp_run
     assert "warning: --batch-size 8 is larger than the 5 training samples of --data toy" in proc.stderr
     assert json.loads((out / "results.json").read_text())["steps"] == 2  # one step per epoch: the whole set

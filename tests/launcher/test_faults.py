@@ -2,8 +2,9 @@
 of `ddpkit train` at several moments of a run, or signal the launcher itself.
 
 After a SIGKILL the job restarts and ends bit-identical to an uninterrupted run, and the restart
-line names the killed process. A Ctrl-C or SIGTERM to the launcher ends the job at once with one
-line and exit code 130 or 143, no traceback and no worker left.
+line names the killed process (one run is killed at every moment in turn, restarting after each:
+the startup and training of one run, not of one per moment). A Ctrl-C or SIGTERM to the launcher
+ends the job at once with one line and exit code 130 or 143, no traceback and no worker left.
 """
 
 from __future__ import annotations
@@ -93,25 +94,51 @@ MOMENTS = [
 ]
 
 
-@pytest.mark.parametrize("moment,ready,delay,which", MOMENTS, ids=[m[0] for m in MOMENTS])
-def test_a_sigkilled_worker_is_named_and_the_run_ends_as_if_nothing_happened(
-    tmp_path, reference, moment, ready, delay, which
-):
-    out = tmp_path / "run"
-    proc = _start(out, "--max-restarts", "1")
-    _wait_for(proc, lambda: len(_workers(proc)) == 2, "two workers")
-    _wait_for(proc, lambda: ready(out), moment)
-    time.sleep(delay)
-    victim = _workers(proc)[which]
-    os.kill(victim, signal.SIGKILL)
+def _new_pair(proc: subprocess.Popen, earlier: set[int]) -> bool:
+    """True once the launcher runs two workers, none of them one of `earlier` (a new attempt's)."""
+    try:
+        workers = _workers(proc)
+    except FileNotFoundError:  # a worker of the attempt that just ended vanished while listed
+        return False
+    return len(workers) == 2 and not earlier.intersection(workers)
+
+
+@pytest.fixture(scope="module")
+def killed_at_every_moment(tmp_path_factory):
+    """One run (a restart allowed per kill) whose workers are SIGKILLed at each of the MOMENTS in
+    turn: each kill lands at its moment of the run's life (before any checkpoint, just after the
+    first, mid-epoch, at the first epoch's end, after the last checkpoint), the later ones in an
+    attempt that restarted after the kill before. Returns the out directory, the victims' pids in
+    order, and the launcher's exit code, stdout and stderr."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    proc = _start(out, "--max-restarts", str(len(MOMENTS)))
+    victims: list[int] = []
+    earlier: set[int] = set()
+    for moment, ready, delay, which in MOMENTS:
+        _wait_for(proc, lambda: _new_pair(proc, earlier), "two workers")
+        _wait_for(proc, lambda ready=ready: ready(out), moment)
+        time.sleep(delay)
+        workers = _workers(proc)
+        earlier.update(workers)
+        victims.append(workers[which])
+        os.kill(victims[-1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
+    return out, victims, proc.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize("kill", range(len(MOMENTS)), ids=[m[0] for m in MOMENTS])
+def test_a_sigkilled_worker_is_named_and_the_run_ends_as_if_nothing_happened(killed_at_every_moment, reference, kill):
+    out, victims, code, stdout, stderr = killed_at_every_moment
+    assert code == 0, stderr[-3000:]
+    note = f"restart {kill + 1} of {len(MOMENTS)}"
+    restart = [line for line in (stdout + stderr).splitlines() if note in line]
     assert len(restart) == 1, stdout + stderr
-    assert re.search(rf"restart 1 of 1: rank [01] \(pid {victim}\) was killed by SIGKILL", restart[0]), restart[0]
+    assert re.search(rf"{note}: rank [01] \(pid {victims[kill]}\) was killed by SIGKILL", restart[0]), restart[0]
     assert "; resumed from " in restart[0] or "; no checkpoint was written yet" in restart[0], restart[0]
     ref, got = reference, _weights(out)
-    assert all(torch.equal(ref[k], got[k]) for k in ref), f"weights differ after a kill {moment}"
+    assert all(torch.equal(ref[k], got[k]) for k in ref), (
+        f"weights differ after the kills (this one {MOMENTS[kill][0]})"
+    )
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ def _node_flags(hosts, rank: int) -> list[str]:
     return ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", hosts[0][2], "--master-port", "29500"]
 
 
-def test_ddpkit_train_across_two_hosts_matches_one_host(hosts, tmp_path):
+def test_ddpkit_train_across_two_hosts_matches_one_host(hosts, two_process_run, tmp_path):
     runs = _on_both(
         hosts,
         lambda r: [
@@ -103,28 +103,10 @@ def test_ddpkit_train_across_two_hosts_matches_one_host(hosts, tmp_path):
     results = json.loads((tmp_path / "node0" / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_samples"] == 359
     assert not (tmp_path / "node1" / "results.json").exists()  # global rank 0 writes, once
-    local = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit",
-            "train",
-            "--nproc",
-            "2",
-            "--epochs",
-            "2",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path / "local"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert local.returncode == 0, local.stderr[-2000:]
+    local, proc = two_process_run  # the same run on one host: --nproc 2 --epochs 2 (tests/conftest.py)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     a = torch.load(tmp_path / "node0" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    b = torch.load(local / "model.pt", weights_only=True)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # same world size, other wires
 
 

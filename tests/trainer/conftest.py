@@ -1,14 +1,51 @@
-"""`straight`, the uninterrupted 2-process `ddpkit train --epochs 2` run that the invariance and
-resume tests compare with: made once for the whole folder."""
+"""The runs the trainer's tests share, each made once for the whole folder: `straight`, the
+uninterrupted 2-process `ddpkit train --epochs 2` run that the invariance and resume tests compare
+with (the session's `two_process_run`, tests/conftest.py); `one_process`, the same on one process;
+`stopped(step)`, that run stopped at a step; and `three_checkpoints`, a finished one-process run
+with several checkpoints. Tests that continue or damage a run work on their own copy
+(helpers.copied)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.trainer.helpers import train
+from tests.trainer.helpers import finished, train
 
 
 @pytest.fixture(scope="package")
-def straight(tmp_path_factory):
+def straight(two_process_run):
     """The uninterrupted 2-process run the other runs are compared with."""
-    return train(tmp_path_factory.mktemp("straight") / "out", "--nproc", "2")
+    return finished(*two_process_run)
+
+
+@pytest.fixture(scope="package")
+def one_process(tmp_path_factory):
+    """`straight`'s run on one process, with --max-steps 46 (= its whole 2 epochs): compared
+    with `straight` (test_invariance) and the run that --max-steps on an epoch's end completes
+    (test_loop)."""
+    return train(tmp_path_factory.mktemp("one_process") / "out", "--nproc", "1", "--max-steps", "46")
+
+
+@pytest.fixture(scope="package")
+def stopped(tmp_path_factory):
+    """`stopped(step)`: the out directory of `straight`'s run stopped by --max-steps STEP, with a
+    checkpoint every 10 steps and the newest 3 kept (made once per step), and its results."""
+    made: dict[int, tuple] = {}
+
+    def make(step: int):
+        if step not in made:
+            out = tmp_path_factory.mktemp(f"stopped-{step}") / "out"
+            flags = ("--nproc", "2", "--max-steps", str(step), "--checkpoint-every", "10", "--keep-checkpoints", "3")
+            made[step] = out, train(out, *flags)
+        return made[step]
+
+    return make
+
+
+@pytest.fixture(scope="package")
+def three_checkpoints(tmp_path_factory):
+    """A finished one-epoch run on one process that checkpointed every 5 steps and kept the
+    newest 3: steps 15, 20 and 23 (the epoch's end)."""
+    out = tmp_path_factory.mktemp("three") / "out"
+    train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "3")
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 
@@ -19,7 +20,11 @@ COMMON = ("train", "--epochs", "2", "--device", "cpu")
 
 
 def train(out, *extra: str) -> dict:
-    proc = run_cli(*COMMON, "--out", str(out), *extra)
+    return finished(out, run_cli(*COMMON, "--out", str(out), *extra))
+
+
+def finished(out, proc) -> dict:
+    """A run that must have succeeded: its results, weights and output."""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {
         "results": json.loads((out / "results.json").read_text()),
@@ -27,6 +32,12 @@ def train(out, *extra: str) -> dict:
         "stdout": proc.stdout,
         "stderr": proc.stderr,
     }
+
+
+def copied(run, tmp_path):
+    """A copy of a shared run's out directory (tests/trainer/conftest.py), to continue or damage."""
+    shutil.copytree(run, tmp_path / "out")
+    return tmp_path / "out"
 
 
 def max_diff(a: dict, b: dict) -> float:

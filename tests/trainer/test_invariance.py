@@ -7,29 +7,30 @@ import json
 
 import pytest
 
-from tests.trainer.helpers import ATOL_46_STEPS, max_diff, train
+from tests.trainer.helpers import ATOL_46_STEPS, copied, max_diff, train
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 @pytest.mark.parametrize(
     "extra",
-    [("--nproc", "1"), ("--nproc", "3", "--micro-batch-size", "8")],
+    [None, ("--nproc", "3", "--micro-batch-size", "8")],
     ids=["1-process", "3-processes-uneven-accumulating"],
 )
-def test_same_result_on_any_number_of_processes(straight, tmp_path, extra):
+def test_same_result_on_any_number_of_processes(straight, request, tmp_path, extra):
     # 64 over 3 ranks is uneven (22/21/21); micro-batches of 8 make each rank accumulate.
-    other = train(tmp_path / "out", *extra)
+    # None: `one_process` (tests/trainer/conftest.py), --nproc 1 (with --max-steps 46, its end).
+    other = request.getfixturevalue("one_process") if extra is None else train(tmp_path / "out", *extra)
     assert other["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
     assert other["results"]["steps"] == straight["results"]["steps"] == 46
     assert max_diff(other["weights"], straight["weights"]) < ATOL_46_STEPS
 
 
 @pytest.mark.parametrize("stop_at", [23, 30], ids=["epoch-end", "mid-epoch"])
-def test_stop_and_resume_is_bit_identical(straight, tmp_path, stop_at):
-    out = tmp_path / "out"
-    stopped = train(out, "--nproc", "2", "--max-steps", str(stop_at))
-    assert stopped["results"]["steps"] == stop_at and stopped["results"]["stopped_early"]
+def test_stop_and_resume_is_bit_identical(straight, stopped, tmp_path, stop_at):
+    run, first = stopped(stop_at)  # --nproc 2 --max-steps STOP_AT (tests/trainer/conftest.py)
+    assert first["results"]["steps"] == stop_at and first["results"]["stopped_early"]
+    out = copied(run, tmp_path)
     resumed = train(out, "--nproc", "2", "--resume", "auto")
     assert f"at step {stop_at}" in resumed["stdout"]
     assert resumed["results"]["resumed_from_step"] == stop_at
@@ -40,9 +41,8 @@ def test_stop_and_resume_is_bit_identical(straight, tmp_path, stop_at):
 
 
 @pytest.mark.parametrize("nproc", ["1", "3"])
-def test_resume_on_another_number_of_processes(straight, tmp_path, nproc):
-    out = tmp_path / "out"
-    train(out, "--nproc", "2", "--max-steps", "30")
+def test_resume_on_another_number_of_processes(straight, stopped, tmp_path, nproc):
+    out = copied(stopped(30)[0], tmp_path)  # --nproc 2 --max-steps 30
     resumed = train(out, "--nproc", nproc, "--resume", "auto")
     assert resumed["results"]["world_size"] == int(nproc)
     assert resumed["results"]["steps"] == 46

@@ -13,7 +13,6 @@ import torch
 
 from ddpkit.trainer import TrainConfig, resolve
 from tests.conftest import clean_env
-from tests.trainer.helpers import train
 
 
 @pytest.mark.unit
@@ -99,8 +98,8 @@ def test_non_finite_loss_stops_the_run_naming_step_and_rank(tmp_path):
 
 
 @pytest.mark.cli
-def test_max_steps_on_an_epoch_end_completes_that_epoch(tmp_path):
-    r = train(tmp_path / "out", "--nproc", "1", "--max-steps", "46")  # = the whole 2-epoch run
+def test_max_steps_on_an_epoch_end_completes_that_epoch(one_process):
+    r = one_process  # --epochs 2 --nproc 1 --max-steps 46: the whole 2-epoch run (tests/trainer/conftest.py)
     assert r["results"]["epochs_completed"] == 2 and not r["results"]["stopped_early"]
     assert r["results"]["final_train_loss"] is not None
 

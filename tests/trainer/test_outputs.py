@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from tests.conftest import HAVE_TENSORBOARD
-from tests.trainer.helpers import train
 
 
 def _epochs(run_dir) -> list[dict]:
@@ -52,11 +51,11 @@ def test_resume_rewrites_csv_from_kept_records(tmp_path):
 @pytest.mark.slow
 def test_metrics_csv_equals_epoch_records(runs):
     _, (a, _), (b, _) = runs
-    for run_dir in (a, b):
+    for run_dir, epochs in ((a, 2), (b, 10)):
         with open(run_dir / "metrics.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         records = _epochs(run_dir)
-        assert len(rows) == len(records) == 2
+        assert len(rows) == len(records) == epochs
         for row, record in zip(rows, records):
             assert set(row) >= {"epoch", "step", "train_loss", "test_accuracy", "lr"}
             for key, value in row.items():
@@ -107,11 +106,11 @@ def test_tensorboard_missing_is_one_line(tmp_path):
 
 
 @pytest.mark.cli
-def test_keep_checkpoints_and_checkpoint_every(tmp_path):
-    out = tmp_path / "out"
-    train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "2")
-    # steps 5, 10, 15, 20 and the epoch end at 23: the newest two remain
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000020.pt", "step-00000023.pt"]
+def test_keep_checkpoints_and_checkpoint_every(three_checkpoints):
+    # --epochs 1 --checkpoint-every 5 --keep-checkpoints 3 (tests/trainer/conftest.py): steps 5,
+    # 10, 15, 20 and the epoch end at 23 were written; the newest three remain
+    names = sorted(p.name for p in (three_checkpoints / "checkpoints").iterdir())
+    assert names == ["step-00000015.pt", "step-00000020.pt", "step-00000023.pt"]
 
 
 @pytest.mark.unit

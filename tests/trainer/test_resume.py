@@ -5,21 +5,18 @@ with checkpoints; nothing is lost either way."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.trainer.helpers import COMMON, max_diff, train
+from tests.trainer.helpers import COMMON, copied, max_diff, train
 
 pytestmark = pytest.mark.cli
 
 
 @pytest.mark.slow
-def test_resume_auto_skips_a_damaged_newest_checkpoint(straight, tmp_path):
-    out = tmp_path / "out"
-    train(out, "--nproc", "2", "--max-steps", "30", "--checkpoint-every", "10", "--keep-checkpoints", "3")
+def test_resume_auto_skips_a_damaged_newest_checkpoint(straight, stopped, tmp_path):
+    out = copied(stopped(30)[0], tmp_path)  # --max-steps 30 --checkpoint-every 10 --keep-checkpoints 3
     folder = out / "checkpoints"
     # every 10 steps and at the end of epoch 1 (step 23); the newest three kept
     assert sorted(p.name for p in folder.iterdir()) == [f"step-{s:08d}.pt" for s in (20, 23, 30)]
@@ -36,10 +33,9 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(straight, tmp_path):
     [("--model", "mlp"), ("--batch-size", "32"), ("--seed", "1"), ("--epochs", "1")],
     ids=["model", "batch-size", "seed", "already-finished"],
 )
-def test_resume_auto_refuses_a_run_it_cannot_continue(tmp_path, change):
+def test_resume_auto_refuses_a_run_it_cannot_continue(three_checkpoints, tmp_path, change):
     # Starting afresh would overwrite the run's metrics and checkpoints: refuse, lose nothing.
-    out = tmp_path / "out"
-    train(out, "--nproc", "1", "--epochs", "1")
+    out = copied(three_checkpoints, tmp_path)  # a finished one-epoch run on one process
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
     metrics = (out / "metrics.jsonl").read_bytes()
     proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", *change)
@@ -50,9 +46,8 @@ def test_resume_auto_refuses_a_run_it_cannot_continue(tmp_path, change):
     assert (out / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(tmp_path):
-    out = tmp_path / "out"
-    train(out, "--nproc", "1", "--epochs", "1")
+def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(three_checkpoints, tmp_path):
+    out = copied(three_checkpoints, tmp_path)
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out))  # forgot --resume auto
     assert proc.returncode == 2 and "--resume auto" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -60,24 +55,15 @@ def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_changed_learning_rate(tmp_path):
-    out = tmp_path / "out"
-    train(out, "--nproc", "1", "--max-steps", "30")
+def test_resume_refuses_a_changed_learning_rate(three_checkpoints, tmp_path):
+    out = copied(three_checkpoints, tmp_path)  # one epoch of the two asked for below: one left to train
     proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", "--lr", "0.01")
     assert proc.returncode == 2 and "--lr" in proc.stderr  # the saved optimizer state would override it
 
 
-@pytest.fixture(scope="module")
-def three_checkpoints(tmp_path_factory):
-    """A finished one-epoch run with checkpoints at steps 10, 20 and 23 (the epoch's end)."""
-    out = tmp_path_factory.mktemp("three") / "out"
-    train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "10", "--keep-checkpoints", "3")
-    return out
-
-
 def _copy(run, tmp_path):
-    shutil.copytree(run, tmp_path / "out")
-    return tmp_path / "out", tmp_path / "out" / "checkpoints"
+    out = copied(run, tmp_path)
+    return out, out / "checkpoints"
 
 
 def test_resume_auto_names_each_checkpoint_it_skips_and_prunes_interrupted_writes(three_checkpoints, tmp_path):
@@ -93,7 +79,7 @@ def test_resume_auto_names_each_checkpoint_it_skips_and_prunes_interrupted_write
     assert len(warnings) == 2, proc.stderr
     assert "step-00000023.pt: not a readable PyTorch file" in warnings[0]
     assert "step-00000020.pt: not a readable PyTorch file" in warnings[1]
-    assert "at step 10" in proc.stdout
+    assert "at step 15" in proc.stdout
     assert not (folder / ".tmp-k2j4.pt").exists() and not (out / ".tmp-9x.json").exists()
 
 
@@ -107,7 +93,7 @@ def test_resume_auto_exits_2_when_checkpoints_exist_and_none_is_usable(three_che
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--resume auto: none of the 3 checkpoints" in lines[0], proc.stderr
-    assert all(f"step-000000{s}.pt" in lines[0] for s in ("10", "20", "23"))
+    assert all(f"step-000000{s}.pt" in lines[0] for s in ("15", "20", "23"))
     assert {p: p.read_bytes() for p in before} == before
 
 
@@ -138,7 +124,7 @@ def _drop(key):
 def test_a_checkpoint_with_wrong_entries_is_one_line_and_exit_2_before_any_worker(
     three_checkpoints, tmp_path, change, named
 ):
-    state = torch.load(three_checkpoints / "checkpoints" / "step-00000010.pt", weights_only=True)
+    state = torch.load(three_checkpoints / "checkpoints" / "step-00000015.pt", weights_only=True)
     change(state)
     path = tmp_path / "bad.pt"
     torch.save(state, path)
