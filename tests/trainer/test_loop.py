@@ -13,6 +13,7 @@ import torch
 
 from ddpkit.trainer import TrainConfig, resolve
 from tests.conftest import clean_env
+from tests.trainer.helpers import train
 
 
 @pytest.mark.unit
