@@ -362,3 +362,21 @@ def fsdp_meta_edge_cases() -> dict:
         except UsageError as err:
             refused = str(err)
         return {"built_on": built_on, "params": params, "refused": refused}
+
+
+def fsdp_training_memory(steps: int = 3) -> dict:
+    """fsdp on 16 MiB layers (AdamW): how far this rank's RSS rose above its level after setup
+    while training, and what the allocator ran with."""
+    from ddpkit import allocator
+    from ddpkit.metrics import peak_rss_mib, reset_peak_rss, rss_mib
+
+    with ddpkit.Runtime("fsdp", device="cpu", seed=0) as rt:
+        model = rt.build(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]))
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        x = torch.randn(8, 2048)
+        reset_peak_rss()
+        before = rss_mib()
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            rt.step(opt)
+        return {"allocator": allocator.state(), "growth_mib": peak_rss_mib() - before}

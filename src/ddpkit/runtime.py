@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import checkpoint, dist
+from . import allocator, checkpoint, dist
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, eval_loader, train_loader
@@ -108,6 +108,10 @@ class Runtime:
             self.close()
             raise
         self.strategy = self._strategy.name  # the strategy that runs: 'ddp' on one process is 'single'
+        if self.strategy == "fsdp" and self.device.type == "cpu":
+            # Before the model exists: fsdp's gathered parameters, freed after each use, go back
+            # to the system instead of piling up in glibc's heap (see ddpkit.allocator).
+            allocator.mmap_large_blocks()
         self.seed, self.channels_last, self.compile = seed, channels_last, compile
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
