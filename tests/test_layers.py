@@ -17,6 +17,7 @@ LAYERS = {
     "core": {
         "errors",
         "version",
+        "allocator",
         "checks",
         "files",
         "tree",

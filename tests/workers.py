@@ -155,7 +155,7 @@ def invariant_steps(
     from ddpkit.strategy import compiled_graphs
 
     with ddpkit.Runtime(strategy, precision, device="cpu", seed=5, fsdp=fsdp, compile=compile) as rt:
-        model = toy_model(seed=5)
+        model = rt.build(lambda: toy_model(seed=5))  # fsdp: on meta but on rank 0
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         model, opt = rt.setup(model, opt)
         loader = rt.loader(toy_data(n, seed=2), batch_size=global_batch, micro_batch_size=micro)
@@ -436,3 +436,95 @@ def token_reference(steps: int, global_batch: int) -> torch.Tensor:
                 break
         epoch += 1
     return flat_params(model)
+
+
+class Buffered(nn.Module):
+    """A small model with both kinds of buffers, each drawn at random: a persistent one (in the
+    state dict) and a non-persistent one (in none, so only rank 0 can give its values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 13), nn.ReLU(), nn.Linear(13, 3))  # 13 rows: uneven shards
+        self.register_buffer("scale", torch.rand(3) + 0.5)
+        self.register_buffer("shift", torch.randn(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale + self.shift
+
+
+def fsdp_built_from_rank0(steps: int = 3) -> dict:
+    """fsdp with the model from `rt.build`: where each rank built it, the whole initial state
+    (gathered) and buffers, then a few AdamW steps with the optimizer built before setup."""
+    from ddpkit.strategy.fsdp import full_model_state
+
+    with ddpkit.Runtime("fsdp", device="cpu", seed=3) as rt:
+        model = rt.build(Buffered)
+        built_on = sorted({t.device.type for t in [*model.parameters(), *model.buffers()]})
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        model, opt = rt.setup(model, opt)
+        whole = full_model_state(model) if rt.strategy == "fsdp" else model.state_dict()  # gathered on rank 0
+        state = {key: value.clone() for key, value in whole.items()}  # before training changes it
+        shift = model.shift.clone()
+        loader = rt.loader(toy_data(40, seed=2), batch_size=10)
+        done = 0
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            done += rt.step(opt)
+            if done == steps:
+                break
+        return {
+            "built_on": built_on,
+            "state": state,
+            "shift": shift,
+            "params": flat_params(model),
+            "strategy": rt.strategy,
+        }
+
+
+class SizedByATensor(nn.Module):
+    """A constructor that reads a tensor's value (`.item()`), which the meta device cannot give."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(int(torch.tensor(6).item()), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def fsdp_meta_edge_cases() -> dict:
+    """fsdp on several processes: a constructor meta cannot run (built in full instead, still
+    rank 0's values after setup), then a model on meta on every rank (refused everywhere)."""
+    from ddpkit.errors import UsageError
+
+    with ddpkit.Runtime("fsdp", device="cpu", seed=3) as rt:
+        model = rt.build(SizedByATensor)
+        built_on = sorted({p.device.type for p in model.parameters()})
+        model = rt.setup(model)
+        params = flat_params(model)
+        with torch.device("meta"):
+            everywhere = toy_model()
+        try:
+            rt.setup(everywhere)
+            refused = ""
+        except UsageError as err:
+            refused = str(err)
+        return {"built_on": built_on, "params": params, "refused": refused}
+
+
+def fsdp_training_memory(steps: int = 3) -> dict:
+    """fsdp on 16 MiB layers (AdamW): how far this rank's RSS rose above its level after setup
+    while training, and what the allocator ran with."""
+    from ddpkit import allocator
+    from ddpkit.metrics import peak_rss_mib, reset_peak_rss, rss_mib
+
+    with ddpkit.Runtime("fsdp", device="cpu", seed=0) as rt:
+        model = rt.build(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]))
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        x = torch.randn(8, 2048)
+        reset_peak_rss()
+        before = rss_mib()
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            rt.step(opt)
+        return {"allocator": allocator.state(), "growth_mib": peak_rss_mib() - before}

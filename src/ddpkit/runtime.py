@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from . import checkpoint, dist
+from . import allocator, checkpoint, dist
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, eval_loader, train_loader
@@ -37,6 +38,8 @@ from .shards import Pending
 from .strategy import DDPOptions, FSDPOptions
 
 __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class Runtime:
@@ -111,6 +114,10 @@ class Runtime:
             self.close()
             raise
         self.strategy = self._strategy.name  # the strategy that runs: 'ddp' on one process is 'single'
+        if self.strategy == "fsdp" and self.device.type == "cpu":
+            # Before the model exists: fsdp's gathered parameters, freed after each use, go back
+            # to the system instead of piling up in glibc's heap (see ddpkit.allocator).
+            allocator.mmap_large_blocks()
         self.seed, self.channels_last, self.compile = seed, channels_last, compile
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
@@ -157,12 +164,40 @@ class Runtime:
         self.close()
 
     # -- model and optimizer ------------------------------------------------------------------
+    def build(self, make: Callable[[], M]) -> M:
+        """`make()`, the model built for this rank: in full (as one process would build it), except
+        under fsdp on more than one process, where ranks other than 0 build it on the meta device
+        (shapes, no memory) and setup() fills their shards from rank 0's model. Call it where you
+        would call `make()`, after the Runtime (its seed) and before setup():
+
+            model = rt.build(lambda: Net(width=4096))
+            model, opt = rt.setup(model, torch.optim.AdamW(model.parameters()))
+
+        On those ranks the constructor draws no random numbers, and tensors it keeps must be
+        parameters or buffers (a plain tensor attribute would stay on meta). A constructor that
+        cannot run on meta is run in full there instead, with a warning: still correct (setup()
+        gives every rank rank 0's values), only without the memory saved."""
+        if self.strategy != "fsdp" or self.rank == 0:
+            return make()
+        try:
+            with torch.device("meta"):
+                return make()
+        except Exception as err:  # noqa: BLE001 - a user's constructor: whatever fails on meta
+            print(
+                f"ddpkit: rank {self.rank}: the model cannot be built on the meta device ({type(err).__name__}: "
+                f"{err}); building it in full on this rank",
+                file=sys.stderr,
+            )
+            return make()
+
     def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """Move `model` to the device and wrap it for the strategy; returns the wrapped model,
         or (model, *optimizers) when optimizers are given.
 
         With a Runtime seed, each rank switches to its own random stream here (derived from the
         seed and the rank): build the model before, so its initial weights agree everywhere.
+        Under fsdp every rank starts from rank 0's values (as DDP broadcasts them): a model built
+        on meta by `build()` on the other ranks is allocated and filled here.
         Parameters are moved in place, so an optimizer built on the bare model before this call
         keeps pointing at the right tensors (fsdp replaces them with sharded ones: pass such an
         optimizer here, and it is pointed at those). Under bf16/fp16 the wrapped model's forward runs

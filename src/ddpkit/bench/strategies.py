@@ -15,6 +15,11 @@ reported as unavailable otherwise. On CPU, N counts processes, each given cores 
 Each repetition times a block of training steps (data, forward, backward, all-reduce, optimizer)
 with `time_calls` after a warm-up block; throughput is the global batch times the steps over the
 slowest rank's time.
+
+A second part (`sharded`, see `ddpkit.bench.sharded`) puts fsdp beside single and ddp where
+sharding matters: a wide MLP of 100M parameters (`--mlp-width`, `--mlp-depth`) with AdamW at
+N = 1 and 2, per-rank peak memory and step time, fsdp's step time against a hand-written FSDP2
+loop's, and fsdp's peak memory against ddp's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-DESCRIPTION = "single / dp / ddp throughput and weak-scaling efficiency for N = 1 .. available devices"
+from . import sharded
+
+DESCRIPTION = (
+    "single / dp / ddp throughput and weak-scaling efficiency for N = 1 .. available devices; single / ddp / "
+    "fsdp peak memory and step time on a 100M-parameter MLP"
+)
 
 STRATEGY_ORDER = ("single", "dp", "ddp")
 
@@ -58,6 +68,15 @@ def add_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--max-devices", type=int, default=0, help="largest N (default: every GPU, or on CPU every usable core)"
+    )
+    parser.add_argument(
+        "--mlp-width", type=int, default=0, help="the sharded part's MLP: layer width (default 2048; --quick 512)"
+    )
+    parser.add_argument(
+        "--mlp-depth",
+        type=int,
+        default=0,
+        help="the sharded part's MLP: layers of width x width (default 24, with 2048: 100.7M parameters; --quick 8)",
     )
 
 
@@ -101,7 +120,21 @@ def run(opts: Any, device: str) -> dict[str, Any]:
             "this run is on CPU" if device == "cpu" else f"{gpus} is visible"
         )
     result = _result(work, device, available, top, reps, measured, unavailable)
+    result["sharded"] = sharded.run(_sharded_work(opts), device, min(top, 2))
     return result
+
+
+def _sharded_work(opts: Any) -> sharded.Work:
+    extra, quick = opts.extra, opts.quick
+    return sharded.Work(
+        width=extra.get("mlp_width") or (512 if quick else 2048),
+        depth=extra.get("mlp_depth") or (8 if quick else 24),
+        batch_per_device=extra.get("batch_per_device") or 16,
+        warmup=1 if quick else 2,
+        steps=3 if quick else 6,
+        rounds=opts.reps(6, 2),
+        block=2 if quick else 4,
+    )
 
 
 @contextlib.contextmanager
@@ -252,7 +285,11 @@ def plot(record: dict[str, Any], path: str) -> None:
 
     plt = pyplot()
     r = record["result"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if "sharded" in r:
+        fig, ((left, right), (memory, steps)) = plt.subplots(2, 2, figsize=(11, 8.4))
+        sharded.plot(r["sharded"], memory, steps)
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"single": "s", "dp": "^", "ddp": "o"}
     top = 1
     for s in STRATEGY_ORDER:
@@ -310,4 +347,4 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
             )
         if s in result["unavailable"]:
             rows.append((f"{s}", "unavailable: " + result["unavailable"][s]))
-    return rows
+    return rows + (sharded.summary(result["sharded"]) if "sharded" in result else [])

@@ -8,12 +8,15 @@ off again, so DDP's `module.` and torch.compile's `_orig_mod.` prefixes never re
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..precision import Precision
@@ -45,7 +48,7 @@ class Strategy:
     ) -> nn.Module:
         from ..precision import AutocastModule
 
-        model = model.to(self.device)
+        model = self._place(model)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         if precision is not None and precision.name != "fp32":
@@ -56,6 +59,15 @@ class Strategy:
         if compile and not self.compile_inside:
             model = _compile(model, compile)
         return model
+
+    def _place(self, model: nn.Module) -> nn.Module:
+        """Move the whole model to the device (fsdp leaves that to sharding: see FSDP._place)."""
+        if on_meta(model):
+            raise UsageError(
+                f"the model is on the meta device (shapes, no values): under {self.name} every rank needs "
+                "it built for real (only fsdp on more than one process fills meta-built ranks from rank 0)"
+            )
+        return model.to(self.device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -120,6 +132,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True when any parameter or buffer of `model` is on the meta device (shapes, no values)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,10 @@ differ from DDP, and are handled here and where noted:
 Two things that `Strategy.wrap` does for the other strategies are done differently here:
 bf16/fp16 is FSDP2's `MixedPrecisionPolicy`, not the autocast wrapper, and `--compile` compiles
 each shard unit's forward, not the whole model (see `FSDP.wrap`).
+
+Initial weights are rank 0's, as under DDP (which broadcasts them when it wraps): the other ranks
+may build the model on the meta device (`Runtime.build`), with shapes and no memory, and their
+shards are filled from rank 0's full model after sharding (see `Rank0Source`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -32,7 +36,7 @@ from torch import nn
 
 from .. import checks, dist
 from ..errors import UsageError
-from .base import Strategy, compile_options
+from .base import Strategy, compile_options, on_meta
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -152,10 +156,17 @@ class FSDP(Strategy):
         self._compile = compile
         return super().wrap(model, None, channels_last, False)
 
+    def _place(self, model: nn.Module) -> nn.Module:
+        # fully_shard moves each unit's parameters and buffers to the device as it shards them
+        # (and leaves meta tensors on meta), so rank 0's full model never needs to fit the device
+        # whole: it stays in host memory until its values are broadcast (see Rank0Source).
+        return model
+
     def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         check_model(model)
+        source = Rank0Source.take(model)  # before fully_shard replaces rank 0's full parameters
         before = dict(model.named_parameters())
         # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
         for name, module in reversed(list(model.named_modules())):
@@ -168,6 +179,9 @@ class FSDP(Strategy):
             model.register_forward_pre_hook(_broadcast_buffers)
         after = dict(model.named_parameters())  # same names: FSDP2 adds no prefix
         self._moved = {id(before[name]): after[name] for name in before}
+        del before
+        # Offloaded shards live in host memory (CPUOffloadPolicy): allocate them there.
+        source.fill(model, torch.device("cpu") if self.options.cpu_offload else self.device)
         return model
 
     def _shard_kwargs(self, root: bool) -> dict[str, Any]:
@@ -240,6 +254,58 @@ def _broadcast_buffers(model: nn.Module, args: Any) -> None:
     evaluation see rank 0's, as under ddp. (Every rank runs as many forwards: lockstep.)"""
     if model.training:
         dist.broadcast_tensors(list(model.buffers()))
+
+
+@dataclass
+class Rank0Source:
+    """Rank 0's full model, the one source of every rank's initial shards.
+
+    Rank 0 builds the model as one process would (same seed, same draws from the random stream:
+    bit-identical values), the other ranks may build it on the meta device. Filling each rank's
+    shards from one seeded source in some other way (say, each rank initializing its own shard
+    under a seed) cannot reproduce the sequential random draws of an arbitrary module's
+    constructor, so the values come from rank 0: its full copy sits in host memory once, next
+    to its shards, and is freed after the broadcast. The other ranks receive one tensor at a
+    time (torch's `set_model_state_dict(broadcast_from_rank0=True)`), so they never hold more
+    than their shards plus the largest tensor.
+
+    Buffers are not sharded: persistent ones come with the state dict, non-persistent ones (not
+    in any state dict, e.g. a causal mask) are broadcast from rank 0 one by one.
+    """
+
+    full: dict[str, Any] = field(default_factory=dict)  # rank 0's state_dict (the model's own tensors)
+    buffers: list[str] = field(default_factory=list)  # rank 0's non-persistent buffers
+    meta_here: bool = False  # this rank's model was built on meta: allocate it after sharding
+
+    @classmethod
+    def take(cls, model: nn.Module) -> Rank0Source:
+        """Every rank learns what rank 0 holds. Collective; every rank raises UsageError together
+        when rank 0 has no values to give."""
+        meta = on_meta(model)
+        full = model.state_dict() if dist.rank() == 0 and not meta else {}
+        names = [name for name, _ in model.named_buffers() if name not in full]
+        rank0_meta, buffers = dist.broadcast_object((meta, names))
+        if rank0_meta:
+            raise UsageError(
+                "under fsdp, rank 0 must build the model for real (its values are every rank's initial "
+                "weights); only the other ranks may build it on the meta device (Runtime.build does so)"
+            )
+        return cls(full, buffers, meta)
+
+    def fill(self, model: nn.Module, device: torch.device) -> None:
+        """After fully_shard: give every rank its shards (and buffers) of rank 0's values."""
+        from torch.distributed import broadcast
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if self.meta_here:
+            model.to_empty(device=device)  # uninitialized shards and buffers, filled below
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        full, self.full = self.full, {}
+        set_model_state_dict(model, full, options=options)
+        del full  # rank 0's full copy: freed here
+        named = dict(model.named_buffers())
+        for name in self.buffers:
+            broadcast(named[name], src=0)
 
 
 def full_model_state(model: nn.Module) -> dict[str, Any]:

@@ -101,7 +101,8 @@ class Loop:
         if isinstance(self.splits.train, data.ImageSet):
             self.splits.train.augment = plan.augment
         self.task = task_of(cfg)
-        model = build_model(cfg, plan.in_shape, plan.num_classes)
+        # Under fsdp, ranks other than 0 build on the meta device; setup() fills them from rank 0.
+        model = rt.build(lambda: build_model(cfg, plan.in_shape, plan.num_classes))
         if cfg.sync_batchnorm and rt.world_size > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         opt = build_optimizer(cfg.optimizer, model.parameters(), plan.peak_lr, cfg.momentum, cfg.weight_decay)
@@ -135,6 +136,20 @@ class Loop:
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
         self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
+
+    def flops_on_meta(self) -> float | None:
+        """FLOPs per sample counted on a copy of the model built on the meta device: FLOPs depend
+        on shapes only, and under fsdp no rank should make a full copy in memory."""
+        try:
+            with torch.device("meta"):
+                net = build_model(self.cfg, self.plan.in_shape, self.plan.num_classes)
+        except Exception:  # noqa: BLE001 - a user's model that cannot be built on meta: not counted
+            return None
+        return flops_per_sample(net, self.plan.in_shape, torch.device("meta"), self.vocab())
+
+    def vocab(self) -> int | None:
+        """The vocabulary of a model of token ids (what its FLOPs are counted on), else None."""
+        return self.plan.num_classes if self.task.unit == "tokens" else None
 
     def restore(self, path: str, restart: str | None = None) -> None:
         """Continue from the checkpoint at `path`; `restart` says why, after a restart."""
@@ -385,14 +400,10 @@ class Loop:
                 0.0, timing["warmup_seconds"] - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3
             )
         flops = None
-        if rt.is_main:  # on a fresh copy under fsdp: a sharded forward on rank 0 alone would wait for the others
-            net = (
-                unwrap(self.model)
-                if rt.strategy != "fsdp"
-                else build_model(cfg, self.plan.in_shape, self.plan.num_classes)
-            )
-            vocab = self.plan.num_classes if self.task.unit == "tokens" else None
-            flops = flops_per_sample(net, self.plan.in_shape, rt.device, vocab)
+        if rt.is_main and rt.strategy != "fsdp":
+            flops = flops_per_sample(unwrap(self.model), self.plan.in_shape, rt.device, self.vocab())
+        elif rt.is_main:  # a sharded forward on rank 0 alone would wait for the others: count a copy
+            flops = self.flops_on_meta()
         flops = rt.broadcast_object(flops)
         perf["flops_per_sample"] = flops
         perf["achieved_tflops"] = flops * rate / 1e12 if flops else None
