@@ -147,10 +147,24 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
 
 
 def teardown() -> None:
-    global _io_group
-    _io_group = None
+    global _io_group, _background
+    _io_group = _background = None  # held, they would keep the old group's store alive
     if tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+_background: tuple[Any, Any] | None = None  # (the default group it was made in, the group)
+
+
+def background_group() -> Any:
+    """A gloo group of its own for collectives run from a background thread (DCP's asynchronous
+    save): they must not interleave with the training's on one group, which gloo aborts on.
+    Made on first use under each default group, by every rank: collective."""
+    global _background
+    world = tdist.group.WORLD
+    if _background is None or _background[0] is not world:
+        _background = (world, tdist.new_group(backend="gloo"))
+    return _background[1]
 
 
 def world_size() -> int:

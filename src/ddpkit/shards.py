@@ -199,7 +199,6 @@ class Pending:
             raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(err)}") from None
 
 
-_async_group: Any = None
 _lock = threading.Lock()
 
 
@@ -221,12 +220,11 @@ def save(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    global _async_group
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     tmp = dist.broadcast_object(os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:8]}"))
     if dist.is_main():
-        os.makedirs(tmp)
+        os.makedirs(tmp, exist_ok=True)  # DCP's writer on another rank may have made it already
         _save_rest(os.path.join(tmp, STATE_FILE), rest)
     # Buffers (BatchNorm's running statistics) are replicated, and DCP saves one rank's copy of
     # a replicated tensor, not always rank 0's: make every rank's rank 0's, which the next
@@ -248,11 +246,8 @@ def save(
                 on_complete()
         dist.wait_for_main()
         return None
-    if not no_dist and _async_group is None:
-        # DCP's background collectives must not share a group with training's (gloo aborts on
-        # the interleaving): one group of its own, made once, by every rank here.
-        _async_group = torch.distributed.new_group(backend="gloo")
-    future = dcp.async_save(state, storage_writer=writer, process_group=_async_group, no_dist=no_dist)
+    group = None if no_dist else dist.background_group()
+    future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
     pending = Pending(future, path)
     if dist.is_main():
 
