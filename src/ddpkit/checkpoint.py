@@ -74,18 +74,16 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None
 
 
-def state_of(value: Any, sharded: torch.nn.Module | None = None) -> Any:
-    """What a checkpoint stores for `value`: a module's bare state_dict (no `module.` or
+def state_of(value: Any) -> Any:
+    """What a checkpoint file stores for `value`: a module's bare state_dict (no `module.` or
     `_orig_mod.` prefixes), anything else's state_dict(), or a plain value as it is. A model
-    fsdp sharded, and an optimizer of `sharded`, are gathered whole: collective, and {} on
-    ranks other than 0."""
+    fsdp sharded is gathered whole (model.pt): collective, and {} on ranks other than 0. (A
+    state with an fsdp model is saved as a checkpoint directory instead: see `save`.)"""
     if isinstance(value, torch.nn.Module):
         bare = unwrap(value)
         return fsdp.full_model_state(bare) if fsdp.is_sharded(bare) else bare.state_dict()
     if isinstance(value, torch.optim.Optimizer) and fsdp.holds_dtensors(value):
-        if sharded is None:
-            raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
-        return fsdp.full_optimizer_state(sharded, value)
+        raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
     if hasattr(value, "state_dict"):
         return value.state_dict()
     return value

@@ -10,8 +10,8 @@ differ from DDP, and are handled here and where noted:
   at the sharded ones (Runtime.setup calls it).
 - Every forward all-gathers, so every rank must run the same number of forwards (`lockstep`):
   the training sampler pads micro-batches and exact evaluation pads batches, with empty ones.
-- A state_dict holds shards: checkpoints gather full state dicts through torch's DCP helpers,
-  a collective (see `full_model_state` and checkpoint.save).
+- A state_dict holds shards: checkpoints are directories of every rank's shards (see
+  ddpkit.shards); model.pt gathers the whole model, a collective (`full_model_state`).
 
 Two things that `Strategy.wrap` does for the other strategies are done differently here:
 bf16/fp16 is FSDP2's `MixedPrecisionPolicy`, not the autocast wrapper, and `--compile` compiles
@@ -314,23 +314,6 @@ def full_model_state(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(save=True))
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's whole state on rank 0 ({} elsewhere), in `Optimizer.state_dict()`'s own
-    format (parameters numbered in param-group order), so it loads into the bare model's
-    optimizer under single or ddp. Collective."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(model, optimizer, options=_options(save=True))
-    if not full:
-        return {}
-    number: dict[str, int] = {}
-    groups = []
-    for group in full["param_groups"]:
-        ids = [number.setdefault(fqn, len(number)) for fqn in group["params"]]
-        groups.append({**group, "params": ids})
-    return {"state": {number[fqn]: s for fqn, s in full["state"].items()}, "param_groups": groups}
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:

@@ -137,9 +137,7 @@ def check_resumable(
         problem = shards.shape_problem(shards.saved_shapes(metadata, "model"), want)
         if problem:
             raise IncompatibleCheckpoint(f"checkpoint {path}: its weights do not fit --model {cfg.model} ({problem})")
-        if not shards.saved_shapes(metadata, "optimizer") and not any(
-            key.startswith("optimizer.") for key in metadata.state_dict_metadata
-        ):
+        if not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
             raise UsageError(f"checkpoint {path}: damaged or not written by ddpkit train (no optimizer state)")
         return
     try:
