@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from . import dist
 from .data import DistributedLoader, MicroBatch
+from .strategy import local
 
 
 class Accumulation:
@@ -30,6 +32,10 @@ class Accumulation:
         self.micro: MicroBatch | None = None
         self.no_sync: Any = None  # makes the strategy's no_sync context (Strategy.no_sync)
         self._entered: Any = None
+        # Weights given to backward(loss, weight=...) this step, summed on the device (no sync);
+        # `weighted` while the gradients they weighted wait for `rescale`.
+        self.weights: torch.Tensor | None = None
+        self.weighted = False
 
     @property
     def step_ready(self) -> bool:
@@ -56,6 +62,31 @@ class Accumulation:
         weight = micro.count * self.world_size / micro.step_count  # samples, or tokens
         # even shares, no accumulation: the hand-written loop's backward exactly
         return loss * weight if weight != 1.0 else loss
+
+    def weigh_by(self, loss: torch.Tensor, weight: Any) -> torch.Tensor:
+        """The loss to back-propagate when the caller says what its mean is over (`weight`
+        tokens, say): the sum `loss * weight`, whose gradients `rescale` divides by the step's
+        total weight over all ranks once it is known."""
+        w = torch.as_tensor(weight, dtype=torch.float64, device=loss.device)
+        self.weights = w.clone() if self.weights is None else self.weights + w
+        self.weighted = True
+        # An empty share (weight 0) may have a NaN mean: zero gradients, but the reduction still runs.
+        return torch.where(w > 0, loss * w.to(loss.dtype), loss.nan_to_num(0.0) * 0.0)
+
+    def rescale(self, params: list[torch.Tensor]) -> None:
+        """Divide the step's gradients by its total weight over all ranks (times the world size,
+        which the strategy's gradient averaging divides by): one scalar all-reduce per step.
+        Collective, on every rank, after weighted backward passes; once per step (a second
+        optimizer stepped on the same gradients finds them rescaled already)."""
+        if not self.weighted:
+            return
+        self.weighted = False
+        total = dist.all_reduce(self.weights)
+        factor = torch.where(total > 0, self.world_size / total, torch.zeros_like(total))
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)  # a 0-d float64 tensor: no sync, any grad dtype
+        self.weights = None
 
     def leave(self) -> None:
         """Turn gradient sync back on (after a backward, or when a pass ends)."""

@@ -14,26 +14,30 @@ The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from . import allocator, checkpoint, dist
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, eval_loader, train_loader
+from .data.adopt import Adopted, adopt
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
 from .evaluation import evaluate
 from .log import print0
 from .precision import Precision
-from .seed import seed_everything, seed_rank
+from .seed import gather_rng_states, restore_rng_states, seed_everything, seed_rank
 from .shards import Pending
 from .strategy import DDPOptions, FSDPOptions
 
@@ -86,6 +90,12 @@ class Runtime:
         cudnn_benchmark: bool | None = None,
     ):
         self._model: nn.Module | None = None
+        # What save_state() holds without being told: every model and optimizer given to
+        # setup(), every training loader made, in the order they came.
+        self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._loaders: list[DistributedLoader] = []
+        self._steps = 0  # optimizer steps taken (seeds fresh random streams on a resume onto another N)
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
         self.env = dist.detect_env()
@@ -153,6 +163,7 @@ class Runtime:
             self._acc.leave()
             self._acc.no_sync = None
         self._model = None  # the caller may drop the model: do not keep it alive
+        self._models, self._optimizers, self._loaders = [], [], []
         if self._owns_group:
             dist.teardown()
             self._owns_group = False
@@ -208,6 +219,8 @@ class Runtime:
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._strategy.adopt(optimizers)
         self._model = wrapped
+        self._models.append(wrapped)
+        self._optimizers.extend(optimizers)
         self._acc.no_sync = self._strategy.no_sync(wrapped)  # used between micro-batches of a step
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
@@ -237,7 +250,7 @@ class Runtime:
         make = self._strategy.no_sync(model)
         return make() if make is not None else strategies.no_sync(model)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
         """Backward of a micro-batch's MEAN loss, weighted so the optimizer sees the mean over
         the whole global batch, however it was split over ranks and micro-batches.
 
@@ -245,14 +258,18 @@ class Runtime:
         of B, counts n * world_size / B (DDP then averages over ranks), and DDP's gradient
         all-reduce runs only on the rank's last micro-batch of the step (`no_sync` before).
 
-        When the loss is a mean over tokens (sequences of varying length, padding ignored),
-        give the dataset a `token_counts` attribute: a tensor of each sample's tokens (the
-        targets its loss averages over). A micro-batch of t tokens, out of T in the global
-        batch, then counts t * world_size / T, so the step is the mean over all T tokens, as on
-        one process (`ddpkit.data.TextSet` has one).
+        When the loss is a mean over something else, say over the micro-batch's real tokens
+        (sequences of varying length, padding ignored), give `weight`: the number of what it
+        is a mean over (a number, or a tensor on the device, which costs no sync). The step is
+        then the mean over all of the global batch's tokens on all ranks, as on one process:
+        `step()` divides the gradients by the step's total weight, found by one scalar
+        all-reduce. Once one backward is weighted, give a weight in every backward on every rank
+        (0 for an empty share). A dataset with a `token_counts` attribute (each sample's tokens,
+        as `ddpkit.data.TextSet` has) gets the same weighting from `loader()` without `weight`.
         """
         try:
-            self.precision.backward(self._acc.weigh(loss))
+            weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
+            self.precision.backward(weighted)
         finally:
             self._acc.leave()
 
@@ -269,11 +286,18 @@ class Runtime:
         if not self.step_ready:
             return False
         self._strategy.check_optimizer(optimizer)
+        owner = (
+            self._model.parameters()
+            if self._model is not None
+            else (p for g in optimizer.param_groups for p in g["params"])
+        )
+        self._acc.rescale(list(owner))
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
         if self._check_compiled:
             self._warn_if_nothing_compiled()
         return True
@@ -293,54 +317,73 @@ class Runtime:
     # -- data ---------------------------------------------------------------------------------
     def loader(
         self,
-        dataset: Any,
-        batch_size: int,
-        shuffle: bool = True,
-        drop_last: bool = False,
+        data: Any,
+        batch_size: int | None = None,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
         seed: int | None = None,
         num_workers: int | None = None,
         micro_batch_size: int | None = None,
         resident: bool | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> DistributedLoader:
-        """Training micro-batches for this rank. `batch_size` is the GLOBAL batch: the samples
-        of one optimizer step over all ranks, whatever their number. Each rank takes its share
-        (shares differ by at most one sample), in micro-batches of at most `micro_batch_size`.
-        Which samples form step k depends on `seed` (default: the Runtime's, else 0) and the
-        epoch only; the loader reshuffles every epoch and resumes mid-epoch from its state.
+        """Training micro-batches for this rank, from a Dataset or from a DataLoader you built.
+        `batch_size` is the GLOBAL batch: the samples of one optimizer step over all ranks,
+        whatever their number (a DataLoader's own batch_size is read so: see
+        `ddpkit.data.adopt`). Each rank takes its share (shares differ by at most one sample),
+        in micro-batches of at most `micro_batch_size`. Which samples form step k depends on
+        `seed` (default: the Runtime's, else 0) and the epoch only; the loader reshuffles every
+        epoch (`shuffle`, default True; a DataLoader's: its sampler's) and resumes mid-epoch
+        from its state. `collate_fn` makes a batch of a list of samples (default_collate).
 
         `resident` (default: whenever the dataset is an ImageSet, TextSet or TensorDataset
-        that fits) keeps the dataset whole on the device and cuts batches there by index; False
-        reads through a DataLoader (with `num_workers` workers). Both give the same batches.
-        A dataset with `token_counts` gets its micro-batches weighted by tokens (see backward)."""
+        that fits, with no collate_fn and no workers) keeps the dataset whole on the device and
+        cuts batches there by index; False reads through a DataLoader (with `num_workers`
+        workers). Both give the same batches. A dataset with `token_counts` gets its
+        micro-batches weighted by tokens (see backward)."""
+        src = self._source(data, batch_size, shuffle, drop_last, collate_fn)
         seed = seed if seed is not None else (self.seed or 0)
         with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
             loader = train_loader(
-                dataset,
-                batch_size,
+                src.dataset,
+                src.batch_size,
                 world_size=self.world_size,
                 rank=self.rank,
                 device=self.device,
-                shuffle=shuffle,
+                shuffle=src.shuffle,
                 seed=seed,
-                drop_last=drop_last,
+                drop_last=src.drop_last,
                 micro_batch_size=micro_batch_size,
                 num_workers=num_workers,
                 local_world_size=self.env.local_world_size,
                 resident=resident,
                 channels_last=self.channels_last,
                 lockstep=self._strategy.lockstep,  # fsdp: as many micro-batches on every rank
+                collate_fn=src.collate_fn,
+                dataloader=src.options,
             )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
+        self._loaders.append(loader)
         return loader
 
     def eval_loader(
-        self, dataset: Any, batch_size: int = 512, num_workers: int | None = None, resident: bool | None = None
+        self,
+        data: Any,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
+        resident: bool | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> DistributedLoader:
-        """This rank's share of `dataset` for evaluation: every sample on exactly one rank."""
+        """This rank's share of `data` (a Dataset, or a DataLoader you built: its batch_size,
+        collate_fn and workers are kept) for evaluation: every sample on exactly one rank.
+        `batch_size` is the global evaluation batch (default: a DataLoader's, else 512)."""
+        src = self._source(
+            data, batch_size or (None if isinstance(data, DataLoader) else 512), False, False, collate_fn
+        )
         with usage_errors():
             return eval_loader(
-                dataset,
-                batch_size,
+                src.dataset,
+                src.batch_size,
                 world_size=self.world_size,
                 rank=self.rank,
                 device=self.device,
@@ -348,9 +391,27 @@ class Runtime:
                 local_world_size=self.env.local_world_size,
                 resident=resident,
                 channels_last=self.channels_last,
+                collate_fn=src.collate_fn,
+                dataloader=src.options,
             )
 
-    def evaluate(self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int = 512) -> dict[str, float]:
+    @staticmethod
+    def _source(
+        data: Any, batch_size: int | None, shuffle: bool | None, drop_last: bool | None, collate: Any
+    ) -> Adopted:
+        """The dataset and batch settings to build a loader from: a DataLoader's, read by
+        `adopt`, with the arguments given here winning; or a Dataset's with the defaults."""
+        if isinstance(data, DataLoader):
+            src = adopt(data, batch_size)
+            overrides = {"shuffle": shuffle, "drop_last": drop_last, "collate_fn": collate}
+            return dataclasses.replace(src, **{k: v for k, v in overrides.items() if v is not None})
+        if batch_size is None:
+            raise UsageError("rt.loader(dataset): give batch_size=, the GLOBAL batch (or pass a DataLoader)")
+        return Adopted(data, batch_size, True if shuffle is None else shuffle, bool(drop_last), collate)
+
+    def evaluate(
+        self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int | None = None
+    ) -> dict[str, float]:
         """Accuracy and mean per-sample loss of a classifier over ALL of `data`, on every rank.
 
         `data` is a Dataset or a loader from `eval_loader()`. Each sample is seen by exactly
@@ -368,6 +429,26 @@ class Runtime:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self, local: bool = False) -> Iterator[None]:
+        """Run the block on rank 0 first (with `local`, on each machine's local rank 0), then
+        on the other ranks: download or preprocess once, then read what it left.
+
+            with rt.main_first():
+                data = load_or_download(path)
+
+        The others wait in the long-timeout group used for checkpoint writes, so a slow
+        download does not trip `timeout_s`. If the block fails on rank 0, the others still run
+        it (rank 0's error is what the launch reports)."""
+        first = self.local_rank == 0 if local else self.is_main
+        if not first:
+            dist.wait_for_main()
+        try:
+            yield
+        finally:
+            if first:
+                dist.wait_for_main()
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Reduce a tensor (in place) or a Python number over ranks; op sum/mean/max/min."""
@@ -410,3 +491,43 @@ class Runtime:
         entry is loaded into it; returns the loaded dict (of a directory: its entries other than
         modules and optimizers). Collective for a directory or an fsdp target."""
         return checkpoint.load_into(path, targets, map_location=self.device)
+
+    def save_state(self, path: str | os.PathLike, background: bool = False, **extra: Any) -> Pending | None:
+        """`save()` of everything a custom loop needs to continue exactly where it stopped: every
+        model and optimizer given to `setup()`, every loader made by `loader()` (its position),
+        the fp16 GradScaler, every rank's random streams and the step count, plus `extra`
+        (schedulers, your own counters: anything with state_dict(), or plain values).
+        Collective. Continue with `load_state(path, **extra)` after the same setup() and
+        loader() calls, on any number of processes (see `load_state`)."""
+        return checkpoint.save(path, {**self._state(), **extra}, background=background)
+
+    def load_state(self, path: str | os.PathLike, **extra: Any) -> dict[str, Any]:
+        """Load what `save_state()` wrote into this run's models, optimizers, loaders, scaler and
+        random streams, and each of `extra` into its entry; returns the loaded dict (plain values
+        you saved, such as counters, are in it). Call it where the stopped run called
+        save_state, after the same setup() and loader() calls, in the same order.
+
+        On the same number of processes every rank gets its own random streams back, so the
+        run goes on bit-identical. Saved by another number of processes, each rank starts a
+        fresh stream derived from the seed, its rank and the step: sampling, the global batches
+        and the weights carry on as before (equal within float rounding), and random draws in
+        the loop (dropout) differ, as they do between process counts anyway."""
+        state = checkpoint.load_into(path, {**self._state(gather=False), **extra}, map_location=self.device)
+        run = state["runtime"]
+        self._steps = int(run["steps"])
+        generators = [loader.generator for loader in self._loaders]
+        restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
+        return state
+
+    def _state(self, gather: bool = True) -> dict[str, Any]:
+        """The entries save_state writes: 'model', 'model_1', ..., 'optimizer', ..., 'loader',
+        ..., 'precision' and 'runtime' (the step count and every rank's random streams, in rank
+        order: gathered, a collective; left out with `gather` False, for loading into)."""
+        state: dict[str, Any] = {}
+        for kind, items in (("model", self._models), ("optimizer", self._optimizers), ("loader", self._loaders)):
+            state.update({kind if i == 0 else f"{kind}_{i}": item for i, item in enumerate(items)})
+        state["precision"] = self.precision
+        if gather:
+            generators = [loader.generator for loader in self._loaders]
+            state["runtime"] = {"steps": self._steps, "rng": gather_rng_states(self.device, generators)}
+        return state

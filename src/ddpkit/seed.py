@@ -9,10 +9,13 @@ differ between ranks, reproducibly, and a resumed run can re-derive the same str
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+
+from . import dist
 
 
 def seed_everything(seed: int) -> None:
@@ -35,6 +38,19 @@ def seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+
+
+class SeedWorker:
+    """A DataLoader's worker_init_fn: `seed_worker`, then the user's own function if a DataLoader
+    they built had one. A class, not a closure, so that spawned workers can unpickle it."""
+
+    def __init__(self, then: Callable[[int], Any] | None = None):
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        seed_worker(worker_id)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def loader_generator(seed: int, rank: int) -> torch.Generator:
@@ -71,3 +87,26 @@ def _as_tuples(value: Any) -> Any:
     # random.setstate wants the tuples that torch.save stores and loads back as they were;
     # be lenient should a list come back.
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def gather_rng_states(device: torch.device, generators: list[torch.Generator | None] = ()) -> list[dict[str, Any]]:
+    """Every rank's random streams (`rng_state`, plus each of `generators`' state), in rank
+    order, on every rank. Collective."""
+    state = {**rng_state(device), "generators": [g.get_state() if g is not None else None for g in generators]}
+    return dist.gather_objects(state)
+
+
+def restore_rng_states(
+    states: list[dict[str, Any]], device: torch.device, generators: list[torch.Generator | None], seed: int, step: int
+) -> None:
+    """Put this rank's streams back as `gather_rng_states` found them. Saved by another number
+    of processes, there is no such rank's stream to restore: each rank starts a fresh one,
+    derived from (seed, rank, step) as `seed_rank` does, so the resumed run is still reproducible."""
+    if len(states) != dist.world_size():
+        seed_rank(seed, dist.rank(), step)
+        return
+    mine = states[dist.rank()]
+    set_rng_state(mine, device)
+    for generator, saved in zip(generators, mine.get("generators", [])):
+        if generator is not None and saved is not None:
+            generator.set_state(saved.cpu())

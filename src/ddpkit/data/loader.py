@@ -17,7 +17,7 @@ and their global batch holds (`MicroBatch.tokens`), which the runtime weighs the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from ..device import cpu_count
 from ..errors import UsageError
-from ..seed import loader_generator, seed_worker
+from ..seed import SeedWorker, loader_generator
 from ..tree import map_tensors
 from .images import ImageSet, augment_keys
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
@@ -33,16 +33,17 @@ from .text import TextSet
 
 
 class _Collate:
-    """default_collate that also turns an empty index list into an empty batch of the right
-    shape (taken from sample 0), for ranks whose share of a small last batch is empty."""
+    """The collate function (default_collate unless the user gave one) that also turns an empty
+    index list into an empty batch of the right shape (sample 0's, cut to no rows), for ranks
+    whose share of a small last batch is empty."""
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any] | None = None):
+        self.dataset, self.collate = dataset, collate_fn or default_collate
 
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
-            return default_collate(samples)
-        return map_tensors(lambda t: t[:0], default_collate([self.dataset[0]]))
+            return self.collate(samples)
+        return map_tensors(lambda t: t[:0], self.collate([self.dataset[0]]))
 
 
 def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
@@ -214,10 +215,17 @@ class DistributedLoader:
 
 
 def loader_options(
-    dataset: Dataset, device: torch.device, num_workers: int | None, local_world_size: int
+    dataset: Dataset,
+    device: torch.device,
+    num_workers: int | None,
+    local_world_size: int,
+    chosen: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """DataLoader options: pinned memory on CUDA; worker processes (persisting across epochs)
-    only where loading does work: on CUDA, for datasets that are not tensors already in memory."""
+    only where loading does work: on CUDA, for datasets that are not tensors already in memory.
+    `chosen`: the settings of a DataLoader the user built (see `adopt`), which win."""
+    chosen = dict(chosen or {})
+    num_workers = chosen.pop("num_workers", num_workers)
     if num_workers is None:
         in_memory = isinstance(dataset, (TensorDataset, ImageSet, TextSet))
         cores = cpu_count() // max(1, local_world_size)
@@ -226,6 +234,7 @@ def loader_options(
         "num_workers": num_workers,
         "pin_memory": device.type == "cuda",
         "persistent_workers": num_workers > 0,
+        **chosen,
     }
 
 
@@ -244,14 +253,18 @@ def fits_on(dataset: Dataset, device: torch.device) -> bool:
     return size < torch.cuda.get_device_properties(device).total_memory // 4
 
 
-def _use_resident(dataset: Dataset, device: torch.device, resident: bool | None, num_workers: int | None) -> bool:
-    if resident is None:  # auto: the device path whenever it can, unless workers were asked for
-        return not num_workers and fits_on(dataset, device)
+def _use_resident(
+    dataset: Dataset, device: torch.device, resident: bool | None, num_workers: int | None, collate_fn: Any = None
+) -> bool:
+    if resident is None:  # auto: the device path whenever it can, unless workers or a collate were asked for
+        return not num_workers and collate_fn is None and fits_on(dataset, device)
     if resident and not Resident.supports(dataset):
         raise UsageError(
             f"a resident loader needs an ImageSet, TextSet or TensorDataset, not {type(dataset).__name__}; "
             "use the DataLoader path"
         )
+    if resident and collate_fn is not None:
+        raise UsageError("a resident loader cuts batches on the device and calls no collate_fn; use resident=False")
     return resident
 
 
@@ -271,7 +284,12 @@ def train_loader(
     resident: bool | None = None,
     channels_last: bool = False,
     lockstep: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    dataloader: dict[str, Any] | None = None,
 ) -> DistributedLoader:
+    """This rank's training loader (see `DistributedLoader`). `collate_fn` turns a micro-batch's
+    samples into a batch (default_collate); `dataloader` holds the other settings of a DataLoader
+    the user built (`adopt`): workers, pinning, worker_init_fn and the like."""
     sampler = GlobalBatchSampler(
         len(dataset),
         global_batch,
@@ -284,17 +302,18 @@ def train_loader(
         lockstep=lockstep,
         token_counts=getattr(dataset, "token_counts", None),
     )
-    if _use_resident(dataset, device, resident, num_workers):
+    if _use_resident(dataset, device, resident, num_workers, collate_fn):
         return DistributedLoader(dataset, sampler, device, resident=Resident(dataset, device, channels_last))
     sampler.keys = isinstance(dataset, ImageSet) and dataset.augment is not None
+    chosen = dict(dataloader or {})
     generator = loader_generator(seed, rank)  # per-rank worker seeds
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=_Collate(dataset),
-        worker_init_fn=seed_worker,
+        collate_fn=_Collate(dataset, collate_fn),
+        worker_init_fn=SeedWorker(chosen.pop("worker_init_fn", None)),
         generator=generator,
-        **loader_options(dataset, device, num_workers, local_world_size),
+        **loader_options(dataset, device, num_workers, local_world_size, chosen),
     )
     return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)
 
@@ -310,14 +329,24 @@ def eval_loader(
     local_world_size: int = 1,
     resident: bool | None = None,
     channels_last: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    dataloader: dict[str, Any] | None = None,
 ) -> DistributedLoader:
+    """This rank's share of `dataset` for evaluation, in batches of about `global_batch /
+    world_size`; `collate_fn` and `dataloader` as for `train_loader`."""
     batch = max(1, math.ceil(global_batch / world_size))
     sampler = ShardSampler(len(dataset), world_size, rank, batch)
-    if _use_resident(dataset, device, resident, num_workers):
+    if _use_resident(dataset, device, resident, num_workers, collate_fn):
         return DistributedLoader(
             dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last)
         )
+    chosen = dict(dataloader or {})
     loader = DataLoader(
-        dataset, batch_size=batch, sampler=sampler, **loader_options(dataset, device, num_workers, local_world_size)
+        dataset,
+        batch_size=batch,
+        sampler=sampler,
+        collate_fn=_Collate(dataset, collate_fn),
+        worker_init_fn=SeedWorker(chosen.pop("worker_init_fn", None)),
+        **loader_options(dataset, device, num_workers, local_world_size, chosen),
     )
     return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)

@@ -1,0 +1,155 @@
+"""Worker functions for the own-loop tests (tests/test_own_loop.py): a small model of token
+sequences of varying length, a padding collate, token-weighted updates, DataLoaders handed to
+`rt.loader`, full-state save and resume, main_first. Importable, so spawned workers find them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import ddpkit
+
+VOCAB, PAD, IGNORE = 11, 0, -100
+
+
+class Sequences(Dataset):
+    """`n` token sequences of 1 to 8 tokens: (inputs, next-token targets)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, 9, (n,), generator=g).tolist()
+        self.seqs = [torch.randint(1, VOCAB, (k + 1,), generator=g) for k in lengths]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.seqs[i]
+        return s[:-1], s[1:]
+
+
+def pad(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad inputs with PAD and targets with IGNORE to the longest sequence of the batch."""
+    xs, ys = zip(*samples)
+    x = nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=PAD)
+    y = nn.utils.rnn.pad_sequence(ys, batch_first=True, padding_value=IGNORE)
+    return x, y
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.emb(x)))
+
+
+def token_loss(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over the real tokens, and how many there are."""
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    return loss, (y != IGNORE).sum()
+
+
+def params(model: nn.Module) -> torch.Tensor:
+    ps = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddpkit.Runtime.unwrap(model).parameters()]
+    return torch.cat([p.detach().reshape(-1).cpu() for p in ps])
+
+
+def plain_token_mean(steps: int, batch: int, n: int = 30) -> torch.Tensor:
+    """Plain PyTorch on one process, no ddpkit: each step the mean loss over every real token
+    of the global batch, in the order ddpkit's sampler draws (seed 0 + epoch)."""
+    data = Sequences(n)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    done, epoch = 0, 0
+    while done < steps:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for k in range(0, n, batch):
+            x, y = pad([data[i] for i in order[k : k + batch]])
+            token_loss(model(x), y)[0].backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                return params(model)
+        epoch += 1
+    return params(model)
+
+
+def token_weighted(
+    steps: int, batch: int, micro: int | None, weighted: bool = True, via_dataloader: bool = False
+) -> dict:
+    """`steps` steps of TinyLM through rt.loader with the padding collate, each micro-batch's
+    backward weighted by its tokens (or, `weighted` False, by samples: rt.backward's default)."""
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model = TinyLM()
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        data = Sequences(30)
+        if via_dataloader:
+            loader = rt.loader(DataLoader(data, batch_size=batch, shuffle=True, collate_fn=pad), micro_batch_size=micro)
+        else:
+            loader = rt.loader(data, batch_size=batch, micro_batch_size=micro, collate_fn=pad)
+        done = 0
+        while done < steps:
+            for x, y in loader:
+                loss, tokens = token_loss(model(x), y)
+                rt.backward(loss, weight=tokens if weighted else None)
+                if rt.step(opt):
+                    done += 1
+                    if done == steps:
+                        break
+        return {"params": params(model), "position": loader.state_dict()}
+
+
+def custom_loop(
+    stop_at: int | None,
+    steps: int,
+    path: str,
+    resume: bool = False,
+    strategy: str = "ddp",
+    dropout: float = 0.0,
+) -> dict:
+    """A custom loop with a scheduler, micro-batches, a loader over a DataLoader and an
+    evaluation loader: trains until `steps` (saving the full state and returning at `stop_at`,
+    if given); with `resume`, first continues from `path`."""
+    with ddpkit.Runtime(strategy, device="cpu", seed=3) as rt:
+        model = rt.build(lambda: TinyLM(dropout))
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        loader = rt.loader(DataLoader(Sequences(29), batch_size=6, shuffle=True, collate_fn=pad), micro_batch_size=2)
+        step = 0
+        if resume:
+            step = rt.load_state(path, scheduler=sched)["step"]
+        while step < steps:
+            for x, y in loader:
+                loss, tokens = token_loss(model(x), y)
+                rt.backward(loss, weight=tokens)
+                if rt.step(opt):
+                    sched.step()
+                    step += 1
+                    if step == stop_at:
+                        rt.save_state(path, scheduler=sched, step=step)
+                        return {"stopped": step, "position": loader.state_dict()}
+                    if step == steps:
+                        break
+        return {"params": params(model), "position": loader.state_dict(), "lr": sched.get_last_lr()[0]}
+
+
+def main_first_order(folder: str) -> list[str]:
+    """Inside rt.main_first(), rank 0 writes a file that the other ranks then find."""
+    with ddpkit.Runtime(device="cpu") as rt:
+        marker = os.path.join(folder, "downloaded")
+        with rt.main_first():
+            seen = sorted(os.listdir(folder))
+            if not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write(str(rt.rank))
+        return seen

@@ -1,0 +1,134 @@
+"""A user's own loop through `Runtime`: a padding collate, a DataLoader handed to rt.loader,
+token-weighted updates, full-state save and resume mid-epoch, main_first. Every feature on 1, 2
+and 3 gloo processes, compared across world sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import ddpkit
+from ddpkit.errors import UsageError
+from tests import own_loop
+from tests.test_runtime import WORLD_SIZE_ATOL
+
+
+@pytest.mark.distributed
+def test_token_weighted_updates_equal_the_one_process_token_mean_on_1_2_and_3_processes():
+    # 30 sequences of 1-8 tokens, global batch 7: shares of 3/2/2 samples hold very different
+    # numbers of tokens; micro-batches of 2 split them further.
+    reference = own_loop.plain_token_mean(6, 7)
+    one = own_loop.token_weighted(6, 7, micro=2)
+    torch.testing.assert_close(one["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
+    # Without the weight every micro-batch's mean counts by samples: a different update, so
+    # the comparison above can fail.
+    by_samples = own_loop.token_weighted(6, 7, micro=2, weighted=False)
+    assert (by_samples["params"] - reference).abs().max() > 1e-4
+    for nproc in (2, 3):
+        out = ddpkit.launch(own_loop.token_weighted, 6, 7, 2, nproc=nproc)
+        for r in range(nproc):
+            torch.testing.assert_close(out[r]["params"], reference, rtol=0, atol=WORLD_SIZE_ATOL)
+            assert out[r]["position"] == one["position"]
+
+
+@pytest.mark.distributed
+def test_a_dataloader_handed_to_rt_loader_keeps_its_collate_and_reads_its_batch_size_as_global():
+    one = own_loop.token_weighted(5, 7, micro=None)
+    assert own_loop.token_weighted(5, 7, micro=None, via_dataloader=True)["params"].equal(one["params"])
+    out = ddpkit.launch(own_loop.token_weighted, 5, 7, None, via_dataloader=True, nproc=2)
+    for r in range(2):
+        torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (
+            lambda d: DataLoader(d, batch_size=4, sampler=DistributedSampler(d, num_replicas=2, rank=0)),
+            "DistributedSampler",
+        ),
+        (lambda d: DataLoader(d, batch_sampler=[[0, 1], [2, 3]]), "batch_sampler"),
+        (lambda d: DataLoader(d, batch_size=None), "no batch_size"),
+        (
+            lambda d: DataLoader(d, batch_size=2, sampler=torch.utils.data.RandomSampler(d, replacement=True)),
+            "RandomSampler",
+        ),
+    ],
+    ids=["distributed-sampler", "batch-sampler", "no-batch-size", "with-replacement"],
+)
+def test_a_dataloader_whose_sampler_would_decide_the_shares_is_refused_in_one_line(make, says):
+    data = TensorDataset(torch.arange(8.0))
+    with ddpkit.Runtime(device="cpu") as rt, pytest.raises(UsageError, match=says) as err:
+        rt.loader(make(data))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.unit
+def test_a_dataset_without_batch_size_is_refused_and_a_collate_cannot_be_resident():
+    data = TensorDataset(torch.arange(8.0))
+    with ddpkit.Runtime(device="cpu") as rt:
+        with pytest.raises(UsageError, match="batch_size"):
+            rt.loader(data)
+        with pytest.raises(UsageError, match="collate_fn"):
+            rt.loader(data, batch_size=4, resident=True, collate_fn=lambda s: s)
+
+
+@pytest.mark.unit
+def test_an_eval_loader_over_a_dataloader_keeps_its_batch_size_and_collate():
+    data = own_loop.Sequences(10)
+    with ddpkit.Runtime(device="cpu") as rt:
+        loader = rt.eval_loader(DataLoader(data, batch_size=4, shuffle=True, collate_fn=own_loop.pad))
+        batches = list(loader)
+    assert [len(x) for x, _ in batches] == [4, 4, 2]  # in dataset order, padded per batch
+    assert torch.equal(batches[0][1][0, : len(data[0][1])], data[0][1])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_custom_loop_stopped_mid_epoch_resumes_bit_identical_on_the_same_n_and_within_rounding_on_another(
+    tmp_path,
+):
+    # 29 sequences in global batches of 6: 5 steps an epoch. Stop at step 7 (epoch 2, mid-way),
+    # resume, end at step 12. Dropout makes the random streams matter for the same-N resume.
+    path = str(tmp_path / "state.pt")
+    straight = ddpkit.launch(own_loop.custom_loop, None, 12, path, dropout=0.3, nproc=2)
+    stopped = ddpkit.launch(own_loop.custom_loop, 7, 12, path, dropout=0.3, nproc=2)
+    assert stopped[0]["position"] == {"epoch": 1, "position": 2}
+    resumed = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, dropout=0.3, nproc=2)
+    for r in range(2):
+        assert resumed[r]["params"].equal(straight[r]["params"])
+        assert resumed[r]["position"] == straight[r]["position"]
+        assert resumed[r]["lr"] == straight[r]["lr"]
+    # Another N: no dropout (its masks differ between process counts anyway).
+    base = ddpkit.launch(own_loop.custom_loop, None, 12, path, nproc=2)
+    ddpkit.launch(own_loop.custom_loop, 7, 12, path, nproc=2)
+    for nproc in (1, 3):
+        other = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, nproc=nproc)
+        torch.testing.assert_close(other[0]["params"], base[0]["params"], rtol=0, atol=WORLD_SIZE_ATOL)
+        assert other[0]["position"] == base[0]["position"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_custom_fsdp_loop_resumes_from_its_sharded_state_on_the_same_and_another_n(tmp_path):
+    path = str(tmp_path / "state")
+    straight = ddpkit.launch(own_loop.custom_loop, None, 9, path, strategy="fsdp", nproc=2)
+    ddpkit.launch(own_loop.custom_loop, 4, 9, path, strategy="fsdp", nproc=2)
+    assert os.path.isdir(path)  # DCP shards, every rank its own
+    same = ddpkit.launch(own_loop.custom_loop, None, 9, path, resume=True, strategy="fsdp", nproc=2)
+    assert same[0]["params"].equal(straight[0]["params"])
+    other = ddpkit.launch(own_loop.custom_loop, None, 9, path, resume=True, strategy="fsdp", nproc=3)
+    torch.testing.assert_close(other[0]["params"], straight[0]["params"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.distributed
+def test_main_first_runs_the_block_on_rank_0_before_the_others(tmp_path):
+    seen = ddpkit.launch(own_loop.main_first_order, str(tmp_path), nproc=3)
+    assert seen[0] == []
+    assert seen[1] == seen[2] == ["downloaded"]
+    assert (tmp_path / "downloaded").read_text() == "0"
