@@ -22,11 +22,12 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from . import allocator, checkpoint, dist
 from . import strategy as strategies
 from .accumulation import Accumulation
-from .data import DistributedLoader, eval_loader, train_loader
+from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
@@ -295,13 +296,14 @@ class Runtime:
         self,
         dataset: Any,
         batch_size: int,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         drop_last: bool = False,
         seed: int | None = None,
         num_workers: int | None = None,
         micro_batch_size: int | None = None,
         resident: bool | None = None,
-    ) -> DistributedLoader:
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> DistributedLoader | StreamLoader:
         """Training micro-batches for this rank. `batch_size` is the GLOBAL batch: the samples
         of one optimizer step over all ranks, whatever their number. Each rank takes its share
         (shares differ by at most one sample), in micro-batches of at most `micro_batch_size`.
@@ -311,7 +313,24 @@ class Runtime:
         `resident` (default: whenever the dataset is an ImageSet, TextSet or TensorDataset
         that fits) keeps the dataset whole on the device and cuts batches there by index; False
         reads through a DataLoader (with `num_workers` workers). Both give the same batches.
-        A dataset with `token_counts` gets its micro-batches weighted by tokens (see backward)."""
+        A dataset with `token_counts` gets its micro-batches weighted by tokens (see backward).
+
+        A `torch.utils.data.IterableDataset` is read as one stream (`ddpkit.data.StreamLoader`):
+        step k is its samples [k*B, (k+1)*B) on any world size, batched by `collate_fn` (default:
+        default_collate); `shuffle` (default: True for a map-style dataset) must not be True for
+        it, nor `seed`, `num_workers > 0` or `resident=True`."""
+        if isinstance(dataset, IterableDataset):  # one stream, read whole by every rank
+            return self._stream(
+                dataset,
+                batch_size,
+                drop_last,
+                micro_batch_size,
+                collate_fn,
+                shuffle=shuffle,
+                seed=seed,
+                num_workers=num_workers,
+                resident=resident,
+            )
         seed = seed if seed is not None else (self.seed or 0)
         with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
             loader = train_loader(
@@ -320,7 +339,7 @@ class Runtime:
                 world_size=self.world_size,
                 rank=self.rank,
                 device=self.device,
-                shuffle=shuffle,
+                shuffle=True if shuffle is None else shuffle,
                 seed=seed,
                 drop_last=drop_last,
                 micro_batch_size=micro_batch_size,
@@ -331,6 +350,26 @@ class Runtime:
                 lockstep=self._strategy.lockstep,  # fsdp: as many micro-batches on every rank
             )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
+        return loader
+
+    def _stream(
+        self, dataset: Any, batch_size: int, drop_last: bool, micro: int | None, collate_fn: Any, **unused: Any
+    ) -> StreamLoader:
+        with usage_errors():
+            loader = stream_loader(
+                dataset,
+                batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                device=self.device,
+                drop_last=drop_last,
+                micro_batch_size=micro,
+                lockstep=self._strategy.lockstep,
+                collate_fn=collate_fn,
+                channels_last=self.channels_last,
+                **unused,
+            )
+        loader.on_batch = self._acc.on_batch
         return loader
 
     def eval_loader(
