@@ -141,13 +141,13 @@ def stream_runs(save: str, resume: str | None, fsdp: bool = False) -> dict:
     """Every stream run one world size makes, in one job: micro-batches with a stop and save
     (`count_loop`), whole batches (`epoch_loop`), a resume of another world size's checkpoint
     (through `iter_from` on 1 and 2 processes, by reading the stream on 3), and fsdp."""
-    with ddpkit.Runtime(device="cpu", seed=5) as rt:
+    with ddpkit.Runtime(device="cpu", seed=5, timeout_s=60) as rt:
         out = {"stopped": count_loop(rt, MICRO, STOPS[rt.world_size], save)}
         out["whole"] = epoch_loop(rt, None, Stream())
         if resume is not None:
             dataset = Stream() if rt.world_size == 3 else Skippable()
             out["resumed"] = epoch_loop(rt, MICRO, dataset, resume)
         if fsdp:
-            with ddpkit.Runtime("fsdp", device="cpu", seed=5) as sharded:
+            with ddpkit.Runtime("fsdp", device="cpu", seed=5, timeout_s=60) as sharded:
                 out["fsdp"] = epoch_loop(sharded, MICRO, Stream())
         return out
