@@ -19,8 +19,9 @@ import ddpkit
 from tests.workers import flat_params, toy_data, toy_model
 
 N, B, MICRO, EPOCHS = 23, 7, 2, 3  # 4 global batches per epoch, 12 steps in all
-STOPS = {1: 2, 2: 4, 3: 7}  # where a run on W processes stops and saves: mid-epoch 0, after epoch
-# 0's last step (its end not read yet), and before epoch 1's short last batch
+# The step after which a run on W processes stops and saves: mid-epoch 0; after epoch 0's last
+# step (its end not read yet); before epoch 1's short last batch.
+STOPS = {1: 2, 2: 4, 3: 7}
 
 
 def order(epoch: int, n: int = N) -> list[int]:
