@@ -132,3 +132,27 @@ def test_main_first_runs_the_block_on_rank_0_before_the_others(tmp_path):
     assert seen[0] == []
     assert seen[1] == seen[2] == ["downloaded"]
     assert (tmp_path / "downloaded").read_text() == "0"
+
+
+@pytest.mark.unit
+def test_a_dataloader_over_a_stream_is_read_as_one_stream_and_save_state_keeps_its_position(tmp_path):
+    from ddpkit.data import StreamLoader
+    from tests.data.streams import Stream, expected
+
+    path = tmp_path / "state.pt"
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model, opt = rt.setup(torch.nn.Linear(6, 3), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        loader = rt.loader(DataLoader(Stream(), batch_size=7))
+        assert isinstance(loader, StreamLoader)
+        seen = []
+        for _, _, ids in loader:
+            seen.append(ids.tolist())
+            if len(seen) == 2:
+                break
+        rt.save_state(path)
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model, opt = rt.setup(torch.nn.Linear(6, 3), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        loader = rt.loader(DataLoader(Stream(), batch_size=7))
+        rt.load_state(path)
+        rest = [ids.tolist() for _, _, ids in loader]
+    assert seen + rest == expected(0)  # no batch replayed, none skipped

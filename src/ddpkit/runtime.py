@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from . import allocator, checkpoint, dist
 from . import strategy as strategies
 from .accumulation import Accumulation
-from .data import DistributedLoader, eval_loader, train_loader
+from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
 from .data.adopt import Adopted, adopt
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
@@ -326,7 +326,7 @@ class Runtime:
         micro_batch_size: int | None = None,
         resident: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> DistributedLoader:
+    ) -> DistributedLoader | StreamLoader:
         """Training micro-batches for this rank, from a Dataset or from a DataLoader you built.
         `batch_size` is the GLOBAL batch: the samples of one optimizer step over all ranks,
         whatever their number (a DataLoader's own batch_size is read so: see
@@ -340,8 +340,16 @@ class Runtime:
         that fits, with no collate_fn and no workers) keeps the dataset whole on the device and
         cuts batches there by index; False reads through a DataLoader (with `num_workers`
         workers). Both give the same batches. A dataset with `token_counts` gets its
-        micro-batches weighted by tokens (see backward)."""
+        micro-batches weighted by tokens (see backward).
+
+        A `torch.utils.data.IterableDataset` is read as one stream (`ddpkit.data.StreamLoader`):
+        step k is its samples [k*B, (k+1)*B) on any world size, batched by `collate_fn` (default:
+        default_collate); `shuffle` must not be True for it, nor `seed`, `num_workers > 0` or
+        `resident=True`."""
         src = self._source(data, batch_size, shuffle, drop_last, collate_fn)
+        if isinstance(src.dataset, IterableDataset):  # one stream, read whole by every rank
+            workers = num_workers if num_workers is not None else src.options.get("num_workers")
+            return self._stream(src, micro_batch_size, seed=seed, num_workers=workers or None, resident=resident)
         seed = seed if seed is not None else (self.seed or 0)
         with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
             loader = train_loader(
@@ -350,7 +358,7 @@ class Runtime:
                 world_size=self.world_size,
                 rank=self.rank,
                 device=self.device,
-                shuffle=src.shuffle,
+                shuffle=True if src.shuffle is None else src.shuffle,
                 seed=seed,
                 drop_last=src.drop_last,
                 micro_batch_size=micro_batch_size,
@@ -363,6 +371,28 @@ class Runtime:
                 dataloader=src.options,
             )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
+        self._loaders.append(loader)
+        return loader
+
+    def _stream(self, src: Adopted, micro: int | None, **refused: Any) -> StreamLoader:
+        """The loader of a stream; `refused`: options that do not apply to one (stream_loader
+        says so if they are set)."""
+        with usage_errors():
+            loader = stream_loader(
+                src.dataset,
+                src.batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                device=self.device,
+                drop_last=src.drop_last,
+                micro_batch_size=micro,
+                lockstep=self._strategy.lockstep,
+                collate_fn=src.collate_fn,
+                channels_last=self.channels_last,
+                shuffle=src.shuffle,
+                **refused,
+            )
+        loader.on_batch = self._acc.on_batch
         self._loaders.append(loader)
         return loader
 
@@ -407,7 +437,7 @@ class Runtime:
             return dataclasses.replace(src, **{k: v for k, v in overrides.items() if v is not None})
         if batch_size is None:
             raise UsageError("rt.loader(dataset): give batch_size=, the GLOBAL batch (or pass a DataLoader)")
-        return Adopted(data, batch_size, True if shuffle is None else shuffle, bool(drop_last), collate)
+        return Adopted(data, batch_size, shuffle, bool(drop_last), collate)
 
     def evaluate(
         self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int | None = None

@@ -7,7 +7,8 @@ a run independent of the number of processes, and the distributed loader.
 - `images`: `ImageSet` and `Augment` (batched augmentation keyed by sample position);
 - `samplers`: `GlobalBatchSampler` (world-size-invariant global batches) and `ShardSampler`
   (exact evaluation);
-- `loader`: `DistributedLoader` (resident on the device, or through a DataLoader).
+- `loader`: `DistributedLoader` (resident on the device, or through a DataLoader);
+- `stream`: `StreamLoader`, an IterableDataset read as one global stream on any world size.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .datasets import (
 from .images import Augment, ImageSet, augment_keys
 from .loader import DistributedLoader, Resident, eval_loader, fits_on, move, train_loader
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler, check_global_batch, share
+from .stream import StreamLoader, stream_loader
 from .text import IGNORE, VOCAB, TextSet
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "Resident",
     "ShardSampler",
     "Splits",
+    "StreamLoader",
     "TextSet",
     "augment_keys",
     "check_global_batch",
@@ -58,6 +61,7 @@ __all__ = [
     "prepare",
     "shape_of",
     "share",
+    "stream_loader",
     "synthetic",
     "synthetic_bytes",
     "toy",

@@ -9,7 +9,8 @@ What is read, and how:
   same on N processes. (Accelerate and Fabric read it per process: their global batch grows with
   the number of processes.)
 - the order: a `RandomSampler` (shuffle=True) becomes ddpkit's seeded shuffle, a
-  `SequentialSampler` (shuffle=False) the dataset's order. Any other sampler or batch sampler
+  `SequentialSampler` (shuffle=False) the dataset's order; an IterableDataset is read as one
+  stream (`StreamLoader`), in its own order. Any other sampler or batch sampler
   would decide which samples each process reads, which is what ddpkit does itself: refused,
   with the line saying what to do (a `DistributedSampler` is simply dropped by the user).
 - `drop_last`, `collate_fn`, `num_workers`, `persistent_workers`, `prefetch_factor`,
@@ -23,7 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from ..errors import UsageError
 
@@ -37,7 +45,7 @@ class Adopted:
 
     dataset: Any
     batch_size: int
-    shuffle: bool
+    shuffle: bool | None  # None: not said (a Dataset: shuffled; a stream: its own order)
     drop_last: bool
     collate_fn: Any = None  # None: default_collate
     options: dict[str, Any] = field(default_factory=dict)  # the DataLoader's other settings
@@ -65,8 +73,11 @@ def _batch_size(loader: DataLoader) -> int:
     return loader.batch_size
 
 
-def _shuffled(loader: DataLoader) -> bool:
-    """True for a plain RandomSampler, False for a SequentialSampler; refused otherwise."""
+def _shuffled(loader: DataLoader) -> bool | None:
+    """True for a plain RandomSampler, False for a SequentialSampler, None for a stream (an
+    IterableDataset: no sampler of the user's); refused otherwise."""
+    if isinstance(loader.dataset, IterableDataset):
+        return None
     if type(loader.batch_sampler) is not BatchSampler:
         raise UsageError(
             f"rt.loader(DataLoader): its batch_sampler {type(loader.batch_sampler).__name__} would decide the "
