@@ -108,10 +108,13 @@ def samples(values: Any) -> int:
 class Collector:
     """Per-sample values collected batch by batch over an evaluation pass, for `rt.gather`:
 
-    seen = Collector()
-    for x, y in rt.eval_loader(test_set, batch_size=64):
-        seen.add({"pred": model(x).argmax(1), "label": y})
-    everything = rt.gather(seen)  # {"pred": ..., "label": ...} of the whole set, in order
+        seen = Collector()
+        for x, y in rt.eval_loader(test_set, batch_size=64):
+            seen.add({"pred": model(x).argmax(1), "label": y})
+        everything = rt.gather(seen)  # {"pred": ..., "label": ...} of the whole set, in order
+
+    On a rank whose share is empty it collects nothing, and `rt.gather` gives it the structure
+    the other ranks collected.
     """
 
     def __init__(self) -> None:
