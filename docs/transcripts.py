@@ -212,6 +212,7 @@ TRANSCRIPTS: dict[str, Transcript] = {
     "find-batch-size": Transcript([Step("ddpkit find-batch-size --nproc 2 --max-batch 1024")], check="head"),
     "runtime-digits": Transcript([Step("python train_digits.py")], files={"train_digits.py": ""}),
     "collectives": Transcript([Step(COLLECTIVES)]),
+    "runtime-gather": Transcript([Step("python gather_metrics.py")], files={"gather_metrics.py": ""}),
     "fail": Transcript([Step("python fail.py")], files={"fail.py": ""}),
     "run-allreduce": Transcript(
         [Step("ddpkit run --nproc 3 allreduce.py")],

@@ -37,7 +37,7 @@ LAYERS = {
         "launcher",
     },
     "data": {"data"},
-    "facade": {"runtime", "accumulation", "evaluation"},
+    "facade": {"runtime", "accumulation", "evaluation", "gather"},
     "products": {"trainer", "tune", "bench", "report"},
     "cli": {"cli", "__main__"},
 }

@@ -4,15 +4,29 @@ Each rank evaluates its `ShardSampler` share (no padding, no repeated samples), 
 device, and one all-reduce at the end adds the ranks' sums. Under fsdp every forward all-gathers, so a
 rank with one batch fewer than rank 0 runs one forward on an empty batch (`lockstep`).
 
-`evaluate` measures a classifier (accuracy and loss per sample); `evaluate_tokens` a language
-model (loss per token, perplexity, next-token accuracy), counting every real token of the test
-set once and none of the padding.
+`evaluate` measures any model whose batches are (input, target) pairs, and returns on every rank:
+
+- `accuracy` (top-1, the share of target elements equal to the output's argmax over dimension
+  1) only for classification: integer targets and outputs with one dimension more (the
+  classes), in every batch; left out otherwise (regression: float targets);
+- `loss`, the mean of `loss_fn(output, target)` (a batch mean) weighted by the batch's target
+  elements: with a `loss_fn`, or cross-entropy for classification; left out for other models
+  without a `loss_fn`;
+- `samples`, the dataset's samples (the targets' first dimension, summed);
+- each of `metrics` (name -> fn(output, target) giving one value per sample, shape (n,)): its
+  mean over all samples, from a float64 sum of its values per rank;
+- `outputs` with an `outputs` function (output, target) -> per-sample values: those values of
+  every sample, once each and in dataset order (`ddpkit.gather`), for metrics that are no mean
+  over samples (AUC, BLEU, ...).
+
+`evaluate_tokens` measures a language model (loss per token, perplexity, next-token accuracy),
+counting every real token of the test set once and none of the padding.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,12 +35,17 @@ from torch import nn
 
 from . import dist
 from .data import IGNORE, DistributedLoader, ShardSampler
+from .errors import UsageError
+from .gather import Collector, gather
+from .gather import samples as samples_in
 from .precision import Precision, outputs_to_fp32
 from .strategy import eval_view
 from .strategy.fsdp import is_sharded
 
 # What one batch adds to the sums: (output, target) -> numbers (tensors on the device, or ints).
 Measure = Callable[[Any, Any], tuple[Any, ...]]
+# A metric: (output, target) -> one value per sample of the batch, shape (n,).
+Metric = Callable[[Any, Any], torch.Tensor]
 
 
 @torch.no_grad()
@@ -35,19 +54,80 @@ def evaluate(
     loader: DistributedLoader,
     precision: Precision,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Accuracy and mean per-sample loss of a classifier over all of `loader`'s dataset.
-
-    `loss_fn(output, target)` must return a batch mean (default: cross-entropy)."""
+    metrics: Mapping[str, Metric] | None = None,
+    outputs: Callable[[Any, Any], Any] | None = None,
+) -> dict[str, Any]:
+    """`model` over all of `loader`'s dataset: accuracy (classification only), loss, samples,
+    each of `metrics` and the gathered `outputs` (see the module's docstring)."""
+    metrics = dict(metrics or {})
+    if RESULT_KEYS.intersection(metrics):
+        raise UsageError(f"evaluate: the metric names {sorted(RESULT_KEYS)} are taken by the results")
+    seen = Collector()
 
     def measure(out: Any, y: Any) -> tuple[Any, ...]:
-        loss = loss_fn(out, y) if loss_fn else F.cross_entropy(out, y)
-        # a Python int count: a device tensor built per batch would stall the GPU each time
-        return loss.double() * y.numel(), (out.argmax(1) == y).sum(), y.numel()
+        if outputs is not None:
+            seen.add(_per_sample_outputs(outputs(out, y), len(y)))
+        own = (_metric_sum(name, fn(out, y), len(y)) for name, fn in metrics.items())
+        return (*_batch_sums(out, y, loss_fn), *own)
 
-    loss, correct, count = _sums(model, loader, precision, measure, 3)
+    sums = _sums(model, loader, precision, measure, 5 + len(metrics))
+    result = _summary(*sums[:5], with_loss=loss_fn is not None)
+    result.update({name: total / max(1, result["samples"]) for name, total in zip(metrics, sums[5:])})
+    if outputs is not None:
+        result["outputs"] = gather(seen, loader.device)
+    return result
+
+
+RESULT_KEYS = frozenset({"accuracy", "loss", "samples", "outputs"})
+
+
+def is_classification(out: Any, y: Any) -> bool:
+    """Whether (output, target) is a classifier's: integer class targets, and outputs with a
+    class dimension (dimension 1) that the targets lack."""
+    integer = not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
+    return integer and isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1
+
+
+def _batch_sums(out: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[Any, ...]:
+    """What a batch adds to the sums of: loss, correct, target elements, samples, and samples
+    outside classification."""
+    classes = is_classification(out, y)
+    loss = loss_fn(out, y) if loss_fn else F.cross_entropy(out, y) if classes else None
+    # Python int counts: a device tensor built per batch would stall the GPU each time
+    return (
+        0 if loss is None else loss.double() * y.numel(),
+        (out.argmax(1) == y).sum() if classes else 0,
+        y.numel(),
+        len(y),
+        0 if classes else len(y),
+    )
+
+
+def _summary(loss: float, correct: float, count: float, samples: float, unfit: float, with_loss: bool) -> dict:
     total = int(count)
-    return {"accuracy": correct / max(1, total), "loss": loss / max(1, total), "samples": total}
+    result: dict[str, Any] = {} if unfit else {"accuracy": correct / max(1, total)}
+    if with_loss or not unfit:
+        result["loss"] = loss / max(1, total)
+    result["samples"] = int(samples)
+    return result
+
+
+def _metric_sum(name: str, value: Any, n: int) -> torch.Tensor:
+    """The float64 sum of metric `name`'s values for a batch of `n` samples."""
+    value = torch.as_tensor(value)
+    if value.shape != (n,):
+        raise UsageError(
+            f"evaluate: metric {name!r} returned shape {tuple(value.shape)} for a batch of {n} samples; "
+            f"it must return one value per sample, shape ({n},)"
+        )
+    return value.double().sum()
+
+
+def _per_sample_outputs(values: Any, n: int) -> Any:
+    got = samples_in(values)
+    if got != n:
+        raise UsageError(f"evaluate: outputs() returned {got} values for a batch of {n} samples, not one per sample")
+    return values
 
 
 @torch.no_grad()

@@ -61,9 +61,10 @@ class Precision:
 
 
 def outputs_to_fp32(out: Any) -> Any:
-    """Cast floating outputs of an autocast forward back to fp32, so a loss computed outside
-    the autocast block is computed in full precision. Container types are kept."""
-    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
+    """Cast half-precision outputs of an autocast forward back to fp32, so a loss computed
+    outside the autocast block is computed in full precision. Container types are kept; float64
+    outputs (a float64 model) stay float64."""
+    return map_tensors(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 
 class AutocastModule(nn.Module):

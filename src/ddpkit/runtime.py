@@ -35,6 +35,7 @@ from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
 from .evaluation import evaluate
+from .gather import gather
 from .log import print0
 from .precision import Precision
 from .seed import gather_rng_states, restore_rng_states, seed_everything, seed_rank
@@ -440,16 +441,36 @@ class Runtime:
         return Adopted(data, batch_size, shuffle, bool(drop_last), collate)
 
     def evaluate(
-        self, model: nn.Module, data: Any, loss_fn: Any = None, batch_size: int | None = None
-    ) -> dict[str, float]:
-        """Accuracy and mean per-sample loss of a classifier over ALL of `data`, on every rank.
+        self,
+        model: nn.Module,
+        data: Any,
+        loss_fn: Any = None,
+        batch_size: int | None = None,
+        metrics: dict[str, Callable[[Any, Any], torch.Tensor]] | None = None,
+        outputs: Callable[[Any, Any], Any] | None = None,
+    ) -> dict[str, Any]:
+        """`model` over ALL of `data` (a Dataset, a DataLoader, or a loader from `eval_loader()`),
+        on every rank.
 
-        `data` is a Dataset or a loader from `eval_loader()`. Each sample is seen by exactly
-        one rank and the sums are all-reduced, so `samples` equals len(dataset) for any world
-        size. `loss_fn(output, target)` must return a batch mean (default: cross-entropy).
+        Each sample is seen by exactly one rank and the sums are all-reduced, so `samples`
+        equals len(dataset) for any world size. Returns `accuracy` (only for classification:
+        integer targets, outputs with a class dimension), `loss` (the mean of `loss_fn(output,
+        target)`, a batch mean; default cross-entropy, for classification only) and `samples`;
+        each of `metrics` (name -> fn(output, target) giving one value per sample, shape (n,)):
+        its mean over all samples; with `outputs` (fn(output, target) -> per-sample values, as
+        `gather` takes them), `outputs`: those values of every sample once, in dataset order.
         """
         loader = data if isinstance(data, DistributedLoader) else self.eval_loader(data, batch_size)
-        return evaluate(model, loader, self.precision, loss_fn)
+        return evaluate(model, loader, self.precision, loss_fn, metrics, outputs)
+
+    def gather(self, values: Any) -> Any:
+        """Per-sample values of every rank's `eval_loader()` share, each sample once and in
+        dataset order, on every rank. `values` are this rank's over its whole share, in the
+        loader's order: a tensor (first dimension: samples), a list of one picklable object per
+        sample, a dict or tuple of these, or a `ddpkit.gather.Collector` that collected them
+        batch by batch; None for an empty share. Returns the same structure. Counts that do not
+        fit the ranks' shares (a partial pass on some rank) are a UsageError on every rank."""
+        return gather(values, self.device)
 
     # -- output and collectives -----------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
