@@ -7,8 +7,9 @@ rank with one batch fewer than rank 0 runs one forward on an empty batch (`locks
 `evaluate` measures any model whose batches are (input, target) pairs, and returns on every rank:
 
 - `accuracy` (top-1, the share of target elements equal to the output's argmax over dimension
-  1) only for classification: integer targets and outputs with one dimension more (the
-  classes), in every batch; left out otherwise (regression: float targets);
+  1) only for classification: integer targets and outputs shaped like them with the classes
+  at dimension 1, in every batch; left out otherwise (regression's float targets, a language
+  model's (B, T, V) logits);
 - `loss`, the mean of `loss_fn(output, target)` (a batch mean) weighted by the batch's target
   elements: with a `loss_fn`, or cross-entropy for classification; left out for other models
   without a `loss_fn`;
@@ -82,10 +83,13 @@ RESULT_KEYS = frozenset({"accuracy", "loss", "samples", "outputs"})
 
 
 def is_classification(out: Any, y: Any) -> bool:
-    """Whether (output, target) is a classifier's: integer class targets, and outputs with a
-    class dimension (dimension 1) that the targets lack."""
+    """Whether (output, target) is a classifier's as cross-entropy reads it: integer class
+    targets, and outputs shaped like them with a class dimension inserted at dimension 1. (A
+    language model's (B, T, V) logits against (B, T) targets are not: their classes come last.)"""
     integer = not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
-    return integer and isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1
+    if not (integer and isinstance(out, torch.Tensor) and out.dim() == y.dim() + 1):
+        return False
+    return out.shape[:1] == y.shape[:1] and out.shape[2:] == y.shape[1:]
 
 
 def _batch_sums(out: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> tuple[Any, ...]:
