@@ -116,3 +116,13 @@ def test_evaluate_reports_what_fits_the_model():
             rt.evaluate(model, data, metrics={"loss": wg.mae})
         with pytest.raises(ddpkit.UsageError, match=r"outputs\(\) returned 1 values for a batch of 3 samples"):
             rt.evaluate(model, data, batch_size=3, outputs=lambda o, y: o[:1])
+
+
+@pytest.mark.unit
+def test_a_language_models_logits_are_not_read_as_classes_at_dimension_1():
+    from ddpkit.evaluation import is_classification
+
+    tokens = torch.zeros(4, 7, dtype=torch.long)
+    assert is_classification(torch.zeros(4, 11, 7), tokens)  # cross-entropy's layout
+    assert not is_classification(torch.zeros(4, 7, 11), tokens)  # (B, T, V): classes last
+    assert is_classification(torch.zeros(4, 10), torch.zeros(4, dtype=torch.long))
