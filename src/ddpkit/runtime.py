@@ -376,6 +376,12 @@ class Runtime:
         t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
         return dist.all_reduce(t, op).item()
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank: a decision all ranks act on
+        together (stop, skip), so none leaves a loop the others stay in and waits forever.
+        One all-reduce; every rank must call it."""
+        return self.all_reduce(float(bool(flag)), op="max") > 0
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (sizes may differ per rank), in rank order."""
         return dist.all_gather(tensor)
