@@ -4,6 +4,7 @@ while the backward pass runs."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ class DDPOptions:
             time; without it such a model fails at the second step (see `UNUSED_HINT`).
         broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) are copied to
             every rank before each forward, as torch does by default; False lets each rank
-            keep its own.
+            keep its own (torch 2.13 calls it `forward_sync_buffers`, and copies them once
+            when DDP wraps the model even then).
     """
 
     bucket_cap_mb: float | None = None
@@ -83,11 +85,19 @@ class DDPOptions:
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "static_graph": self.static_graph,
             "find_unused_parameters": self.find_unused_parameters,
-            "broadcast_buffers": self.broadcast_buffers,
         }
+        if not self.broadcast_buffers:  # else torch's default, under either name
+            out[buffer_sync_argument()] = False
         if self.bucket_cap_mb is not None:
             out["bucket_cap_mb"] = self.bucket_cap_mb
         return out
+
+
+def buffer_sync_argument() -> str:
+    """DDP's name for `broadcast_buffers`: torch 2.13 renamed it `forward_sync_buffers` (the
+    old name warns); torch 2.4 knows only the old one."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
 
 
 def comm_hook(name: str) -> Any:

@@ -473,7 +473,7 @@ def early_stop_line(stopper: EarlyStopping, epoch: int) -> str:
     by = f" by more than {stopper.min_delta:g}" if stopper.min_delta else ""
     return (
         f"early stop after epoch {epoch}: the test loss has not improved{by} for {stopper.bad_checks} "
-        f"epochs (best {stopper.best:.4f})"
+        f"epoch{'s' if stopper.bad_checks != 1 else ''} (best {stopper.best:.4f})"
     )
 
 

@@ -148,14 +148,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
             _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
         )
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
-    ddp = DDPOptions(
-        cfg.bucket_cap_mb,
-        cfg.gradient_as_bucket_view,
-        cfg.static_graph,
-        cfg.comm_hook,
-        cfg.find_unused_parameters,
-        cfg.broadcast_buffers,
-    )
+    ddp = DDPOptions(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DDPOptions)})  # the DDP flags
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
