@@ -64,7 +64,8 @@ class Runtime:
             torch.compile options; under fsdp each shard unit's forward); rank 0 warns when
             the first step compiled nothing.
         ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
-            comm hook): a `DDPOptions` or a dict of its fields.
+            comm hook, find_unused_parameters, broadcast_buffers): a `DDPOptions` or a dict of
+            its fields.
         fsdp: FSDP2's options (which submodules are shard units, reshard after forward, the
             gradients' reduce dtype, CPU offload): an `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
