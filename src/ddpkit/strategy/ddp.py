@@ -129,9 +129,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-class HintingDDP(nn.parallel.DistributedDataParallel):
-    """DistributedDataParallel whose error about unused parameters says how to allow them
-    here: torch's own advice names a constructor argument that a ddpkit user never calls."""
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torch's DistributedDataParallel (under its own name, so a printed model and its class
+    name read as before), whose error about unused parameters says how to allow them here:
+    torch's own advice names a constructor argument that a ddpkit user never calls."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
@@ -153,7 +154,7 @@ class DDP(Strategy):
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = HintingDDP(model, device_ids=ids, **self.options.kwargs())
+        ddp = DistributedDataParallel(model, device_ids=ids, **self.options.kwargs())
         hook = comm_hook(self.options.comm_hook)
         if hook is not None:
             ddp.register_comm_hook(state=None, hook=hook)
