@@ -42,17 +42,19 @@ def train(rt: ddpkit.Runtime, model: nn.Module, steps: int, ema: bool = False) -
 
 
 def unused_parameters() -> dict:
-    """Branchy trained with find_unused_parameters (the Runtime's own option), and the error
-    torch raises at the second step without it (None on one process: no DDP there)."""
+    """Branchy trained with find_unused_parameters (the Runtime's own option) and an EMA (under
+    DDP: whole on every rank), and the error torch raises at the second step without the
+    option (None on one process: no DDP there)."""
     with ddpkit.Runtime(device="cpu", seed=3, ddp={"find_unused_parameters": True}) as rt:
-        allowed = train(rt, Branchy(), steps=4)["snapshots"][-1]
+        run = train(rt, Branchy(), steps=4, ema=True)
+        allowed, ema = run["snapshots"][-1], averaged(run["model"], run["ema"])
     with ddpkit.Runtime(device="cpu", seed=3) as rt:  # the default: unused parameters not allowed
         try:
             train(rt, Branchy(), steps=2)
             error = None
         except RuntimeError as err:
             error = str(err)
-    return {"weights": allowed, "error": error}
+    return {"weights": allowed, "ema": ema, "error": error}
 
 
 def broadcast_buffers(on: bool) -> list[torch.Tensor]:

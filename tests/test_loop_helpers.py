@@ -1,7 +1,7 @@
 """What a user's own loop takes beside Runtime's core: DDP's `find_unused_parameters` and
 `broadcast_buffers`, `rt.any_rank` and `EarlyStopping` (one stop decision for every rank), and
-`EMA` (a hand computation; the same on 1, 2 and 3 processes; fsdp shards saved and loaded across
-world sizes and strategies). The distributed cases run in one job per world size
+`EMA` (a hand computation; the same on 1, 2 and 3 processes under ddp and fsdp; fsdp shards saved
+and loaded across world sizes and strategies). The distributed cases run in one job per world size
 (tests/helpers_workers.py), the 1-process reference in this process."""
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def test_ema_equals_a_hand_computation_and_is_the_same_on_1_2_and_3_processes(jo
             assert torch.equal(ema["reloaded"], ema["ema"])  # its checkpoint directory, read back
             assert torch.equal(ema["loaded"], reference["ema"])  # one process's file, cut into shards
             assert torch.equal(ema["weights"], ema["snapshots"][-1])  # swapping gave the weights back
+            ddp = out["unused"]["ema"]  # under ddp: whole on every rank
+            torch.testing.assert_close(ddp, one["unused"]["ema"], rtol=0, atol=WORLD_SIZE_ATOL)
 
 
 @pytest.mark.distributed
