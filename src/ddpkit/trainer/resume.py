@@ -9,8 +9,8 @@ Every checkpoint read for a resume is checked whole here, keys and types, so tha
 one is one line and exit 2 rather than a KeyError in every worker.
 
 `RunState` is what a checkpoint holds besides model, optimizer, scheduler, scaler and loader
-position: loop counters, history, the epoch's running sums, every rank's random streams, and
-the settings it was trained with.
+position: loop counters, history, the epoch's running sums, the early-stopping state, every
+rank's random streams, and the settings it was trained with.
 """
 
 from __future__ import annotations
@@ -319,10 +319,10 @@ def checkpoint_names(folder: str) -> list[str]:
 
 
 class RunState:
-    """Loop counters, history, the epoch's running sums, the early-stopping count and every
+    """Loop counters, history, the epoch's running sums, the early-stopping state and every
     rank's random streams: what a checkpoint holds besides model, optimizer, scheduler, scaler,
-    loader position and EMA. Also
-    records what the run was trained with, so a resume with other settings is refused."""
+    loader position and EMA. Also records what the run was trained with, so a resume with other
+    settings is refused."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, loader_generator: torch.Generator | None = None) -> None:
         self.cfg, self.loader_generator = cfg, loader_generator  # the generator seeds DataLoader workers
