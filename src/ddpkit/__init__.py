@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Runtime", "launch", "UsageError", "WorkerFailed", "__version__"]
+__all__ = ["EMA", "EarlyStopping", "Runtime", "launch", "UsageError", "WorkerFailed", "__version__"]
 
 from .errors import UsageError, WorkerFailed
 from .version import __version__
@@ -22,6 +22,14 @@ def __getattr__(name: str) -> Any:
         from .runtime import Runtime
 
         return Runtime
+    if name == "EMA":
+        from .ema import EMA
+
+        return EMA
+    if name == "EarlyStopping":
+        from .early_stopping import EarlyStopping
+
+        return EarlyStopping
     if name == "launch":
         from .launcher import launch
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import dist, shards
+from .ema import EMA
 from .errors import UsageError
 from .files import atomic_write
 from .strategy import fsdp, unwrap
@@ -84,6 +85,8 @@ def state_of(value: Any) -> Any:
         return fsdp.full_model_state(bare) if fsdp.is_sharded(bare) else bare.state_dict()
     if isinstance(value, torch.optim.Optimizer) and fsdp.holds_dtensors(value):
         raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
+    if isinstance(value, EMA) and value.sharded:
+        raise UsageError("an EMA of an fsdp model is saved together with its model (one save call)")
     if hasattr(value, "state_dict"):
         return value.state_dict()
     return value

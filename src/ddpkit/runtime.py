@@ -69,7 +69,8 @@ class Runtime:
             torch.compile options; under fsdp each shard unit's forward); rank 0 warns when
             the first step compiled nothing.
         ddp: DDP tuning (bucket size, gradient_as_bucket_view, static_graph, a compression
-            comm hook): a `DDPOptions` or a dict of its fields.
+            comm hook, find_unused_parameters, broadcast_buffers): a `DDPOptions` or a dict of
+            its fields.
         fsdp: FSDP2's options (which submodules are shard units, reshard after forward, the
             gradients' reduce dtype, CPU offload): an `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
@@ -507,6 +508,12 @@ class Runtime:
             return dist.all_reduce(value, op)
         t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
         return dist.all_reduce(t, op).item()
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank: a decision all ranks act on
+        together (stop, skip), so none leaves a loop the others stay in and waits forever.
+        One all-reduce; every rank must call it."""
+        return self.all_reduce(float(bool(flag)), op="max") > 0
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (sizes may differ per rank), in rank order."""

@@ -4,8 +4,9 @@ strategy, without unpickling code.
 
 A checkpoint directory holds:
 
-    .metadata, __R_0.distcp   DCP's files: "model" and "optimizer", in the fully-qualified-name
-                              form of torch's state-dict helpers (each rank's own shards)
+    .metadata, __R_0.distcp   DCP's files: "model" and "optimizer" (and an EMA's average), in
+                              the fully-qualified-name form of torch's state-dict helpers (each
+                              rank's own shards)
     state.pt                  everything else (scheduler, loader position, run state): one
                               file rank 0 writes, read with weights_only=True
 
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from . import dist
+from .ema import EMA
 from .errors import UsageError
 from .files import TEMP_PREFIX, remove
 
@@ -166,20 +168,24 @@ def _planner() -> Any:
 
 def _dcp_state(entries: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """Each entry's state in the helpers' form: each rank's own shards of an fsdp model, whole
-    tensors of a replicated one; an optimizer's (of `model`) keyed by parameter name."""
+    tensors of a replicated one; an optimizer's (of `model`) keyed by parameter name; an EMA's
+    own tensors (DTensors under fsdp), which DCP loads in place."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {
-        key: get_model_state_dict(value)
-        if isinstance(value, torch.nn.Module)
-        else get_optimizer_state_dict(model, value)
-        for key, value in entries.items()
-    }
+    def state(value: Any) -> Any:
+        if isinstance(value, torch.nn.Module):
+            return get_model_state_dict(value)
+        if isinstance(value, EMA):
+            return value.state_dict()
+        return get_optimizer_state_dict(model, value)
+
+    return {key: state(value) for key, value in entries.items()}
 
 
 def in_shards(value: Any) -> bool:
-    """Whether a checkpoint entry goes through DCP (modules and optimizers) or into state.pt."""
-    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
+    """Whether a checkpoint entry goes through DCP (modules, optimizers and EMAs: sharded
+    under fsdp) or into state.pt."""
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer, EMA))
 
 
 class Pending:
@@ -354,6 +360,8 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     for key, target in targets.items():
         if isinstance(target, torch.nn.Module):
             set_model_state_dict(target, state[key])
+        elif isinstance(target, EMA):
+            target.load_state_dict(state[key])
         else:
             set_optimizer_state_dict(model, target, state[key])
     return rest

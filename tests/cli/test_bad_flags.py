@@ -51,6 +51,7 @@ ZERO_OK = {
         "--num-workers",
         "--crop-padding",
         "--label-smoothing",
+        "--early-stop-min-delta",
     },
     "run": {"--node-rank", "--master-port", "--max-restarts", "--shutdown-timeout"},
     "find-batch-size": {"--warmup", "--plateau"},
@@ -175,6 +176,7 @@ EXTRA_VALUES = {
     ("train", "--timeout"): ("1e300",),  # a timedelta, then int64 milliseconds in torch
     ("train", "--crop-padding"): ("1000000",),  # padded images of that size
     ("train", "--gpt-width"): ("6", "1000000"),  # not a multiple of --gpt-heads 4; 10^13 parameters
+    ("train", "--ema"): ("1", "1.5"),  # a decay of 1 keeps the initial weights forever
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters

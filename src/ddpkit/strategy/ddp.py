@@ -4,6 +4,7 @@ while the backward pass runs."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -17,6 +18,14 @@ from ..errors import UsageError
 from .base import Strategy
 
 COMM_HOOKS = ("none", "fp16", "bf16")
+
+# What torch says when a forward left parameters unused (pytorch#43259), and what ddpkit adds.
+UNUSED_ERROR = "Expected to have finished reduction in the prior iteration"
+UNUSED_HINT = (
+    "ddpkit: the previous forward left some parameters unused, and DDP waits for their gradients: "
+    'pass Runtime(ddp={"find_unused_parameters": True}) (ddpkit train: --find-unused-parameters), '
+    "or use every parameter in each forward. torch's message:"
+)
 
 
 @dataclass(frozen=True)
@@ -32,12 +41,21 @@ class DDPOptions:
             re-checking it (and overlap better); wrong for models with data-dependent branches.
         comm_hook: 'fp16' or 'bf16' all-reduces gradients compressed to 16 bits (half the
             bytes), decompressed before the optimizer step; 'none' all-reduces them as they are.
+        find_unused_parameters: let the forward leave parameters unused (a branch it skips):
+            DDP then walks the autograd graph after every forward to find them, which costs
+            time; without it such a model fails at the second step (see `UNUSED_HINT`).
+        broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) are copied to
+            every rank before each forward, as torch does by default; False lets each rank
+            keep its own (torch 2.13 calls it `forward_sync_buffers`, and copies them once
+            when DDP wraps the model even then).
     """
 
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     comm_hook: str = "none"
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         checks.choice("--comm-hook", self.comm_hook, COMM_HOOKS)
@@ -66,10 +84,20 @@ class DDPOptions:
         out: dict[str, Any] = {
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "static_graph": self.static_graph,
+            "find_unused_parameters": self.find_unused_parameters,
         }
+        if not self.broadcast_buffers:  # else torch's default, under either name
+            out[buffer_sync_argument()] = False
         if self.bucket_cap_mb is not None:
             out["bucket_cap_mb"] = self.bucket_cap_mb
         return out
+
+
+def buffer_sync_argument() -> str:
+    """DDP's name for `broadcast_buffers`: torch 2.13 renamed it `forward_sync_buffers` (the
+    old name warns); torch 2.4 knows only the old one."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
 
 
 def comm_hook(name: str) -> Any:
@@ -101,6 +129,20 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torch's DistributedDataParallel (under its own name, so a printed model and its class
+    name read as before), whose error about unused parameters says how to allow them here:
+    torch's own advice names a constructor argument that a ddpkit user never calls."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as err:
+            if UNUSED_ERROR not in str(err):
+                raise
+            raise RuntimeError(f"{UNUSED_HINT}\n{err}") from None
+
+
 class DDP(Strategy):
     """DistributedDataParallel with `DDPOptions`; `no_sync` is DDP's own switch."""
 
@@ -112,7 +154,7 @@ class DDP(Strategy):
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, **self.options.kwargs())
+        ddp = DistributedDataParallel(model, device_ids=ids, **self.options.kwargs())
         hook = comm_hook(self.options.comm_hook)
         if hook is not None:
             ddp.register_comm_hook(state=None, hook=hook)

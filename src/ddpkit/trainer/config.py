@@ -72,6 +72,9 @@ class TrainConfig:
     augment: str = "none"  # training augmentation: none, crop, flip or crop-flip (images only)
     crop_padding: int = 4  # --augment crop: zero-pad by this many pixels, then crop back
     label_smoothing: float = 0.0  # cross-entropy label smoothing (0 to 1)
+    early_stop_patience: int | None = None  # stop once the test loss has not improved for N epochs
+    early_stop_min_delta: float = 0.0  # --early-stop-patience: a fall of more than this is an improvement
+    ema: float | None = None  # average the weights with this decay (as 0.999), evaluated and saved beside them
     max_grad_norm: float | None = None  # clip gradients to this total 2-norm before each step (fsdp: over all shards)
     channels_last: bool = False  # NHWC model and batches (faster convolutions with bf16/fp16 on GPUs)
     compile: bool = False  # torch.compile the model (compile time is reported apart from step times)
@@ -79,6 +82,8 @@ class TrainConfig:
     gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
     comm_hook: str = "none"  # DDP gradient compression for the all-reduce: none, fp16 or bf16
+    find_unused_parameters: bool = False  # DDP: let a forward leave parameters unused (DDP then looks for them)
+    broadcast_buffers: bool = True  # DDP: rank 0's buffers (BatchNorm statistics) to all ranks before each forward
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered parameters after each unit's forward (less memory)
     fsdp_reduce_dtype: str = "fp32"  # fsdp: reduce-scatter gradients in fp32, bf16 or fp16
     fsdp_cpu_offload: bool = False  # fsdp: shards, gradients and optimizer state in host memory (CUDA not run)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from .. import checkpoint, data, dist
+from ..early_stopping import EarlyStopping
+from ..ema import EMA
 from ..errors import Interrupted
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
@@ -107,6 +109,7 @@ class Loop:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         opt = build_optimizer(cfg.optimizer, model.parameters(), plan.peak_lr, cfg.momentum, cfg.weight_decay)
         self.model, self.opt = rt.setup(model, opt)
+        self.ema = EMA(self.model, cfg.ema) if cfg.ema else None  # after setup: fsdp's shards
         self.train_loader = rt.loader(
             self.splits.train,
             cfg.batch_size,
@@ -153,22 +156,27 @@ class Loop:
 
     def restore(self, path: str, restart: str | None = None) -> None:
         """Continue from the checkpoint at `path`; `restart` says why, after a restart."""
-        state = self.rt.load(
-            path,
-            model=self.model,
-            optimizer=self.opt,
-            scheduler=self.sched,
-            precision=self.rt.precision,
-            loader=self.train_loader,
-        )
+        state = self.rt.load(path, **self.checkpointed())
         self.run.restore(state, self.rt)
         self.carried = state["run"].get("throughput")
         self.step_t.fill_(self.run.step)
         why = f"ddpkit train: {restart}; " if restart else ""
         self.rt.print(f"{why}resumed from {path} at step {self.run.step} ({self.position()})")
 
+    def checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint holds, by entry (the run state apart: see save)."""
+        ema = {"ema": self.ema} if self.ema is not None else {}
+        return {
+            "model": self.model,
+            "optimizer": self.opt,
+            "scheduler": self.sched,
+            "precision": self.rt.precision,
+            "loader": self.train_loader,
+            **ema,
+        }
+
     def position(self) -> str:
-        if self.run.epoch >= self.cfg.epochs or self.stopped():
+        if self.run.epoch >= self.cfg.epochs or self.stopped() or self.early_stopped():
             # A restart after the last checkpoint: no epoch is left to train (nor to print).
             return "training had finished; evaluating and writing the outputs"
         loader = self.train_loader
@@ -177,9 +185,13 @@ class Loop:
     def stopped(self) -> bool:
         return self.cfg.max_steps is not None and self.run.step >= self.cfg.max_steps
 
+    def early_stopped(self) -> bool:
+        """--early-stop-patience said stop (the same on every rank: see EarlyStopping.step)."""
+        return self.run.early_stop is not None and self.run.early_stop.stopped
+
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
-        while self.run.epoch < self.cfg.epochs and not self.stopped():
+        while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
             self.epoch_t0 = t_epoch = time.perf_counter()
             done = self.train_epoch(out)
             self.train_seconds += time.perf_counter() - t_epoch
@@ -192,12 +204,12 @@ class Loop:
         ev = self.task.evaluate(self.rt, self.model, self.test_loader)
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
-        results = self.results(ev, rate, time.time() - t0, basis)
+        results = {**self.results(ev, rate, time.time() - t0, basis), **self.evaluate_ema()}
         results["samples_per_second_basis"] = basis
         # How long training stood still for checkpoints (fsdp writes them in the background).
         results["checkpoint_seconds"] = round(self.checkpoint_seconds, 4)
         results.update(self.performance(rate))
-        out.finish(results, self.model, self.run.history)
+        out.finish(results, self.model, self.run.history, self.ema)
         return results
 
     def figures(self) -> dict[str, Any]:
@@ -245,6 +257,8 @@ class Loop:
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
             elif not rt.step(self.opt, max_grad_norm=cfg.max_grad_norm):
                 continue  # more micro-batches of this global batch to come
+            elif self.ema is not None:
+                self.ema.update()
             self.sched.step()
             self.timer.mark(tuple(x.shape))
             run.step += 1
@@ -341,6 +355,7 @@ class Loop:
             "epoch": run.epoch + 1,
             "step": run.step,
             **self.task.epoch_fields(loss, correct, count, ev),
+            **self.evaluate_ema(),
             "epoch_seconds": seconds,
             "lr": self.sched.get_last_lr()[0],
         }
@@ -348,6 +363,15 @@ class Loop:
         run.epoch += 1
         out.log(record)
         rt.print(f"epoch {run.epoch:>3}/{self.cfg.epochs}  {self.task.epoch_line(record)}")
+        if run.early_stop is not None and run.early_stop.step(ev["loss"], rt) and run.epoch < self.cfg.epochs:
+            rt.print(early_stop_line(run.early_stop, run.epoch))
+
+    def evaluate_ema(self) -> dict[str, Any]:
+        """The EMA weights' test results (`test_loss_ema`, ...), or {} without --ema."""
+        if self.ema is None:
+            return {}
+        with self.ema.swapped():
+            return self.task.ema_fields(self.task.evaluate(self.rt, self.model, self.test_loader))
 
     def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
@@ -361,14 +385,7 @@ class Loop:
         sharded = self.rt.strategy == "fsdp"
         self.pending = checkpoint.save(
             out.checkpoint_path(self.run.step, sharded),
-            {
-                "model": self.model,
-                "optimizer": self.opt,
-                "scheduler": self.sched,
-                "precision": self.rt.precision,
-                "loader": self.train_loader,
-                "run": run_state,
-            },
+            {**self.checkpointed(), "run": run_state},
             background=sharded,
             on_complete=out.prune_checkpoints,
         )
@@ -428,7 +445,9 @@ class Loop:
             "epochs": cfg.epochs,
             "epochs_completed": run.epoch,
             "steps": run.step,
-            "stopped_early": self.stopped() and run.epoch < cfg.epochs,
+            "stopped_early": (self.stopped() or self.early_stopped()) and run.epoch < cfg.epochs,
+            "early_stopped_at_epoch": run.epoch if self.early_stopped() and run.epoch < cfg.epochs else None,
+            "ema": cfg.ema,
             "final_train_loss": last.get("train_loss"),
             "final_train_accuracy": last.get("train_accuracy"),
             "samples_per_second": rate,
@@ -447,6 +466,15 @@ class Loop:
             "ddpkit_version": __version__,
             "torch_version": torch.__version__,
         }
+
+
+def early_stop_line(stopper: EarlyStopping, epoch: int) -> str:
+    """What rank 0 prints when --early-stop-patience ends the run."""
+    by = f" by more than {stopper.min_delta:g}" if stopper.min_delta else ""
+    return (
+        f"early stop after epoch {epoch}: the test loss has not improved{by} for {stopper.bad_checks} "
+        f"epoch{'s' if stopper.bad_checks != 1 else ''} (best {stopper.best:.4f})"
+    )
 
 
 def progress_label(loss: float, rate: float) -> str:

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from ..checkpoint import save_file, state_of
+from ..ema import EMA
 from ..errors import RunError
 from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, remove, replace_with_log, write_json, write_yaml
 from .config import TrainConfig
@@ -30,7 +31,8 @@ class Outputs:
     def __init__(self, cfg: TrainConfig, is_main: bool, resumed_step: tuple[int, int] | None = None):
         self.cfg, self.is_main, self.dir = cfg, is_main, cfg.out
         self.task = task_of(cfg)
-        self.csv_fields = ("epoch", "step", *self.task.csv_fields, "epoch_seconds", "lr")
+        ema = self.task.ema_csv_fields if cfg.ema else ()
+        self.csv_fields = ("epoch", "step", *self.task.csv_fields, *ema, "epoch_seconds", "lr")
         self._steps: list[dict[str, Any]] = []  # step and loss of metrics.jsonl's step records, for the plot
         self._metrics = self._csv_file = self._csv = self._tb = None
         self._paths = {"metrics": os.path.join(self.dir, "metrics.jsonl"), "csv": os.path.join(self.dir, "metrics.csv")}
@@ -117,13 +119,18 @@ class Outputs:
         for name in checkpoint_names(folder)[: -self.cfg.keep_checkpoints]:
             remove(os.path.join(folder, name))
 
-    def finish(self, results: dict[str, Any], model: Any, history: list[dict[str, Any]]) -> None:
-        """Rank 0 writes model.pt, results.json and the plot. Collective: every rank calls it
-        (an fsdp model is gathered whole for model.pt)."""
+    def finish(
+        self, results: dict[str, Any], model: Any, history: list[dict[str, Any]], ema: EMA | None = None
+    ) -> None:
+        """Rank 0 writes model.pt (and with --ema model_ema.pt), results.json and the plot.
+        Collective: every rank calls it (an fsdp model is gathered whole for model.pt)."""
         weights = state_of(model)  # the bare model's state_dict
+        ema_weights = _ema_weights(model, ema) if ema is not None else None
         if not self.is_main:
             return
         save_file(os.path.join(self.dir, "model.pt"), weights)
+        if ema_weights is not None:
+            save_file(os.path.join(self.dir, "model_ema.pt"), ema_weights)
         write_json(os.path.join(self.dir, "results.json"), results)
         title = f"{self.cfg.model} on {self.cfg.data}"
         self.task.plot(self._steps, history, os.path.join(self.dir, "curves.png"), title)
@@ -140,6 +147,13 @@ class Outputs:
         return "\n".join([done, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
+def _ema_weights(model: Any, ema: EMA) -> dict[str, Any]:
+    """The bare model's state_dict holding the EMA's weights and the model's own buffers
+    (gathered whole under fsdp: collective). Copied: the weights go back when the block ends."""
+    with ema.swapped():
+        return {name: value.clone() for name, value in state_of(model).items()}
+
+
 def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
     """A metrics.jsonl record as TensorBoard scalars, against the optimizer step."""
     step = record.get("step", 0)
@@ -150,8 +164,9 @@ def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
     elif record.get("type") == "epoch":
         for split in ("train", "test"):
             for metric in ("loss", "accuracy", "perplexity"):  # perplexity: language models only
-                if f"{split}_{metric}" in record:
-                    writer.add_scalar(f"epoch/{split}_{metric}", record[f"{split}_{metric}"], step)
+                for name in (f"{split}_{metric}", f"{split}_{metric}_ema"):  # _ema: with --ema
+                    if name in record:
+                        writer.add_scalar(f"epoch/{name}", record[name], step)
         if record.get("lr") is not None:
             writer.add_scalar("epoch/lr", record["lr"], step)
 
@@ -164,6 +179,8 @@ def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         ("epochs", f"{r.get('epochs_completed', r['epochs'])} of {r['epochs']}, {r['steps']} steps"),
         ("samples/s", f"{r['samples_per_second']:,.0f} on {r['world_size']} x {r['device']}"),
     ]
+    if r.get("early_stopped_at_epoch"):
+        rows.insert(2, ("early stop", f"after epoch {r['early_stopped_at_epoch']}: the test loss stopped improving"))
     if r.get("step_time_ms"):
         t = r["step_time_ms"]
         rows.append(("step time", f"p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms"))

@@ -68,12 +68,21 @@ POSITIVE = (
     "micro_batch_size",
     "max_steps",
     "max_grad_norm",
+    "early_stop_patience",
+    "ema",
     "seq_len",
     "gpt_width",
     "gpt_depth",
     "gpt_heads",
 )
-AT_LEAST_ZERO = ("checkpoint_every", "warmup_epochs", "crop_padding", "weight_decay", "num_workers")
+AT_LEAST_ZERO = (
+    "checkpoint_every",
+    "warmup_epochs",
+    "crop_padding",
+    "weight_decay",
+    "num_workers",
+    "early_stop_min_delta",
+)
 FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
 
 
@@ -139,7 +148,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
             _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
         )
     data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
-    ddp = DDPOptions(cfg.bucket_cap_mb, cfg.gradient_as_bucket_view, cfg.static_graph, cfg.comm_hook)
+    ddp = DDPOptions(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DDPOptions)})  # the DDP flags
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
@@ -189,6 +198,10 @@ def check_settings(cfg: TrainConfig) -> None:
         raise UsageError(f"--text-path is the text of --data text; this run has --data {cfg.data}")
     if cfg.text_path is not None and not os.path.exists(os.path.expanduser(cfg.text_path)):
         raise UsageError(f"--text-path {cfg.text_path}: no such file or directory")
+    if cfg.ema is not None and cfg.ema >= 1:  # 1 would never move: the initial weights
+        raise UsageError(f"--ema must be below 1 (the weight kept at each step, as 0.999), got {cfg.ema}")
+    if cfg.early_stop_patience is None and _is_set(cfg, "early_stop_min_delta"):
+        raise UsageError("--early-stop-min-delta applies with --early-stop-patience only")
     if cfg.gpt_width % cfg.gpt_heads:
         raise UsageError(f"--gpt-width {cfg.gpt_width} must be a multiple of --gpt-heads {cfg.gpt_heads}")
 

@@ -9,8 +9,8 @@ Every checkpoint read for a resume is checked whole here, keys and types, so tha
 one is one line and exit 2 rather than a KeyError in every worker.
 
 `RunState` is what a checkpoint holds besides model, optimizer, scheduler, scaler and loader
-position: loop counters, history, the epoch's running sums, every rank's random streams, and
-the settings it was trained with.
+position: loop counters, history, the epoch's running sums, the early-stopping state, every
+rank's random streams, and the settings it was trained with.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from .. import checks, models, shards
 from ..checkpoint import load_file
 from ..dist import detect_env
+from ..early_stopping import EarlyStopping
 from ..errors import IncompatibleCheckpoint, UsageError
 from ..launcher.records import current_attempt
 from ..optim import build_optimizer
@@ -121,9 +122,10 @@ def check_resumable(
     # What decides the data order and the parameters: changing them mid-run trains something else.
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
     for key in RESUME_MUST_MATCH:
-        if key in run and run[key] != getattr(cfg, key):
+        saved = run.get(key, None if key == "ema" else getattr(cfg, key))  # older checkpoints: trained without --ema
+        if saved != getattr(cfg, key):
             flag, now = checks.flag(key), getattr(cfg, key)
-            trained = f"without {flag}" if run[key] is None else f"with {flag} {run[key]}"
+            trained = f"without {flag}" if saved is None else f"with {flag} {saved}"
             raise IncompatibleCheckpoint(
                 f"checkpoint {path}: was trained {trained}; this run has {f'no {flag}' if now is None else f'{flag} {now}'}"
             )
@@ -187,6 +189,9 @@ def state_problem(state: dict[str, Any]) -> str | None:
             return f"its loader state {key!r} is {_shown(loader.get(key))}, not a count"
     if not _count(state["scheduler"].get("last_epoch", 0)):
         return f"its scheduler state 'last_epoch' is {_shown(state['scheduler'].get('last_epoch'))}, not a count"
+    ema = state.get("ema", {})  # a file's EMA (a directory's is in its shards)
+    if not isinstance(ema, dict) or not all(isinstance(t, torch.Tensor) for t in ema.values()):
+        return f"its 'ema' entry is {_shown(ema)}, not a dict of tensors"
     return _run_problem(state["run"])
 
 
@@ -201,6 +206,8 @@ def _run_problem(run: dict[str, Any]) -> str | None:
     for key in RESUME_MUST_MATCH:
         if key in run and not isinstance(run[key], PLAIN):
             return f"its run state {key!r} is {_shown(run[key])}, not a setting"
+    if "early_stop" in run and _early_stop_problem(run["early_stop"]):
+        return f"its run state 'early_stop' is {_shown(run['early_stop'])}, not an early-stopping state"
     if run["world_size"] < 1:
         return "its run state has world_size 0"
     if run["sums"].numel() != 3:
@@ -210,6 +217,12 @@ def _run_problem(run: dict[str, Any]) -> str | None:
     if not all(isinstance(record, dict) for record in run["history"]):
         return "its run state 'history' holds something other than epoch records"
     return next(filter(None, (_rng_problem(rank, rng) for rank, rng in enumerate(run["rng"]))), None)
+
+
+def _early_stop_problem(state: Any) -> bool:
+    """True unless `state` is what `EarlyStopping.state_dict` writes."""
+    kinds = {"best": float, "bad_checks": int, "stopped": bool}
+    return not isinstance(state, dict) or any(not isinstance(state.get(k), kind) for k, kind in kinds.items())
 
 
 def _rng_problem(rank: int, rng: Any) -> str | None:
@@ -249,6 +262,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 # run continues); the cosine schedule then stretches over the new total. --max-grad-norm
 # changes every update as --label-smoothing does: set, changed or dropped mid-run, the result
 # is a run nobody asked for (a checkpoint from before it existed holds none: not checked).
+# --ema likewise: a changed decay mid-run averages into weights no run with either decay has.
 RESUME_MUST_MATCH = (
     "model",
     "optimizer",
@@ -268,6 +282,7 @@ RESUME_MUST_MATCH = (
     "label_smoothing",
     "momentum",
     "max_grad_norm",
+    "ema",
     "text_path",
     "seq_len",
     "gpt_width",
@@ -304,14 +319,17 @@ def checkpoint_names(folder: str) -> list[str]:
 
 
 class RunState:
-    """Loop counters, history, the epoch's running sums and every rank's random streams: what a
-    checkpoint holds besides model, optimizer, scheduler, scaler and loader position. Also
-    records what the run was trained with, so a resume with other settings is refused."""
+    """Loop counters, history, the epoch's running sums, the early-stopping state and every
+    rank's random streams: what a checkpoint holds besides model, optimizer, scheduler, scaler,
+    loader position and EMA. Also records what the run was trained with, so a resume with other
+    settings is refused."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, loader_generator: torch.Generator | None = None) -> None:
         self.cfg, self.loader_generator = cfg, loader_generator  # the generator seeds DataLoader workers
         self.epoch = self.step = self.start_step = self.skipped = 0
         self.history: list[dict[str, Any]] = []
+        patience = cfg.early_stop_patience
+        self.early_stop = EarlyStopping(patience, cfg.early_stop_min_delta) if patience else None
         # This epoch so far, on the device (no sync per step): loss * n, correct, n.
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
 
@@ -322,6 +340,7 @@ class RunState:
             "step": self.step,
             "history": self.history,
             "skipped": self.skipped,
+            **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {}),
             **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
             "sums": rt.all_reduce(self.sums.clone()).cpu(),
             "world_size": rt.world_size,
@@ -334,6 +353,8 @@ class RunState:
         self.step = self.start_step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
         self.history = list(state["history"])
+        if self.early_stop is not None and "early_stop" in state:  # else: counting starts here
+            self.early_stop.load_state_dict(state["early_stop"])
         # The epoch's sums so far were summed over all ranks: one rank carries them on.
         self.sums = state["sums"].to(rt.device) if rt.is_main else torch.zeros_like(self.sums)
         if int(state["world_size"]) == rt.world_size:

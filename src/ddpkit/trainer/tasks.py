@@ -28,6 +28,7 @@ class Classification:
 
     unit = "samples"
     csv_fields = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_samples")
+    ema_csv_fields = ("test_loss_ema", "test_accuracy_ema")
 
     def __init__(self, cfg: TrainConfig):
         self.label_smoothing = cfg.label_smoothing
@@ -51,10 +52,17 @@ class Classification:
             "test_samples": ev["samples"],
         }
 
+    def ema_fields(self, ev: dict[str, Any]) -> dict[str, Any]:
+        """The EMA weights' evaluation, named as the raw weights' results with `_ema`."""
+        return {"test_loss_ema": ev["loss"], "test_accuracy_ema": ev["accuracy"]}
+
     def epoch_line(self, r: dict[str, Any]) -> str:
+        ema = (
+            f"  |  ema loss {r['test_loss_ema']:.4f}  acc {r['test_accuracy_ema']:.4f}" if "test_loss_ema" in r else ""
+        )
         return (
             f"train loss {r['train_loss']:.4f}  acc {r['train_accuracy']:.4f}"
-            f"  |  test loss {r['test_loss']:.4f}  acc {r['test_accuracy']:.4f}  ({r['test_samples']} samples)"
+            f"  |  test loss {r['test_loss']:.4f}  acc {r['test_accuracy']:.4f}  ({r['test_samples']} samples){ema}"
         )
 
     def result_fields(self, ev: dict[str, Any], last: dict[str, Any], basis: dict[str, Any]) -> dict[str, Any]:
@@ -69,10 +77,18 @@ class Classification:
         return f"test accuracy {r['test_accuracy']:.4f} on {r['test_samples']} samples"
 
     def summary_rows(self, r: dict[str, Any]) -> list[tuple[str, str]]:
-        return [
+        rows = [
             ("test accuracy", f"{r['test_accuracy']:.4f} ({r['test_samples']} samples)"),
             ("test loss", f"{r['test_loss']:.4f}" if r.get("test_loss") is not None else "-"),
         ]
+        if r.get("ema") is not None:
+            rows.append(
+                (
+                    "EMA weights",
+                    f"test accuracy {r['test_accuracy_ema']:.4f}, loss {r['test_loss_ema']:.4f} (decay {r['ema']:g})",
+                )
+            )
+        return rows
 
 
 class LanguageModel:
@@ -91,6 +107,7 @@ class LanguageModel:
         "test_tokens",
         "test_samples",
     )
+    ema_csv_fields = ("test_loss_ema", "test_perplexity_ema", "test_accuracy_ema")
 
     def __init__(self, cfg: TrainConfig):
         self.label_smoothing = cfg.label_smoothing
@@ -120,11 +137,23 @@ class LanguageModel:
             "test_samples": ev["samples"],
         }
 
+    def ema_fields(self, ev: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "test_loss_ema": ev["loss"],
+            "test_perplexity_ema": ev["perplexity"],
+            "test_accuracy_ema": ev["accuracy"],
+        }
+
     def epoch_line(self, r: dict[str, Any]) -> str:
+        ema = (
+            f"  |  ema loss {r['test_loss_ema']:.4f}  ppl {r['test_perplexity_ema']:.3f}"
+            if "test_loss_ema" in r
+            else ""
+        )
         return (
             f"train loss {r['train_loss']:.4f}  ppl {r['train_perplexity']:.3f}"
             f"  |  test loss {r['test_loss']:.4f}  ppl {r['test_perplexity']:.3f}  acc {r['test_accuracy']:.4f}"
-            f"  ({r['test_tokens']:,} tokens)"
+            f"  ({r['test_tokens']:,} tokens){ema}"
         )
 
     def result_fields(self, ev: dict[str, Any], last: dict[str, Any], basis: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +182,11 @@ class LanguageModel:
                 f"{r['test_loss']:.4f} per token ({r['test_tokens']:,} tokens in {r['test_samples']:,} sequences)",
             ),
             ("test accuracy", f"{r['test_accuracy']:.4f} (next byte, top-1)"),
+            *(
+                [("EMA weights", f"test perplexity {r['test_perplexity_ema']:.3f} (decay {r['ema']:g})")]
+                if r.get("ema") is not None
+                else []
+            ),
             ("tokens/s", f"{r['tokens_per_second']:,.0f}"),
         ]
 
