@@ -68,6 +68,7 @@ def check_log_with(log_dir: str | os.PathLike | None, log_with: str | Sequence[s
 
 
 def need_dir(log_dir: str | os.PathLike | None, call: str) -> None:
+    """UsageError when `call` (rt.log, rt.log_params) has no directory to write in."""
     if log_dir is None:
         raise UsageError(f"{call} needs Runtime(log_dir=...): the directory metrics.jsonl and metrics.csv go to")
 
