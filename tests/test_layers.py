@@ -25,6 +25,7 @@ LAYERS = {
         "seed",
         "dist",
         "log",
+        "tracking",
         "metrics",
         "plots",
         "optim",

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import allocator, checkpoint, dist
+from . import allocator, checkpoint, dist, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
@@ -75,6 +75,10 @@ class Runtime:
             gradients' reduce dtype, CPU offload): an `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
             fastest (default: on for CUDA; results may then differ in the last bits run to run).
+        log_dir: where `log()` writes, on rank 0: metrics.jsonl and metrics.csv (begun anew),
+            and the trackers' runs.
+        log_with: trackers besides: "tensorboard", "mlflow" (a local store in log_dir unless
+            MLFLOW_TRACKING_URI is set), "wandb" (offline in log_dir unless WANDB_MODE is set).
     """
 
     def __init__(
@@ -90,6 +94,8 @@ class Runtime:
         ddp: DDPOptions | dict | None = None,
         fsdp: FSDPOptions | dict | None = None,
         cudnn_benchmark: bool | None = None,
+        log_dir: str | os.PathLike | None = None,
+        log_with: Sequence[str] = (),
     ):
         self._model: nn.Module | None = None
         # What save_state() holds without being told: every model and optimizer given to
@@ -98,6 +104,7 @@ class Runtime:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._loaders: list[DistributedLoader] = []
         self._steps = 0  # optimizer steps taken (seeds fresh random streams on a resume onto another N)
+        self._log_dir, self._tracking = log_dir, None
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
         self.env = dist.detect_env()
@@ -119,6 +126,7 @@ class Runtime:
             self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
             self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
+            self._tracking = tracking.open_for_runtime(log_dir, log_with, self.is_main)  # rank 0's sinks
         except TypeError as err:  # an unknown DDPOptions field
             self.close()
             raise UsageError(f"Runtime(ddp=...): {err}") from None
@@ -169,12 +177,21 @@ class Runtime:
         if self._owns_group:
             dist.teardown()
             self._owns_group = False
+        self._close_tracking(None)
+
+    def _close_tracking(self, exc: BaseException | None) -> None:
+        sinks, self._tracking = self._tracking, None
+        if sinks is not None:
+            sinks.close(exc)  # the trackers' runs end as finished, or failed after `exc`
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        try:
+            self._close_tracking(exc[1])
+        finally:
+            self.close()
 
     # -- model and optimizer ------------------------------------------------------------------
     def build(self, make: Callable[[], M]) -> M:
@@ -477,6 +494,29 @@ class Runtime:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on rank 0 only."""
         print0(*args, **kwargs)
+
+    def log(self, step: int, **metrics: Any) -> None:
+        """Rank 0 writes the record {"step": step, **metrics} to metrics.jsonl, metrics.csv and
+        the `log_with` trackers (against `step`); the other ranks write nothing. Collective-free:
+        log values every rank agrees on (from `evaluate` or `all_reduce`), as rank 0's are the
+        ones written. Values are numbers, text or one-element tensors; a tensor is read with
+        `.item()`, which waits for the device (on a GPU: log every N steps, not every step)."""
+        tracking.need_dir(self._log_dir, "rt.log")
+        record = tracking.metrics_record(step, metrics)  # checked on every rank: all fail alike
+        if self._tracking is not None:
+            self._tracking.log(tracking.plain(record))
+
+    def log_params(self, **params: Any) -> None:
+        """Hyperparameters of the run: MLflow params, the W&B config, and log_dir/params.json
+        (merged over calls), written by rank 0. MLflow keeps a param's first value in a run."""
+        tracking.need_dir(self._log_dir, "rt.log_params")
+        if self._tracking is not None:
+            self._tracking.log_params(params)
+
+    def progress(self, iterable: Iterable[Any], **tqdm_kwargs: Any) -> Iterable[Any]:
+        """`iterable` in rank 0's tqdm progress bar (`len()` passes through), shown when stderr
+        is a terminal unless `disable=False`; the other ranks get `iterable` itself."""
+        return tracking.progress(iterable, self.is_main, **tqdm_kwargs)
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""

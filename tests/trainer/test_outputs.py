@@ -1,5 +1,6 @@
 """`outputs`: metrics.csv agrees with metrics.jsonl (also after a resume), TensorBoard event
-files, one summary table from rank 0, and only the newest checkpoints kept."""
+files, an MLflow run that a resumed run continues, one summary table from rank 0, and
+only the newest checkpoints kept."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import pytest
 
 from tests.conftest import HAVE_TENSORBOARD
+from tests.test_tracking import TRACKER_VARS
+from tests.trainer.helpers import train
 
 
 def _epochs(run_dir) -> list[dict]:
@@ -76,8 +79,9 @@ def test_summary_table_once_from_rank0(runs):
 
 @pytest.mark.cli
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_TENSORBOARD, reason="the tensorboard package is not installed")
 def test_tensorboard_event_files(runs):
+    # a test dependency: missing, it fails this test rather than skip it
+    assert HAVE_TENSORBOARD, "tensorboard is not installed: pip install -e '.[test]'"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _, (a, _), (b, _) = runs
@@ -103,6 +107,52 @@ def test_tensorboard_missing_is_one_line(tmp_path):
         "ddpkit train: error: --tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'"
     ]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tracker,module", [("mlflow", "mlflow"), ("mlflow", "alembic"), ("wandb", "wandb")])
+def test_a_tracker_flag_without_its_package_is_one_line(monkeypatch, tracker, module):
+    from ddpkit.errors import UsageError
+    from ddpkit.trainer import TrainConfig, resolve
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # find_spec sees the package as absent
+    with pytest.raises(UsageError) as err:
+        resolve(TrainConfig(device="cpu", **{tracker: True}))
+    assert str(err.value) == f"--{tracker} needs the {module} package: pip install 'ddpkit[{tracker}]'"
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy")  # SQLAlchemy 2.1 on MLflow's store
+def test_the_mlflow_run_reads_back_and_a_resume_continues_it(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    for name in TRACKER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    # 2 epochs of 5 steps on the 5 toy samples: a step record every step, an epoch record at 5 and 10
+    flags = ("--nproc", "1", "--data", "toy", "--model", "mlp", "--batch-size", "1", "--log-every", "1")
+    train(out, *flags, "--mlflow", "--max-steps", "3")  # stops (with a checkpoint) at step 3
+    first = json.loads((out / "trackers.json").read_text())
+    train(out, *flags, "--mlflow", "--resume", "auto")
+    assert json.loads((out / "trackers.json").read_text()) == first  # the same run, continued
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert [r["step"] for r in steps] == list(range(1, 11)) and [r["step"] for r in epochs] == [5, 10]
+    client = MlflowClient(tracking_uri=f"sqlite:///{out}/mlflow/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddpkit").experiment_id])
+    assert run.info.run_id == first["mlflow"]["run_id"] and run.info.status == "FINISHED"
+    assert run.info.run_name == "out"
+    assert run.data.params["lr"] == "0.05" and run.data.params["mlflow"] == "true"
+    assert run.data.params["resume"] == "null"  # a param keeps its first value in MLflow
+
+    def history(key):
+        return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert sorted(history("train/loss")) == [(r["step"], r["loss"]) for r in steps]  # steps 1 ... 10
+    assert sorted(history("epoch/test_accuracy")) == [(r["step"], r["test_accuracy"]) for r in epochs]
 
 
 @pytest.mark.cli

@@ -68,6 +68,8 @@ class TrainConfig:
     gpt_heads: int = 4  # --model gpt: attention heads (--gpt-width must be a multiple)
     progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
     tensorboard: bool = False  # also write TensorBoard event files to --out/tensorboard
+    mlflow: bool = False  # also log to MLflow: a local store in --out/mlflow unless MLFLOW_TRACKING_URI is set
+    wandb: bool = False  # also log to Weights & Biases: offline in --out/wandb unless WANDB_MODE is set
     loader: str = "auto"  # auto (device-resident for in-memory sets), device, or dataloader
     augment: str = "none"  # training augmentation: none, crop, flip or crop-flip (images only)
     crop_padding: int = 4  # --augment crop: zero-pad by this many pixels, then crop back

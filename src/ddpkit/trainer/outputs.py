@@ -1,6 +1,7 @@
 """Everything `ddpkit train --out DIR` leaves, written by rank 0 only: metrics.jsonl and
-metrics.csv (and TensorBoard events) as the run goes, config.yaml, checkpoints/, and at the end
-model.pt, results.json and curves.png; and the summary printed after the run.
+metrics.csv (and the trackers' runs: TensorBoard, MLflow, W&B) as the run goes, through
+`ddpkit.tracking`, config.yaml, checkpoints/, and at the end model.pt, results.json and
+curves.png; and the summary printed after the run.
 
 Every file is written through `files` (a temp file renamed into place: never through a link),
 as strict JSON (NaN and infinity as null). A full disk ends the run with one line naming the
@@ -9,17 +10,15 @@ file and the newest checkpoint that is intact.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
-import sys
 from typing import Any
 
+from .. import tracking
 from ..checkpoint import save_file, state_of
 from ..ema import EMA
 from ..errors import RunError
-from ..files import FULL_DISK, json_line, json_safe, naming_full_disk, remove, replace_with_log, write_json, write_yaml
+from ..files import FULL_DISK, remove, write_json, write_yaml
 from .config import TrainConfig
 from .resume import checkpoint_names, newest_checkpoint
 from .tasks import task_of
@@ -34,8 +33,7 @@ class Outputs:
         ema = self.task.ema_csv_fields if cfg.ema else ()
         self.csv_fields = ("epoch", "step", *self.task.csv_fields, *ema, "epoch_seconds", "lr")
         self._steps: list[dict[str, Any]] = []  # step and loss of metrics.jsonl's step records, for the plot
-        self._metrics = self._csv_file = self._csv = self._tb = None
-        self._paths = {"metrics": os.path.join(self.dir, "metrics.jsonl"), "csv": os.path.join(self.dir, "metrics.csv")}
+        self._sinks: tracking.Tracking | None = None
         if not is_main:
             return
         try:
@@ -47,34 +45,30 @@ class Outputs:
     def _open(self, resumed_step: tuple[int, int] | None) -> None:
         cfg = self.cfg
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
-        kept = _records_until(self._paths["metrics"], *resumed_step) if resumed_step is not None else []
+        metrics = os.path.join(self.dir, "metrics.jsonl")
+        kept = _records_until(metrics, *resumed_step) if resumed_step is not None else []
         # A resumed run drops what came after its checkpoint; metrics.csv is rewritten from the
-        # kept records, so it always agrees with metrics.jsonl.
-        self._metrics = replace_with_log(self._paths["metrics"], "".join(json_line(r) + "\n" for r in kept))
+        # kept records, so it always agrees with metrics.jsonl. It continues the trackers' runs.
         self._steps = [{"step": r["step"], "loss": r["loss"]} for r in kept if r.get("type") == "step"]
-        epochs = (r for r in kept if r.get("type") == "epoch")
-        self._csv_file = replace_with_log(self._paths["csv"], _csv_text(epochs, self.csv_fields))
-        self._csv = csv.DictWriter(self._csv_file, self.csv_fields, extrasaction="ignore")
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events a previous attempt wrote after the checkpoint resumed from
-            self._tb = SummaryWriter(
-                os.path.join(self.dir, "tensorboard"), purge_step=resumed_step[0] + 1 if resumed_step else None
-            )
+        self._sinks = tracking.Tracking(
+            self.dir,
+            [name for name in tracking.TRACKERS if getattr(cfg, name)],
+            csv_fields=self.csv_fields,
+            csv_select=lambda record: record.get("type") == "epoch",
+            kept=kept,
+            resume_step=resumed_step[0] if resumed_step is not None else None,
+            scalars=tracker_scalars,
+        )
+        self._sinks.log_params(cfg.to_dict())  # the trackers' params; the file is config.yaml
         write_yaml(os.path.join(self.dir, "config.yaml"), cfg.to_dict())
 
     def __enter__(self) -> Outputs:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        for f in (self._metrics, self._csv_file, self._tb):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    if exc is None:
-                        raise
+        sinks, self._sinks = self._sinks, None
+        if sinks is not None:
+            sinks.close(exc)
         if isinstance(exc, OSError) and exc.errno in FULL_DISK and exc.filename:
             raise RunError(f"no space left on device writing {exc.filename}; {self.intact()}") from None
 
@@ -87,25 +81,16 @@ class Outputs:
         return f"checkpoint {step} is intact ({newest})"
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._metrics is None:
+        if self._sinks is None:
             return
-        with naming_full_disk(self._paths["metrics"]):
-            self._metrics.write(json_line(record) + "\n")
+        self._sinks.log(record)
         if record.get("type") == "step":
             self._steps.append({"step": record["step"], "loss": record["loss"]})
-        if record.get("type") == "epoch":
-            with naming_full_disk(self._paths["csv"]):
-                self._csv.writerow(json_safe(record))  # NaN as an empty cell, as it reads back from metrics.jsonl
-        if self._tb is not None:
-            _tensorboard_scalars(self._tb, record)
 
     def progress(self, loader: Any, epoch: int) -> Any:
         """The loader, wrapped in a progress bar on rank 0 when stderr is a terminal."""
-        if not (self.is_main and self.cfg.progress and sys.stderr.isatty()):
-            return loader
-        from tqdm.auto import tqdm
-
-        return tqdm(loader, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch", leave=False)
+        desc = f"epoch {epoch + 1}/{self.cfg.epochs}"
+        return tracking.progress(loader, self.is_main and self.cfg.progress, desc=desc, unit="batch", leave=False)
 
     def checkpoint_path(self, step: int, sharded: bool = False) -> str:
         """Where step `step`'s checkpoint goes: one file, or (`sharded`: fsdp) a directory."""
@@ -154,21 +139,23 @@ def _ema_weights(model: Any, ema: EMA) -> dict[str, Any]:
         return {name: value.clone() for name, value in state_of(model).items()}
 
 
-def _tensorboard_scalars(writer: Any, record: dict[str, Any]) -> None:
-    """A metrics.jsonl record as TensorBoard scalars, against the optimizer step."""
-    step = record.get("step", 0)
+def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record as the trackers' scalars (train/loss, epoch/test_accuracy, ...),
+    which they plot against the optimizer step."""
     if record.get("type") == "step":
-        writer.add_scalar("train/loss", record["loss"], step)
-        writer.add_scalar("train/lr", record["lr"], step)
-        writer.add_scalar("train/samples_per_second", record["samples_per_second"], step)
-    elif record.get("type") == "epoch":
-        for split in ("train", "test"):
-            for metric in ("loss", "accuracy", "perplexity"):  # perplexity: language models only
-                for name in (f"{split}_{metric}", f"{split}_{metric}_ema"):  # _ema: with --ema
-                    if name in record:
-                        writer.add_scalar(f"epoch/{name}", record[name], step)
-        if record.get("lr") is not None:
-            writer.add_scalar("epoch/lr", record["lr"], step)
+        return {f"train/{k}": record[k] for k in ("loss", "lr", "samples_per_second")}
+    if record.get("type") != "epoch":
+        return {}  # a skipped step: metrics.jsonl says so
+    scalars = {
+        f"epoch/{name}": record[name]
+        for split in ("train", "test")
+        for metric in ("loss", "accuracy", "perplexity")  # perplexity: language models only
+        for name in (f"{split}_{metric}", f"{split}_{metric}_ema")  # _ema: with --ema
+        if name in record
+    }
+    if record.get("lr") is not None:
+        scalars["epoch/lr"] = record["lr"]
+    return scalars
 
 
 def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -195,15 +182,6 @@ def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("GPU busy", f"{r['gpu_utilization_percent']:.0f}%"))
     rows.append(("wall time", f"{r['wall_seconds']:.1f} s"))
     return rows
-
-
-def _csv_text(records: Any, fields: tuple[str, ...]) -> str:
-    """metrics.csv's header and a row per epoch record."""
-    buffer = io.StringIO(newline="")
-    writer = csv.DictWriter(buffer, fields, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(records)
-    return buffer.getvalue()
 
 
 def _records_until(path: str, step: int, epochs_done: int) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ command line is parsed.)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import checks, data, models
+from .. import checks, data, models, tracking
 from .. import device as devices
 from ..data import Augment
 from ..errors import UsageError
@@ -291,8 +290,9 @@ def _check_device_features(cfg: TrainConfig, device_type: str, ddp: DDPOptions) 
         raise UsageError("--sync-batchnorm cannot be combined with --micro-batch-size")
     ddp.check_device(device_type)
     ddp.check_compile(cfg.compile)
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddpkit[tensorboard]'")
+    for name in tracking.TRACKERS:  # --tensorboard, --mlflow, --wandb: installed?
+        if getattr(cfg, name):
+            tracking.check_installed(name, f"--{name}")
     if cfg.precision == "fp16" and device_type == "cpu":
         # Measured by `ddpkit bench precision`: tens of times slower than fp32 on CPUs.
         print(
