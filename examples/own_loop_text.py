@@ -6,8 +6,8 @@ the one-process update on any number of processes), the test predictions are gat
 once in dataset order, the full state is saved every epoch and a stopped run resumes from it,
 and metrics go to metrics.jsonl / metrics.csv (and TensorBoard or MLflow with --log-with).
 
-    ddpkit run --nproc 2 examples/own_loop_text.py --epochs 3 --out /tmp/lines
-    ddpkit run --nproc 2 examples/own_loop_text.py --epochs 5 --out /tmp/lines --resume
+    ddpkit run --nproc 2 examples/own_loop_text.py --epochs 3 --stop-after 1 --out /tmp/lines
+    ddpkit run --nproc 2 examples/own_loop_text.py --epochs 3 --out /tmp/lines --resume
 
 The text is the Python standard library's sources read at run time (or --text FILE_OR_DIR);
 --synthetic uses generated counting sequences instead.
@@ -63,11 +63,12 @@ class LineModel(nn.Module):
         return self.head(self.gru(self.emb(x))[0])
 
 
-def hits(logits: torch.Tensor, y: torch.Tensor) -> list[tuple[int, int]]:
-    """Per sequence: (correct next-byte predictions, real targets)."""
+def per_line(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per test line: its summed next-byte loss, correct predictions and real targets, which
+    rt.evaluate gathers once per line, in dataset order, on any number of processes."""
     real = y != IGNORE
-    correct = ((logits.argmax(-1) == y) & real).sum(1)
-    return list(zip(correct.tolist(), real.sum(1).tolist()))
+    loss = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE, reduction="none").sum(1)
+    return {"loss": loss.double(), "correct": ((logits.argmax(-1) == y) & real).sum(1), "tokens": real.sum(1)}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -88,17 +89,17 @@ def main(args: argparse.Namespace) -> dict:
                 if rt.step(opt):
                     sched.step()
                     step += 1
-            ev = rt.evaluate(model, DataLoader(test, batch_size=256, collate_fn=pad), loss_fn=token_loss, outputs=hits)
-            correct, tokens = map(sum, zip(*ev["outputs"]))  # every test line exactly once
-            rt.log(step, epoch=loader.epoch, test_loss=ev["loss"], test_accuracy=correct / tokens)
-            rt.print(f"epoch {loader.epoch}: test next-byte accuracy {correct / tokens:.4f} over {tokens} bytes")
+            lines = rt.evaluate(model, DataLoader(test, batch_size=256, collate_fn=pad), outputs=per_line)["outputs"]
+            tokens = int(lines["tokens"].sum())  # every test line exactly once: exact per-byte figures
+            loss, accuracy = lines["loss"].sum().item() / tokens, lines["correct"].sum().item() / tokens
+            rt.log(step, epoch=loader.epoch, test_loss=loss, test_accuracy=accuracy)
+            rt.print(
+                f"epoch {loader.epoch}: test loss {loss:.4f}, next-byte accuracy {accuracy:.4f} over {tokens} bytes"
+            )
             rt.save_state(state, scheduler=sched, step=step)
-        return {"lines": len(ev["outputs"]), "accuracy": correct / tokens, "steps": step}
-
-
-def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """rt.evaluate's loss: the batch's mean per token (evaluate weighs it by sequences)."""
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+            if loader.epoch == args.stop_after:  # as if the job were stopped here
+                break
+        return {"lines": len(lines["tokens"]), "loss": loss, "accuracy": accuracy, "steps": step}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,11 +111,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--synthetic", action="store_true", help="generated counting sequences instead of text")
     p.add_argument("--out", default="runs/own-loop-text", help="metrics and the full state go here")
     p.add_argument("--resume", action="store_true", help="continue from --out/state.pt")
+    p.add_argument("--stop-after", type=int, help="stop after this epoch, as if interrupted")
     p.add_argument("--log-with", nargs="*", default=[], help="tensorboard, mlflow and/or wandb")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    args = parse()
-    result = ddpkit.launch(main, args)[0]
-    print(f"done: {result['steps']} steps, {result['lines']} test lines, accuracy {result['accuracy']:.4f}")
+    results = ddpkit.launch(main, parse())  # under ddpkit run / torchrun: this rank's only
+    if 0 in results:
+        r = results[0]
+        print(f"done: {r['steps']} steps, {r['lines']} test lines, loss {r['loss']!r}, accuracy {r['accuracy']:.4f}")

@@ -35,6 +35,7 @@ from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
 from .evaluation import evaluate
+from .files import check_writable
 from .gather import gather
 from .log import print0
 from .precision import Precision
@@ -104,7 +105,9 @@ class Runtime:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._loaders: list[DistributedLoader] = []
         self._steps = 0  # optimizer steps taken (seeds fresh random streams on a resume onto another N)
-        self._log_dir, self._tracking = log_dir, None
+        # Rank 0's sinks, opened at the first log call: after a load_state(), the log goes on
+        # from the restored step instead of beginning anew.
+        self._log_dir, self._tracking, self._log_resume = log_dir, None, None
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
         self.env = dist.detect_env()
@@ -126,7 +129,9 @@ class Runtime:
             self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
             self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
-            self._tracking = tracking.open_for_runtime(log_dir, log_with, self.is_main)  # rank 0's sinks
+            self._log_with = tracking.check_log_with(log_dir, log_with)  # every rank: all fail alike
+            if log_dir is not None and self.is_main:
+                check_writable("Runtime(log_dir=...)", log_dir)
         except TypeError as err:  # an unknown DDPOptions field
             self.close()
             raise UsageError(f"Runtime(ddp=...): {err}") from None
@@ -503,15 +508,20 @@ class Runtime:
         `.item()`, which waits for the device (on a GPU: log every N steps, not every step)."""
         tracking.need_dir(self._log_dir, "rt.log")
         record = tracking.metrics_record(step, metrics)  # checked on every rank: all fail alike
-        if self._tracking is not None:
-            self._tracking.log(tracking.plain(record))
+        if self.is_main:
+            self._sinks().log(tracking.plain(record))
 
     def log_params(self, **params: Any) -> None:
         """Hyperparameters of the run: MLflow params, the W&B config, and log_dir/params.json
         (merged over calls), written by rank 0. MLflow keeps a param's first value in a run."""
         tracking.need_dir(self._log_dir, "rt.log_params")
-        if self._tracking is not None:
-            self._tracking.log_params(params)
+        if self.is_main:
+            self._sinks().log_params(params)
+
+    def _sinks(self) -> tracking.Tracking:
+        if self._tracking is None:
+            self._tracking = tracking.open_for_runtime(self._log_dir, self._log_with, self._log_resume)
+        return self._tracking
 
     def progress(self, iterable: Iterable[Any], **tqdm_kwargs: Any) -> Iterable[Any]:
         """`iterable` in rank 0's tqdm progress bar (`len()` passes through), shown when stderr
@@ -615,6 +625,9 @@ class Runtime:
         self._steps = int(run["steps"])
         generators = [loader.generator for loader in self._loaders]
         restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
+        if self._log_dir is not None:  # the log keeps its records up to this step, and goes on
+            self._close_tracking(None)
+            self._log_resume = self._steps
         return state
 
     def _state(self, gather: bool = True) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
-from .files import check_writable, json_line, json_safe, naming_full_disk, replace_with_log, write_json
+from .files import json_line, json_safe, naming_full_disk, replace_with_log, write_json
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 IDS = "trackers.json"  # the MLflow and W&B runs of a run directory, for a resumed run to continue
@@ -119,15 +119,34 @@ def progress(iterable: Any, is_main: bool, **tqdm_kwargs: Any) -> Any:
     return tqdm(iterable, **tqdm_kwargs)
 
 
-def open_for_runtime(
-    log_dir: str | os.PathLike | None, log_with: str | Sequence[str], is_main: bool
-) -> Tracking | None:
-    """`Runtime(log_dir=..., log_with=...)`'s sinks: a Tracking on rank 0, None elsewhere."""
-    names = check_log_with(log_dir, log_with)
-    if log_dir is None or not is_main:
-        return None
-    check_writable("Runtime(log_dir=...)", log_dir)
-    return Tracking(log_dir, names, params_file="params.json")
+def open_for_runtime(log_dir: str | os.PathLike, names: Sequence[str], resume_step: int | None = None) -> Tracking:
+    """`Runtime(log_dir=..., log_with=...)`'s sinks, on rank 0. A run that went on from a full
+    state (`resume_step`: the optimizer steps it had taken) keeps the records of metrics.jsonl
+    up to that step and continues the trackers' runs; otherwise the directory begins anew."""
+    kept = []
+    if resume_step is not None:
+        kept = read_records(os.path.join(log_dir, "metrics.jsonl"), lambda r: r.get("step", 0) <= resume_step)
+    return Tracking(log_dir, names, params_file="params.json", kept=kept, resume_step=resume_step)
+
+
+def read_records(path: str, keep: Callable[[Record], bool]) -> list[Record]:
+    """The records of an existing metrics.jsonl that `keep` accepts. A torn last line (a full
+    disk) is dropped. (Read without following a link: a run refuses links in its directory, and
+    a file of its own is all it may take records from.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    kept = []
+    with open(fd) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and keep(record):
+                kept.append(record)
+    return kept
 
 
 # -- the sinks, on rank 0 -----------------------------------------------------------------------

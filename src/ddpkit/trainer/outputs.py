@@ -10,8 +10,8 @@ file and the newest checkpoint that is intact.
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .. import tracking
@@ -46,7 +46,7 @@ class Outputs:
         cfg = self.cfg
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
         metrics = os.path.join(self.dir, "metrics.jsonl")
-        kept = _records_until(metrics, *resumed_step) if resumed_step is not None else []
+        kept = tracking.read_records(metrics, _until(*resumed_step)) if resumed_step is not None else []
         # A resumed run drops what came after its checkpoint; metrics.csv is rewritten from the
         # kept records, so it always agrees with metrics.jsonl. It continues the trackers' runs.
         self._steps = [{"step": r["step"], "loss": r["loss"]} for r in kept if r.get("type") == "step"]
@@ -184,24 +184,7 @@ def summary_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _records_until(path: str, step: int, epochs_done: int) -> list[dict[str, Any]]:
-    """Records of an existing metrics.jsonl up to a checkpoint: step at most `step`, and epoch
-    records only of epochs it completed. A torn last line (a full disk) is dropped. (Read
-    without following a link: a run refuses links in its directory, and a file of its own is
-    all it may take records from.)"""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return []
-    kept = []
-    with open(fd) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict):
-                continue
-            if record.get("step", 0) <= step and (record.get("type") != "epoch" or record["epoch"] <= epochs_done):
-                kept.append(record)
-    return kept
+def _until(step: int, epochs_done: int) -> Callable[[dict[str, Any]], bool]:
+    """Which records of metrics.jsonl a run resumed from a checkpoint keeps: step at most
+    `step`, and epoch records only of epochs it completed."""
+    return lambda r: r.get("step", 0) <= step and (r.get("type") != "epoch" or r["epoch"] <= epochs_done)
