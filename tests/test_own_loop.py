@@ -39,9 +39,10 @@ def test_token_weighted_updates_equal_the_one_process_token_mean_on_1_2_and_3_pr
 def test_a_dataloader_handed_to_rt_loader_keeps_its_collate_and_reads_its_batch_size_as_global():
     one = own_loop.token_weighted(5, 7, micro=None)
     assert own_loop.token_weighted(5, 7, micro=None, via_dataloader=True)["params"].equal(one["params"])
-    out = ddpkit.launch(own_loop.token_weighted, 5, 7, None, via_dataloader=True, nproc=2)
-    for r in range(2):
-        torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
+    for nproc in (2, 3):
+        out = ddpkit.launch(own_loop.token_weighted, 5, 7, None, via_dataloader=True, nproc=nproc)
+        for r in range(nproc):
+            torch.testing.assert_close(out[r]["params"], one["params"], rtol=0, atol=WORLD_SIZE_ATOL)
 
 
 @pytest.mark.unit
