@@ -162,13 +162,7 @@ class DistributedLoader:
         self._ended_by_state = False
         sampler.set_epoch(self.epoch, self.position)
         try:
-            for batch, info in self._train_batches(sampler):
-                self.current = info
-                if info.last:
-                    self.position += 1  # handed out, so a checkpoint after this step skips it
-                if self.on_batch is not None:
-                    self.on_batch(self)
-                yield batch
+            yield from hand_out(self, self._train_batches(sampler))
             self.epoch, self.position = self.epoch + 1, 0
         finally:
             # The pass ended, or was left early: no micro-batch is current any more.
@@ -212,6 +206,19 @@ class DistributedLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state.get("position", 0))
         self._ended_by_state = self.position >= self.steps_per_epoch
+
+
+def hand_out(loader: Any, batches: Iterator[tuple[Any, MicroBatch]]) -> Iterator[Any]:
+    """Yield a training loader's micro-batches, each made `loader.current` and told to the
+    runtime (`on_batch`: weighting, the gradient-sync switch) first; a step's last one moves
+    `loader.position` on, since it is handed out: a checkpoint after this step skips it."""
+    for batch, info in batches:
+        loader.current = info
+        if info.last:
+            loader.position += 1
+        if loader.on_batch is not None:
+            loader.on_batch(loader)
+        yield batch
 
 
 def loader_options(

@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 from .. import checks
 from ..errors import UsageError
 from ..tree import map_tensors
-from .loader import move
+from .loader import hand_out, move
 from .samplers import GlobalBatchSampler, MicroBatch, check_global_batch
 
 
@@ -131,13 +131,7 @@ class StreamLoader:
         read = False
         for samples in self._global_batches(self._open()):
             read = True
-            for batch, info in self._micro_batches(samples):
-                self.current = info
-                if info.last:
-                    self.position += 1  # handed out, so a checkpoint after this step skips it
-                if self.on_batch is not None:
-                    self.on_batch(self)
-                yield batch
+            yield from hand_out(self, self._micro_batches(samples))
         self.epoch, self.position = self.epoch + 1, 0
         return read
 
