@@ -4,6 +4,7 @@ and 3 gloo processes, compared across world sizes."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -157,3 +158,110 @@ def test_a_dataloader_over_a_stream_is_read_as_one_stream_and_save_state_keeps_i
         rt.load_state(path)
         rest = [ids.tolist() for _, _, ids in loader]
     assert seen + rest == expected(0)  # no batch replayed, none skipped
+
+
+def two_models_step(weighted: bool) -> torch.Tensor:
+    """One step of two models set up in turn (a GAN's, a teacher and student's), stepped by two
+    optimizers on one backward, with the loss a per-sample mean weighted by its samples."""
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        a, opt_a = rt.setup(a, torch.optim.SGD(a.parameters(), lr=0.1))
+        b, opt_b = rt.setup(b, torch.optim.SGD(b.parameters(), lr=0.1))
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+        loss = a(x).pow(2).mean() + b(x).pow(2).mean()
+        rt.backward(loss, weight=len(x) if weighted else None)
+        assert rt.step(opt_a) and rt.step(opt_b)
+        return torch.cat([p.detach().flatten() for m in (a, b) for p in m.parameters()])
+
+
+@pytest.mark.unit
+def test_a_weighted_step_rescales_every_models_gradients():
+    # weight = the samples a per-sample mean is over: the update is the unweighted one.
+    torch.testing.assert_close(two_models_step(True), two_models_step(False), rtol=0, atol=1e-7)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -3, "abc", True, torch.ones(4)])
+def test_a_weight_that_is_no_count_is_refused_in_one_line(weight):
+    with ddpkit.Runtime(device="cpu") as rt:
+        model = rt.setup(torch.nn.Linear(2, 1))
+        with pytest.raises(UsageError, match=r"weight=") as err:
+            rt.backward(model(torch.ones(3, 2)).mean(), weight=weight)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.unit
+def test_once_weighted_every_backward_must_be_weighted():
+    with ddpkit.Runtime(device="cpu") as rt:
+        model = rt.setup(torch.nn.Linear(2, 1))
+        rt.backward(model(torch.ones(3, 2)).mean(), weight=3)
+        with pytest.raises(UsageError, match="every backward"):
+            rt.backward(model(torch.ones(3, 2)).mean())
+
+
+def logged_run(folder, stop: int | None, resume: bool) -> None:
+    """Steps 1..8 of a model stepped by two optimizers on one backward, rt.log at every step,
+    log_params first, the full state saved at step 4; `stop` ends the run early (a kill)."""
+    path = os.path.join(folder, "state.pt")
+    with ddpkit.Runtime(device="cpu", seed=0, log_dir=folder) as rt:
+        model = torch.nn.Linear(3, 1)
+        model, opt_w, opt_b = rt.setup(
+            model, torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)
+        )
+        rt.log_params(lr=0.1)  # before load_state: must not begin the log anew
+        step = rt.load_state(path)["step"] if resume else 0
+        x = torch.ones(4, 3)
+        while step < 8:
+            rt.backward(model(x).pow(2).mean())
+            rt.step(opt_w)
+            if rt.step(opt_b):
+                step += 1
+                rt.log(step, loss=float(step))
+                if step == 4:
+                    rt.save_state(path, step=step)
+                if step == stop:
+                    return
+
+
+@pytest.mark.unit
+def test_a_resumed_loop_keeps_its_log_up_to_the_restored_step_whatever_was_called_first(tmp_path):
+    logged_run(str(tmp_path), stop=6, resume=False)
+    logged_run(str(tmp_path), stop=None, resume=True)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 9))  # none lost, none twice
+    assert json.loads((tmp_path / "params.json").read_text()) == {"lr": 0.1}
+
+
+@pytest.mark.unit
+def test_load_state_refuses_what_it_cannot_load_into_this_run_in_one_line(tmp_path):
+    plain, full = str(tmp_path / "plain.pt"), str(tmp_path / "full.pt")
+    data = TensorDataset(torch.arange(8.0))
+    with ddpkit.Runtime(device="cpu") as rt:
+        model, opt = rt.setup(torch.nn.Linear(1, 1), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        with pytest.raises(UsageError, match="after rt.setup"):
+            ddpkit.Runtime(device="cpu").load_state(full)
+        rt.save(plain, model=model, optimizer=opt)
+        rt.loader(data, batch_size=4)
+        rt.save_state(full)
+        with pytest.raises(UsageError, match="not written by rt.save_state"):
+            rt.load_state(plain)
+        with pytest.raises(UsageError, match="saved without being named"):
+            rt.save_state(full, loader=5)
+        with pytest.raises(UsageError, match="no entry 'scheduler'"):
+            rt.load_state(full, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+        rt.loader(data, batch_size=4)  # a second loader the saved run did not make
+        with pytest.raises(
+            UsageError, match="holds loader, model, optimizer, precision; this run has loader, loader_1"
+        ):
+            rt.load_state(full)
+
+
+@pytest.mark.unit
+def test_a_name_mlflow_would_refuse_is_refused_before_anything_is_written(tmp_path):
+    with ddpkit.Runtime(device="cpu", log_dir=str(tmp_path), log_with=["mlflow"]) as rt:
+        with pytest.raises(UsageError, match="MLflow refuses the name 'a b!'"):
+            rt.log(1, **{"a b!": 1.0})
+        with pytest.raises(UsageError, match="MLflow refuses the name '../x'"):
+            rt.log_params(**{"../x": 1})
+    assert not (tmp_path / "metrics.jsonl").exists()

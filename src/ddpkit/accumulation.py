@@ -15,12 +15,14 @@ run different numbers of micro-batches; each still reduces exactly once per step
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from . import dist
 from .data import DistributedLoader, MicroBatch
+from .errors import UsageError
 from .strategy import local
 
 
@@ -33,9 +35,11 @@ class Accumulation:
         self.no_sync: Any = None  # makes the strategy's no_sync context (Strategy.no_sync)
         self._entered: Any = None
         # Weights given to backward(loss, weight=...) this step, summed on the device (no sync);
-        # `weighted` while the gradients they weighted wait for `rescale`.
+        # `weighted` while the gradients they weighted wait for `rescale`. `by_weight` stays on
+        # from the first weighted backward: every later one must be weighted too, or the ranks'
+        # rescale all-reduces would not pair up.
         self.weights: torch.Tensor | None = None
-        self.weighted = False
+        self.weighted = self.by_weight = False
 
     @property
     def step_ready(self) -> bool:
@@ -54,6 +58,11 @@ class Accumulation:
     def weigh(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to back-propagate for the current micro-batch (the mean loss as given when
         the batch is not one of a loader's)."""
+        if self.by_weight:
+            raise UsageError(
+                "rt.backward(loss) without weight= after weighted ones: once one backward is weighted, "
+                "give a weight in every backward on every rank (0 for an empty share)"
+            )
         micro = self.micro
         if micro is None:
             return loss
@@ -67,9 +76,9 @@ class Accumulation:
         """The loss to back-propagate when the caller says what its mean is over (`weight`
         tokens, say): the sum `loss * weight`, whose gradients `rescale` divides by the step's
         total weight over all ranks once it is known."""
-        w = torch.as_tensor(weight, dtype=torch.float64, device=loss.device)
+        w = checked_weight(weight, loss.device)
         self.weights = w.clone() if self.weights is None else self.weights + w
-        self.weighted = True
+        self.weighted = self.by_weight = True
         # An empty share (weight 0) may have a NaN mean: zero gradients, but the reduction still runs.
         return torch.where(w > 0, loss * w.to(loss.dtype), loss.nan_to_num(0.0) * 0.0)
 
@@ -93,3 +102,16 @@ class Accumulation:
         if self._entered is not None:
             self._entered.__exit__(None, None, None)
             self._entered = None
+
+
+def checked_weight(weight: Any, device: torch.device) -> torch.Tensor:
+    """`weight` as a 0-d float64 tensor on `device`, detached. A number must be finite and not
+    negative (a UsageError here, no sync); a tensor must hold one value (its value is not read:
+    that would wait for the device)."""
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise UsageError(f"rt.backward(weight=...): one number, not a tensor of shape {tuple(weight.shape)}")
+        return weight.detach().reshape(()).to(device=device, dtype=torch.float64)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise UsageError(f"rt.backward(weight=...): a count of tokens or samples (a number >= 0), not {weight!r}")
+    return torch.tensor(float(weight), dtype=torch.float64, device=device)

@@ -127,19 +127,35 @@ def _bare(value: Any) -> Any:
     return unwrap(value) if isinstance(value, torch.nn.Module) else value
 
 
-def load_into(path: str | os.PathLike, targets: dict[str, Any], map_location: Any = "cpu") -> dict[str, Any]:
+def load_into(
+    path: str | os.PathLike,
+    targets: dict[str, Any],
+    map_location: Any = "cpu",
+    check: Callable[[set[str]], None] | None = None,
+) -> dict[str, Any]:
     """Load a checkpoint and each target's entry into it (modules unwrapped); the whole dict (of
     a checkpoint directory: its entries other than modules and optimizers, which went straight
-    into their targets). Collective for a checkpoint directory or an fsdp target."""
+    into their targets). `check(entry names)` may refuse the checkpoint before anything is
+    loaded. Collective for a checkpoint directory or an fsdp target."""
     if shards.is_checkpoint_dir(path):
+        if check is not None:
+            check(entry_names(path))
         return _load_dir(os.fspath(path), targets)
     state = load_file(path, map_location=map_location)
+    if check is not None:
+        check(set(state) if isinstance(state, dict) else set())
     sharded = sharded_model(targets)
     for key, target in targets.items():
         if key not in state:
             raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {sorted(state)}")
         load_state(target, state[key], sharded)
     return state
+
+
+def entry_names(path: str | os.PathLike) -> set[str]:
+    """The entries of a checkpoint directory: those in DCP's shards and those of state.pt."""
+    saved = shards.read_metadata(path).state_dict_metadata
+    return {key.split(".")[0] for key in saved} | set(shards.read_rest(path))
 
 
 def _load_dir(path: str, targets: dict[str, Any]) -> dict[str, Any]:

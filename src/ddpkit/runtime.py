@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -104,10 +106,15 @@ class Runtime:
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._loaders: list[DistributedLoader] = []
-        self._steps = 0  # optimizer steps taken (seeds fresh random streams on a resume onto another N)
+        # Steps taken: step() calls that stepped after a backward (a second optimizer stepped on
+        # the same gradients is not another step). Seeds fresh random streams on a resume onto
+        # another N, and says which log records a resumed run keeps.
+        self._steps, self._counted = 0, False
         # Rank 0's sinks, opened at the first log call: after a load_state(), the log goes on
         # from the restored step instead of beginning anew.
         self._log_dir, self._tracking, self._log_resume = log_dir, None, None
+        self._params: dict[str, Any] = {}  # log_params's, until the sinks open
+        self._logged = False  # rt.log was called: too late for load_state to say where the log goes on
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
         self.env = dist.detect_env()
@@ -296,6 +303,7 @@ class Runtime:
             self.precision.backward(weighted)
         finally:
             self._acc.leave()
+        self._counted = False
 
     @property
     def step_ready(self) -> bool:
@@ -310,21 +318,24 @@ class Runtime:
         if not self.step_ready:
             return False
         self._strategy.check_optimizer(optimizer)
-        owner = (
-            self._model.parameters()
-            if self._model is not None
-            else (p for g in optimizer.param_groups for p in g["params"])
-        )
-        self._acc.rescale(list(owner))
+        self._acc.rescale(self._parameters(optimizer))
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        self._steps += 1
+        if not self._counted:  # a second optimizer stepped on the same backward is the same step
+            self._steps, self._counted = self._steps + 1, True
         if self._check_compiled:
             self._warn_if_nothing_compiled()
         return True
+
+    def _parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Every parameter a step may update: of every model and optimizer given to setup() and
+        of `optimizer`, each once (what a weighted step's gradients are rescaled over)."""
+        groups = [m.parameters() for m in self._models]
+        groups += [(p for g in opt.param_groups for p in g["params"]) for opt in (*self._optimizers, optimizer)]
+        return list({id(p): p for group in groups for p in group}.values())
 
     def _warn_if_nothing_compiled(self) -> None:
         """After the first step with compile: one line on rank 0 if this process has no compiled
@@ -507,7 +518,8 @@ class Runtime:
         ones written. Values are numbers, text or one-element tensors; a tensor is read with
         `.item()`, which waits for the device (on a GPU: log every N steps, not every step)."""
         tracking.need_dir(self._log_dir, "rt.log")
-        record = tracking.metrics_record(step, metrics)  # checked on every rank: all fail alike
+        record = tracking.metrics_record(step, metrics, self._log_with)  # every rank: all fail alike
+        self._logged = True
         if self.is_main:
             self._sinks().log(tracking.plain(record))
 
@@ -515,12 +527,18 @@ class Runtime:
         """Hyperparameters of the run: MLflow params, the W&B config, and log_dir/params.json
         (merged over calls), written by rank 0. MLflow keeps a param's first value in a run."""
         tracking.need_dir(self._log_dir, "rt.log_params")
-        if self.is_main:
-            self._sinks().log_params(params)
+        tracking.check_names(params, self._log_with, "rt.log_params")
+        self._params.update(params)  # written when the sinks open (the first rt.log), or now if they are
+        if self.is_main and self._tracking is not None:
+            self._tracking.log_params(params)
 
     def _sinks(self) -> tracking.Tracking:
+        """Rank 0's sinks, opened at the first rt.log: fresh, or (after load_state) going on
+        from the restored step."""
         if self._tracking is None:
             self._tracking = tracking.open_for_runtime(self._log_dir, self._log_with, self._log_resume)
+            if self._params:
+                self._tracking.log_params(self._params)
         return self._tracking
 
     def progress(self, iterable: Iterable[Any], **tqdm_kwargs: Any) -> Iterable[Any]:
@@ -607,28 +625,61 @@ class Runtime:
         (schedulers, your own counters: anything with state_dict(), or plain values).
         Collective. Continue with `load_state(path, **extra)` after the same setup() and
         loader() calls, on any number of processes (see `load_state`)."""
+        self._check_extra("save_state", extra)
         return checkpoint.save(path, {**self._state(), **extra}, background=background)
 
     def load_state(self, path: str | os.PathLike, **extra: Any) -> dict[str, Any]:
         """Load what `save_state()` wrote into this run's models, optimizers, loaders, scaler and
         random streams, and each of `extra` into its entry; returns the loaded dict (plain values
         you saved, such as counters, are in it). Call it where the stopped run called
-        save_state, after the same setup() and loader() calls, in the same order.
+        save_state: after the same setup() and loader() calls, in the same order, and before
+        the first `log()` (the log then goes on from the restored step).
 
         On the same number of processes every rank gets its own random streams back, so the
         run goes on bit-identical. Saved by another number of processes, each rank starts a
         fresh stream derived from the seed, its rank and the step: sampling, the global batches
         and the weights carry on as before (equal within float rounding), and random draws in
         the loop (dropout) differ, as they do between process counts anyway."""
-        state = checkpoint.load_into(path, {**self._state(gather=False), **extra}, map_location=self.device)
+        self._check_extra("load_state", extra)
+        if not self._models or self._logged:
+            raise UsageError(
+                "rt.load_state: call it after rt.setup() and rt.loader(), which make what it loads into, "
+                "and before the first rt.log()"
+            )
+        targets = {**self._state(gather=False), **extra}
+        check = functools.partial(self._check_entries, os.fspath(path), set(targets))
+        try:
+            state = checkpoint.load_into(path, targets, map_location=self.device, check=check)
+        except KeyError as err:  # an entry of `extra` the checkpoint lacks
+            raise UsageError(f"rt.load_state: {err.args[0]}") from None
         run = state["runtime"]
         self._steps = int(run["steps"])
         generators = [loader.generator for loader in self._loaders]
         restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
-        if self._log_dir is not None:  # the log keeps its records up to this step, and goes on
-            self._close_tracking(None)
+        if self._log_dir is not None:  # the log will keep its records up to this step, and go on
             self._log_resume = self._steps
         return state
+
+    def _check_extra(self, call: str, extra: dict[str, Any]) -> None:
+        taken = sorted(set(extra) & (set(self._state(gather=False)) | {"runtime"}))
+        if taken:
+            raise UsageError(
+                f"rt.{call}: {', '.join(taken)} is saved without being named; give your entries other names"
+            )
+
+    @staticmethod
+    def _check_entries(path: str, mine: set[str], saved: set[str]) -> None:
+        """Refuse, before anything is loaded, a checkpoint that is not save_state's, or whose
+        models, optimizers and loaders are not this run's."""
+        if "runtime" not in saved:
+            raise UsageError(f"rt.load_state: {path} was not written by rt.save_state (rt.load reads it)")
+        automatic = re.compile(r"(model|optimizer|loader)(_\d+)?|precision")
+        ours, theirs = {k for k in mine if automatic.fullmatch(k)}, {k for k in saved if automatic.fullmatch(k)}
+        if ours != theirs:
+            raise UsageError(
+                f"rt.load_state: {path} holds {', '.join(sorted(theirs))}; this run has {', '.join(sorted(ours))} "
+                "(make the same setup() and loader() calls, in the same order, before load_state)"
+            )
 
     def _state(self, gather: bool = True) -> dict[str, Any]:
         """The entries save_state writes: 'model', 'model_1', ..., 'optimizer', ..., 'loader',

@@ -25,6 +25,8 @@ import json
 import logging
 import operator
 import os
+import posixpath
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -73,8 +75,9 @@ def need_dir(log_dir: str | os.PathLike | None, call: str) -> None:
         raise UsageError(f"{call} needs Runtime(log_dir=...): the directory metrics.jsonl and metrics.csv go to")
 
 
-def metrics_record(step: int, metrics: dict[str, Any]) -> Record:
-    """`rt.log`'s record, {"step": step, **metrics}, checked without waiting for the device."""
+def metrics_record(step: int, metrics: dict[str, Any], trackers: Sequence[str] = ()) -> Record:
+    """`rt.log`'s record, {"step": step, **metrics}, checked without waiting for the device
+    (names too, against the rules of `trackers`)."""
     try:
         index = -1 if isinstance(step, bool) else operator.index(step)  # ints, NumPy's, integer tensors
     except TypeError:
@@ -83,7 +86,26 @@ def metrics_record(step: int, metrics: dict[str, Any]) -> Record:
         raise UsageError(f"rt.log: step must be an integer >= 0, got {step!r}")
     for key, value in metrics.items():
         _check_value(key, value)
+    check_names(metrics, trackers, "rt.log")
     return {"step": index, **metrics}
+
+
+# MLflow's rule for metric and param names (mlflow.utils.validation, 3.x): these characters
+# only, and no name a path would normalize into another one. Checked by every rank before
+# anything is written, so that MLflow's refusal on rank 0 alone cannot leave a half-written record.
+MLFLOW_NAME = re.compile(r"[\w.\- :/]+")
+
+
+def check_names(values: dict[str, Any], trackers: Sequence[str], call: str) -> None:
+    """Refuse names a tracker in `trackers` would refuse (MLflow's)."""
+    if "mlflow" not in trackers:
+        return
+    for name in values:
+        if not MLFLOW_NAME.fullmatch(name) or posixpath.normpath(name) != name or name.startswith(("/", "..")):
+            raise UsageError(
+                f"{call}: MLflow refuses the name {name!r} (letters, digits, _ - . : / and spaces, "
+                "not a path that normalizes to another name)"
+            )
 
 
 def _check_value(key: str, value: Any) -> None:
