@@ -15,6 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 import ddpkit
 from ddpkit.errors import UsageError
 from tests import own_loop
+from tests.data.streams import Stream, expected
 from tests.test_runtime import WORLD_SIZE_ATOL
 
 
@@ -139,7 +140,6 @@ def test_main_first_runs_the_block_on_rank_0_before_the_others(tmp_path):
 @pytest.mark.unit
 def test_a_dataloader_over_a_stream_is_read_as_one_stream_and_save_state_keeps_its_position(tmp_path):
     from ddpkit.data import StreamLoader
-    from tests.data.streams import Stream, expected
 
     path = tmp_path / "state.pt"
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
@@ -265,3 +265,78 @@ def test_a_name_mlflow_would_refuse_is_refused_before_anything_is_written(tmp_pa
         with pytest.raises(UsageError, match="MLflow refuses the name '../x'"):
             rt.log_params(**{"../x": 1})
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda rt, d: rt.eval_loader(d, batch_size=0), "batch_size must be"),
+        (lambda rt, d: rt.eval_loader(d, batch_size=-1), "batch_size must be"),
+        (lambda rt, d: rt.loader(d, batch_size=2.5), "batch_size must be"),
+        (lambda rt, d: rt.loader(d, batch_size=2, collate_fn=3), "collate_fn must be"),
+        (lambda rt, d: rt.loader(5, batch_size=2), "not int"),
+        (lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), rt.loader(d, batch_size=2)), "not a training loader"),
+        (
+            lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), DataLoader(d, batch_size=2, collate_fn=dict_batch)),
+            "not a dict",
+        ),
+        (lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), d, metrics={"m": lambda o, y: 1.0}), "returned float"),
+        (lambda rt, d: rt.eval_loader(DataLoader(Stream(), batch_size=4)), "map-style"),
+    ],
+    ids=[
+        "eval-batch-0",
+        "eval-batch-negative",
+        "batch-float",
+        "collate-not-callable",
+        "not-a-dataset",
+        "evaluate-training-loader",
+        "evaluate-dict-batches",
+        "metric-not-a-tensor",
+        "evaluate-a-stream",
+    ],
+)
+def test_bad_loader_and_evaluation_input_is_one_line(call, says):
+    data = TensorDataset(torch.arange(6.0).reshape(6, 1), torch.zeros(6, dtype=torch.long))
+    with ddpkit.Runtime(device="cpu") as rt, pytest.raises(UsageError, match=says) as err:
+        call(rt, data)
+    assert "\n" not in str(err.value)
+
+
+def dict_batch(samples):
+    xs, ys = zip(*samples)
+    return {"x": torch.stack(xs), "y": torch.stack(ys), "names": [f"s{i}" for i in range(len(xs))]}
+
+
+@pytest.mark.unit
+def test_an_empty_share_gets_a_batch_with_nothing_in_it_from_a_collate_of_strings_too():
+    from ddpkit.data.loader import _Collate
+
+    data = TensorDataset(torch.arange(6.0).reshape(6, 1), torch.zeros(6, dtype=torch.long))
+    empty = _Collate(data, dict_batch)([])
+    assert empty["x"].shape == (0, 1) and empty["y"].shape == (0,) and empty["names"] == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kwargs, says", [({"log_with": 5}, "log_with"), ({"log_dir": 5}, "log_dir")])
+def test_a_bad_log_argument_is_named_as_such(kwargs, says):
+    with pytest.raises(UsageError, match=f"Runtime\\({says}=") as err:
+        ddpkit.Runtime(device="cpu", **kwargs)
+    assert "ddp=" not in str(err.value)
+
+
+def save_where(path: str) -> str:
+    with ddpkit.Runtime(device="cpu") as rt:
+        rt.setup(torch.nn.Linear(1, 1))
+        try:
+            rt.save_state(path)
+        except UsageError as err:
+            return str(err)
+        return "saved"
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_path_that_cannot_be_written_fails_every_rank_with_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = ddpkit.launch(save_where, str(tmp_path / "a-file" / "state.pt"), nproc=2)
+    assert out[0] == out[1] and "not a directory" in out[0] and "\n" not in out[0]

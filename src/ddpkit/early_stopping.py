@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import checks
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -48,6 +49,8 @@ class EarlyStopping:
     stopped: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int):
+            raise UsageError(f"EarlyStopping patience: a whole number of checks, not {self.patience!r}")
         checks.positive("EarlyStopping patience", self.patience)
         checks.at_least("EarlyStopping min_delta", self.min_delta, 0)
         checks.choice("EarlyStopping mode", self.mode, MODES)

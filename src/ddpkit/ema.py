@@ -41,8 +41,10 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
-        if not 0 < decay < 1:
-            raise UsageError(f"EMA decay must be between 0 and 1 (the weight kept at each step, as 0.999), got {decay}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise UsageError(
+                f"EMA decay must be between 0 and 1 (the weight kept at each step, as 0.999), got {decay!r}"
+            )
         named = [(name, p) for name, p in unwrap(model).named_parameters() if p.is_floating_point()]
         if not named:
             raise UsageError("EMA: the model has no floating-point parameters to average")

@@ -116,9 +116,22 @@ def _summary(loss: float, correct: float, count: float, samples: float, unfit: f
     return result
 
 
+def _pair(batch: Any) -> tuple[Any, Any]:
+    """An evaluation batch's (input, target)."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        raise UsageError(
+            f"evaluate needs batches of (input, target), not {what}; a pass of your own with rt.gather takes any batch"
+        )
+    return batch[0], batch[1]
+
+
 def _metric_sum(name: str, value: Any, n: int) -> torch.Tensor:
     """The float64 sum of metric `name`'s values for a batch of `n` samples."""
-    value = torch.as_tensor(value)
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(
+            f"evaluate: metric {name!r} returned {type(value).__name__}, not a tensor of one value per sample"
+        )
     if value.shape != (n,):
         raise UsageError(
             f"evaluate: metric {name!r} returned shape {tuple(value.shape)} for a batch of {n} samples; "
@@ -166,15 +179,18 @@ def perplexity(loss: float) -> float:
 def _sums(model: nn.Module, loader: DistributedLoader, precision: Precision, measure: Measure, n: int) -> list[float]:
     """The `n` sums of `measure(output, target)` over every batch of every rank's share of
     `loader`: added up on the device, all-reduced once at the end."""
-    if not isinstance(loader.sampler, ShardSampler):
-        raise TypeError("evaluate() needs a Dataset or a loader from Runtime.eval_loader()")
+    if not isinstance(getattr(loader, "sampler", None), ShardSampler):
+        raise UsageError(
+            "evaluate needs a Dataset, a DataLoader or a loader from rt.eval_loader(), not a training loader"
+        )
     # Below DDP there are no collectives, so ranks may run different numbers of batches.
     # DataParallel stays: it spreads the evaluation over the GPUs.
     net = eval_view(model)
     was_training = net.training
     net.eval()
     sums: list[Any] = [0] * n
-    for x, y in loader:
+    for batch in loader:
+        x, y = _pair(batch)
         with precision.autocast():
             out = outputs_to_fp32(net(x))
         sums = [total + value for total, value in zip(sums, measure(out, y))]

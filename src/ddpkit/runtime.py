@@ -50,6 +50,16 @@ __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank
 M = TypeVar("M", bound=nn.Module)
 
 
+def ddp_options(ddp: DDPOptions | dict | None) -> DDPOptions:
+    """`Runtime(ddp=...)` as DDPOptions; an unknown field is a UsageError."""
+    if isinstance(ddp, DDPOptions):
+        return ddp
+    try:
+        return DDPOptions(**(ddp or {}))
+    except TypeError as err:
+        raise UsageError(f"Runtime(ddp=...): {err}") from None
+
+
 class Runtime:
     """Process group, device, strategy and precision for one worker.
 
@@ -131,7 +141,7 @@ class Runtime:
         cpu_collectives = strategy == "fsdp" and fsdp_options.cpu_offload
         self._owns_group = dist.init(self.env, self.device, timeout_s, cpu_collectives)
         try:
-            self.ddp_options = ddp if isinstance(ddp, DDPOptions) else DDPOptions(**(ddp or {}))
+            self.ddp_options = ddp_options(ddp)
             self.ddp_options.check_device(self.device.type)
             self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
@@ -139,9 +149,6 @@ class Runtime:
             self._log_with = tracking.check_log_with(log_dir, log_with)  # every rank: all fail alike
             if log_dir is not None and self.is_main:
                 check_writable("Runtime(log_dir=...)", log_dir)
-        except TypeError as err:  # an unknown DDPOptions field
-            self.close()
-            raise UsageError(f"Runtime(ddp=...): {err}") from None
         except BaseException:
             self.close()
             raise
@@ -442,9 +449,13 @@ class Runtime:
         """This rank's share of `data` (a Dataset, or a DataLoader you built: its batch_size,
         collate_fn and workers are kept) for evaluation: every sample on exactly one rank.
         `batch_size` is the global evaluation batch (default: a DataLoader's, else 512)."""
-        src = self._source(
-            data, batch_size or (None if isinstance(data, DataLoader) else 512), False, False, collate_fn
-        )
+        default = None if isinstance(data, DataLoader) else 512
+        src = self._source(data, default if batch_size is None else batch_size, False, False, collate_fn)
+        if isinstance(src.dataset, IterableDataset):
+            raise UsageError(
+                "evaluation reads a map-style test set (each sample once, split over the ranks by index); "
+                "a stream has no length to split: evaluate a map-style Dataset"
+            )
         with usage_errors():
             return eval_loader(
                 src.dataset,
@@ -466,10 +477,20 @@ class Runtime:
     ) -> Adopted:
         """The dataset and batch settings to build a loader from: a DataLoader's, read by
         `adopt`, with the arguments given here winning; or a Dataset's with the defaults."""
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise UsageError(f"batch_size must be a whole number of samples >= 1, got {batch_size!r}")
+        if collate is not None and not callable(collate):
+            raise UsageError(f"collate_fn must be a function of a list of samples, not {type(collate).__name__}")
         if isinstance(data, DataLoader):
             src = adopt(data, batch_size)
             overrides = {"shuffle": shuffle, "drop_last": drop_last, "collate_fn": collate}
             return dataclasses.replace(src, **{k: v for k, v in overrides.items() if v is not None})
+        if not isinstance(data, IterableDataset) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UsageError(
+                f"a loader reads a Dataset (len() and [i]), an IterableDataset or a DataLoader, not {type(data).__name__}"
+            )
         if batch_size is None:
             raise UsageError("rt.loader(dataset): give batch_size=, the GLOBAL batch (or pass a DataLoader)")
         return Adopted(data, batch_size, shuffle, bool(drop_last), collate)
@@ -608,6 +629,7 @@ class Runtime:
         a thread while training goes on, and the returned handle's `wait()` blocks until the
         checkpoint is complete (call it before the next save). Either form loads with `load()`
         into any strategy on any number of processes."""
+        self._check_writable("rt.save", path)
         return checkpoint.save(path, state, background=background)
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
@@ -626,7 +648,21 @@ class Runtime:
         Collective. Continue with `load_state(path, **extra)` after the same setup() and
         loader() calls, on any number of processes (see `load_state`)."""
         self._check_extra("save_state", extra)
+        self._check_writable("rt.save_state", path)
         return checkpoint.save(path, {**self._state(), **extra}, background=background)
+
+    def _check_writable(self, call: str, path: str | os.PathLike) -> None:
+        """Rank 0 proves it can write beside `path`, and every rank raises its UsageError alike
+        (rather than rank 0 alone, the others left waiting for the file)."""
+        problem = None
+        if self.is_main:
+            try:
+                check_writable(f"{call}({os.fspath(path)!r})", os.path.dirname(os.path.abspath(path)))
+            except UsageError as err:
+                problem = str(err)
+        problem = self.broadcast_object(problem)
+        if problem:
+            raise UsageError(problem)
 
     def load_state(self, path: str | os.PathLike, **extra: Any) -> dict[str, Any]:
         """Load what `save_state()` wrote into this run's models, optimizers, loaders, scaler and

@@ -59,6 +59,10 @@ def _modules(name: str) -> tuple[str, ...]:
 
 def check_log_with(log_dir: str | os.PathLike | None, log_with: str | Sequence[str]) -> tuple[str, ...]:
     """`Runtime(log_with=...)`'s trackers: known, installed, and with a `log_dir` to write in."""
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise UsageError(f"Runtime(log_dir=...): a directory path, not {type(log_dir).__name__}")
+    if not isinstance(log_with, (str, list, tuple)):
+        raise UsageError(f"Runtime(log_with=...): a list of tracker names, not {type(log_with).__name__}")
     names = (log_with,) if isinstance(log_with, str) else tuple(log_with)  # "mlflow" is one name, not six
     for name in names:
         if name not in TRACKERS:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from ..device import cpu_count
 from ..errors import UsageError
 from ..seed import SeedWorker, loader_generator
-from ..tree import map_tensors
+from ..tree import empty_like_batch, map_tensors
 from .images import ImageSet, augment_keys
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
 from .text import TextSet
@@ -43,7 +43,7 @@ class _Collate:
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return self.collate(samples)
-        return map_tensors(lambda t: t[:0], self.collate([self.dataset[0]]))
+        return empty_like_batch(self.collate([self.dataset[0]]))
 
 
 def move(batch: Any, device: torch.device, channels_last: bool = False) -> Any:

@@ -29,7 +29,7 @@ from torch.utils.data import default_collate
 
 from .. import checks
 from ..errors import UsageError
-from ..tree import map_tensors
+from ..tree import empty_like_batch
 from .loader import hand_out, move
 from .samplers import GlobalBatchSampler, MicroBatch, check_global_batch
 
@@ -173,7 +173,7 @@ class StreamLoader:
     def _empty(self, example: Any) -> Any:
         """A batch of no samples, shaped like one of `example` (an empty share still runs the
         forward and backward, so DDP's reduction runs on every rank)."""
-        return map_tensors(lambda t: t[:0], self.collate_fn([example]))
+        return empty_like_batch(self.collate_fn([example]))
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
