@@ -5,15 +5,11 @@ unit; and the README shows the summary `ddpkit train` prints."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 import torch
@@ -93,35 +89,12 @@ def test_a_restart_after_the_last_checkpoint_reports_the_run_that_trained(tmp_pa
     assert r["samples_per_second"] == pytest.approx(basis["samples"] / basis["train_seconds"])  # it was 0
 
 
-def stderr_on_a_terminal(args: list[str]) -> tuple[str, str]:
-    """Run `python -m ddpkit ARGS` with its stderr on a pseudo-terminal (where the progress bar
-    shows); returns what it wrote to stdout and to the terminal."""
-    parent, child = pty.openpty()
-    # A new terminal is 0 columns wide, and tqdm draws a bar of that width: nothing.
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *args], stdout=subprocess.PIPE, stderr=child, env=clean_env()
-    )
-    os.close(child)
-    seen = []
-    while True:
-        try:
-            chunk = os.read(parent, 65536)
-        except OSError:  # EIO: the program's end of the terminal is closed
-            break
-        if not chunk:
-            break
-        seen.append(chunk)
-    os.close(parent)
-    stdout = proc.stdout.read().decode()
-    assert proc.wait(timeout=300) == 0, b"".join(seen).decode(errors="replace")[-3000:]
-    return stdout, b"".join(seen).decode(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def on_a_terminal(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tty") / "out"
-    return stderr_on_a_terminal(["train", "--epochs", "1", "--log-every", "5", "--device", "cpu", "--out", str(out)])
+def on_a_terminal(one_epoch_run):
+    """What the session's one-epoch run on a pseudo-terminal (tests/conftest.py) printed: its
+    stdout and what its terminal showed."""
+    _, stdout, terminal = one_epoch_run
+    return stdout, terminal
 
 
 def test_the_progress_bar_shows_samples_per_second_as_a_unit(on_a_terminal):
