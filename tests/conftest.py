@@ -220,3 +220,29 @@ def one_epoch_run(tmp_path_factory):
     args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
     stdout, terminal = stderr_on_a_terminal(args)
     return out, stdout, terminal
+
+
+@pytest.fixture(scope="session")
+def jobs_started_together(tmp_path_factory):
+    """Two `ddpkit train --epochs 1 --nproc 2 --device cpu --out DIR` jobs started at the same
+    moment on this machine, the second with --compile: the two jobs that must not collide
+    (launcher/test_topology.py), and the eager and the compiled run that must train alike
+    (trainer/test_reports.py). Returns {"eager": (out, completed process), "compiled": ...}."""
+    root = tmp_path_factory.mktemp("together")
+    args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
+    jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        for name, (out, extra) in jobs.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done

@@ -118,16 +118,15 @@ def test_the_readme_shows_the_summary_train_prints(on_a_terminal):
 
 
 @pytest.mark.slow
-def test_a_compiled_run_on_two_processes_trains_as_the_eager_one(tmp_path):
+def test_a_compiled_run_on_two_processes_trains_as_the_eager_one(jobs_started_together):
     # Compiled around DDP, nothing was compiled; compiled inside it, torch 2.13's inductor
     # zeroed the convolutions' gradients at 32 samples per rank unless told not to reorder.
+    # Both: `--nproc 2 --epochs 1`, the second with --compile (tests/conftest.py).
     weights = {}
-    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
-        out = tmp_path / name
-        proc = run_cli("train", "--nproc", "2", "--epochs", "1", "--device", "cpu", "--out", str(out), *extra)
+    for name, (out, proc) in jobs_started_together.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "torch.compile produced no graph" not in proc.stderr
         weights[name] = torch.load(out / "model.pt", weights_only=True)
-    assert json.loads((tmp_path / "compiled" / "results.json").read_text())["compile_seconds"] > 0
+    assert json.loads((jobs_started_together["compiled"][0] / "results.json").read_text())["compile_seconds"] > 0
     diff = max((weights["compiled"][k] - weights["eager"][k]).abs().max().item() for k in weights["eager"])
     assert diff < 1e-4  # inductor's kernels round differently; the bug made it 1e-1
