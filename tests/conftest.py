@@ -185,6 +185,17 @@ def two_process_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fsdp_two_process_run(tmp_path_factory):
+    """`two_process_run` under `--strategy fsdp`: `ddpkit train --epochs 2 --nproc 2 --strategy
+    fsdp --device cpu --out DIR`, 46 steps on digits, made once per session: the uninterrupted
+    fsdp run that the invariance test (trainer/test_invariance.py) and the SIGKILL test under
+    fsdp (launcher/test_faults.py) compare with. Returns (out directory, the completed process)."""
+    out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
+    args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
+    return out, run_cli("train", *args)
+
+
+@pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """`ddpkit train --nproc 1 --device cpu --out DIR`: the default recipe (10 epochs of digits)
     on one process, made once per session for the test of its accuracy (cli/test_train.py) and

@@ -30,9 +30,9 @@ RUN = ("train", "--data", "synthetic", "--synthetic-size", "1024", "--epochs", "
 RUN += ("--checkpoint-every", "4", "--nproc", "2")
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
+def _start(out: Path, *extra: str, run: tuple[str, ...] = RUN) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *RUN, *extra, "--out", str(out)],
+        [sys.executable, "-m", "ddpkit", *run, *extra, "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -227,13 +227,17 @@ def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
     assert not alive, "script workers outlived their launcher"
 
 
-def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(tmp_path):
-    fsdp = ("--strategy", "fsdp")
-    reference = _start(tmp_path / "reference", *fsdp)
-    _, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err[-2000:]
+# The session's uninterrupted fsdp run (tests/conftest.py) with a checkpoint every 4 steps: 23
+# steps an epoch on digits, 46 in all
+FSDP_RUN = ("train", "--epochs", "2", "--device", "cpu", "--nproc", "2", "--strategy", "fsdp")
+FSDP_RUN += ("--checkpoint-every", "4")
+
+
+def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(fsdp_two_process_run, tmp_path):
+    reference, done = fsdp_two_process_run  # the same run, uninterrupted and without --checkpoint-every
+    assert done.returncode == 0, done.stderr[-2000:]
     out = tmp_path / "run"
-    proc = _start(out, *fsdp, "--max-restarts", "1")
+    proc = _start(out, "--max-restarts", "1", run=FSDP_RUN)
     _wait_for(proc, lambda: (out / "checkpoints" / "step-00000008" / ".metadata").exists(), "a sharded checkpoint")
     time.sleep(0.15)  # into the next steps, with the write of 8 done or under way in the background
     victim = _workers(proc)[-1]
@@ -244,5 +248,5 @@ def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_th
     assert len(restart) == 1 and f"(pid {victim}) was killed by SIGKILL" in restart[0], stdout + stderr
     assert re.search(r"resumed from \S+/checkpoints/step-000000\d\d at step", restart[0]), restart[0]
     assert not list((out / "checkpoints").glob(".tmp-*"))  # the interrupted writes were pruned or finished
-    ref, got = _weights(tmp_path / "reference"), _weights(out)
+    ref, got = _weights(reference), _weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill under fsdp"
