@@ -25,9 +25,9 @@ from tests.conftest import clean_env
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
-# 16 steps an epoch, 32 in all, a checkpoint every 4 steps
-RUN = ("train", "--data", "synthetic", "--synthetic-size", "1024", "--epochs", "2", "--device", "cpu")
-RUN += ("--checkpoint-every", "4", "--nproc", "2")
+# The session's `two_process_run` (tests/conftest.py) with a checkpoint every 4 steps: 23 steps an
+# epoch on digits, 46 in all
+RUN = ("train", "--epochs", "2", "--device", "cpu", "--checkpoint-every", "4", "--nproc", "2")
 
 
 def _start(out: Path, *extra: str, run: tuple[str, ...] = RUN) -> subprocess.Popen:
@@ -67,11 +67,10 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference")
-    proc = _start(out)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+def reference(two_process_run) -> dict[str, torch.Tensor]:
+    """The weights of RUN uninterrupted: the session's run of its flags but --checkpoint-every."""
+    out, proc = two_process_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
     return _weights(out)
 
 
@@ -90,7 +89,7 @@ MOMENTS = [
     ("right after the first checkpoint", _checkpoint(4), 0.0, 0),
     ("in the middle of an epoch", _checkpoint(8), 0.15, -1),
     ("at the end of the first epoch", _epoch_logged, 0.0, 0),
-    ("after the last checkpoint", _checkpoint(32), 0.0, -1),
+    ("after the last checkpoint", _checkpoint(46), 0.0, -1),
 ]
 
 
@@ -227,10 +226,8 @@ def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
     assert not alive, "script workers outlived their launcher"
 
 
-# The session's uninterrupted fsdp run (tests/conftest.py) with a checkpoint every 4 steps: 23
-# steps an epoch on digits, 46 in all
-FSDP_RUN = ("train", "--epochs", "2", "--device", "cpu", "--nproc", "2", "--strategy", "fsdp")
-FSDP_RUN += ("--checkpoint-every", "4")
+# RUN under fsdp: the session's `fsdp_two_process_run` (tests/conftest.py) with a checkpoint every 4 steps
+FSDP_RUN = (*RUN, "--strategy", "fsdp")
 
 
 def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(fsdp_two_process_run, tmp_path):
