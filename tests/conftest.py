@@ -10,11 +10,15 @@ more than about ten seconds. Collection fails on a test without a kind, so
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 
@@ -102,6 +106,31 @@ def run_train(tmp_path, name, *extra):
     return json.loads((out / "results.json").read_text()), torch.load(out / "model.pt", weights_only=True), out
 
 
+def stderr_on_a_terminal(args: list[str]) -> tuple[str, str]:
+    """Run `python -m ddpkit ARGS` with its stderr on a pseudo-terminal (where the progress bar
+    shows); returns what it wrote to stdout and to the terminal."""
+    parent, child = pty.openpty()
+    # A new terminal is 0 columns wide, and tqdm draws a bar of that width: nothing.
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", *args], stdout=subprocess.PIPE, stderr=child, env=clean_env()
+    )
+    os.close(child)
+    seen = []
+    while True:
+        try:
+            chunk = os.read(parent, 65536)
+        except OSError:  # EIO: the program's end of the terminal is closed
+            break
+        if not chunk:
+            break
+        seen.append(chunk)
+    os.close(parent)
+    stdout = proc.stdout.read().decode()
+    assert proc.wait(timeout=300) == 0, b"".join(seen).decode(errors="replace")[-3000:]
+    return stdout, b"".join(seen).decode(errors="replace")
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -156,6 +185,17 @@ def two_process_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fsdp_two_process_run(tmp_path_factory):
+    """`two_process_run` under `--strategy fsdp`: `ddpkit train --epochs 2 --nproc 2 --strategy
+    fsdp --device cpu --out DIR`, 46 steps on digits, made once per session: the uninterrupted
+    fsdp run that the invariance test (trainer/test_invariance.py) and the SIGKILL test under
+    fsdp (launcher/test_faults.py) compare with. Returns (out directory, the completed process)."""
+    out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
+    args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
+    return out, run_cli("train", *args)
+
+
+@pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """`ddpkit train --nproc 1 --device cpu --out DIR`: the default recipe (10 epochs of digits)
     on one process, made once per session for the test of its accuracy (cli/test_train.py) and
@@ -174,3 +214,46 @@ def runs(tmp_path_factory, two_process_run, default_run):
     for _, proc in (two_process_run, default_run):
         assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp_path_factory.mktemp("runs"), two_process_run, default_run
+
+
+@pytest.fixture(scope="session")
+def one_epoch_run(tmp_path_factory):
+    """`ddpkit train --epochs 1 --nproc 1 --device cpu --log-every 5 --checkpoint-every 5
+    --keep-checkpoints 3 --out DIR` with its stderr on a pseudo-terminal: 23 steps on digits,
+    checkpoints at steps 5, 10, 15, 20 and the epoch's end (23), the newest three kept. Made once
+    per session for the tests of the progress bar and the printed summary
+    (trainer/test_reports.py), as `three_checkpoints` (tests/trainer/conftest.py) and as the plain
+    run that --channels-last is compared with (test_runtime.py): neither the terminal nor the
+    logging and checkpoint flags change what is trained. Returns (out directory, its stdout, what
+    its terminal showed); no test writes in it (those that continue the run copy it first)."""
+    out = tmp_path_factory.mktemp("one_epoch_run") / "out"
+    args = ["train", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--log-every", "5"]
+    args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
+    stdout, terminal = stderr_on_a_terminal(args)
+    return out, stdout, terminal
+
+
+@pytest.fixture(scope="session")
+def jobs_started_together(tmp_path_factory):
+    """Two `ddpkit train --epochs 1 --nproc 2 --device cpu --out DIR` jobs started at the same
+    moment on this machine, the second with --compile: the two jobs that must not collide
+    (launcher/test_topology.py), and the eager and the compiled run that must train alike
+    (trainer/test_reports.py). Returns {"eager": (out, completed process), "compiled": ...}."""
+    root = tmp_path_factory.mktemp("together")
+    args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
+    jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        for name, (out, extra) in jobs.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done

@@ -111,8 +111,9 @@ def test_clipped_steps_same_on_1_and_2_processes(strategy):
 
 @pytest.mark.cli
 @pytest.mark.slow
-def test_channels_last_trains_to_the_same_result(tmp_path):
-    plain, plain_w, _ = run_train(tmp_path, "plain", "--epochs", "1")
-    nhwc, nhwc_w, _ = run_train(tmp_path, "nhwc", "--epochs", "1", "--channels-last")
+def test_channels_last_trains_to_the_same_result(one_epoch_run, tmp_path):
+    plain, _, _ = one_epoch_run  # --epochs 1 --nproc 1 (tests/conftest.py)
+    plain_w = torch.load(plain / "model.pt", weights_only=True)
+    _, nhwc_w, _ = run_train(tmp_path, "nhwc", "--epochs", "1", "--nproc", "1", "--channels-last")
     assert max((plain_w[k] - nhwc_w[k]).abs().max().item() for k in plain_w) < 1e-4
     assert all(not k.startswith("module.") for k in nhwc_w)

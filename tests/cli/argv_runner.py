@@ -5,7 +5,8 @@ directory and file descriptors 1 and 2 sent to files of their own (so C++ warnin
 else written to the descriptors is caught too), exactly as `python -m ddpkit ARGV` would exit.
 Prints one JSON list of {"code", "stdout", "stderr", "seconds"}: the bad-flag table
 (test_bad_flags.py) starts one such process per command instead of one per case, which would
-spend most of its time importing torch.
+spend most of its time importing torch, and so do the bad-input cases (test_bad_input.py).
+Each case starts from the environment variables the interpreter started with.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import IO, Any
 def run_case(argv: list[str], cwd: str) -> dict[str, Any]:
     from ddpkit.cli import main
 
-    start = time.perf_counter()
+    start, environ = time.perf_counter(), dict(os.environ)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         with _redirected(out, err, cwd):
             try:
@@ -34,6 +35,8 @@ def run_case(argv: list[str], cwd: str) -> dict[str, Any]:
             except BaseException:  # what `python -m ddpkit` would print on the way out
                 traceback.print_exc()
                 code = 1
+        os.environ.clear()
+        os.environ.update(environ)  # nothing one case set reaches the next
         texts = []
         for f in (out, err):
             f.seek(0)
@@ -60,6 +63,28 @@ def _redirected(out: IO[bytes], err: IO[bytes], cwd: str) -> Iterator[None]:
         os.dup2(saved_err, 2)
         os.close(saved_out)
         os.close(saved_err)
+
+
+def run_batch(cases: list[dict], path: str = "") -> list[dict]:
+    """Run `cases` ({"argv", "cwd"} each) in one interpreter of this module, with `path` (if
+    any) and the repository on its PYTHONPATH, from the test process; their outcomes in order."""
+    import subprocess
+
+    from tests.conftest import ROOT, clean_env
+
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, ROOT, env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.cli.argv_runner"],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
 def main() -> None:

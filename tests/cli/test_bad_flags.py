@@ -20,14 +20,13 @@ import argparse
 import functools
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import PNG_MAGIC, ROOT, clean_env, run_cli
+from tests.cli.argv_runner import run_batch
+from tests.conftest import PNG_MAGIC, run_cli
 from tests.data.helpers import write_mnist
 
 pytestmark = pytest.mark.cli
@@ -423,19 +422,7 @@ def _fill(text: str, names: dict[str, str]) -> str:
 
 
 def _run_batch(items: list[dict]) -> list[dict]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [items[0]["models"], ROOT, env.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.cli.argv_runner"],
-        input=json.dumps(items),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_batch(items, items[0]["models"])
 
 
 # Command lines that are not bad-value cases, run with them (in the same interpreters) for the

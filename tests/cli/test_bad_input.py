@@ -1,6 +1,12 @@
 """Bad input to `ddpkit train`: exit 2, one line on stderr naming the flag or file, no traceback,
 no --out made, and no code run from a malicious checkpoint. No training starts, except the
-shared `run1` (tests/cli/conftest.py) whose files some cases point at."""
+shared `run1` (tests/cli/conftest.py) whose files some cases point at.
+
+The cases run in one helper interpreter (tests/cli/argv_runner.py: `ddpkit.cli.main` with file
+descriptors 1 and 2 captured, each case in a directory of its own), as the bad-flag table does:
+they all end before any worker starts, and a process per case would spend its time importing
+torch. `test_runner_agrees_with_the_command` compares a case with a real `python -m ddpkit`;
+the malicious checkpoint is refused by real processes."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import shutil
 import pytest
 import torch
 
+from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import ok
 from tests.conftest import run_cli
 
@@ -158,25 +165,77 @@ BAD_INPUT = [
 ]
 
 
+SPEED_FLAGS = [
+    pytest.param(flags, needle, id=id_)
+    for id_, flags, needle in [
+        ("augment-non-image", ("--augment", "crop-flip", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "20"), "--augment"),
+        ("comm-hook", ("--comm-hook", "int8"), "--comm-hook"),
+        ("bf16-hook-on-cpu", ("--comm-hook", "bf16", "--device", "cpu"), "--comm-hook bf16 needs CUDA"),
+        ("label-smoothing", ("--label-smoothing", "1.5"), "--label-smoothing"),
+        ("loader", ("--loader", "disk"), "--loader"),
+        ("bucket", ("--bucket-cap-mb", "0"), "--bucket-cap-mb"),
+    ]
+]  # fmt: skip
+
+
+def _skipped(param) -> bool:
+    return any(m.name == "skipif" and m.args[0] for m in param.marks)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, run1) -> dict[str, dict]:
+    """Every case of BAD_INPUT and SPEED_FLAGS run in one helper interpreter, each in an empty
+    directory of its own holding the file it points at: id -> its argv, the needles with {FILE}
+    filled in, its exit code, stdout and stderr, and the --out it must not have made."""
+    root, items = tmp_path_factory.mktemp("cases"), []
+    for param in (p for p in BAD_INPUT if not _skipped(p)):
+        (args, kind, needles), cwd = param.values, root / param.id
+        cwd.mkdir()
+        if kind is not None:
+            path = _make_input(kind, cwd, run1)
+            args = [a.replace("{FILE}", path) for a in args]
+            needles = tuple(n.replace("{FILE}", path) for n in needles)
+        # Cases marked no_out bring their own --out (or must go without): then nothing may appear
+        # in the working directory, where the default runs/ folder would go.
+        own_out = any(m.name == "no_out" for m in param.marks)
+        out = cwd / ("runs" if own_out else "out")
+        items.append({"id": param.id, "argv": [*args, *([] if own_out else ["--out", str(out)])], "cwd": str(cwd)})
+        items[-1].update(needles=needles, out=str(out))
+    for param in SPEED_FLAGS:
+        (flags, needle), cwd = param.values, root / f"speed-{param.id}"
+        cwd.mkdir()
+        out = str(cwd / "o")
+        items.append({"id": f"speed-{param.id}", "argv": ["train", "--out", out, *flags], "cwd": str(cwd)})
+        items[-1].update(needles=(needle,), out=out)
+    results = run_batch([{"argv": i["argv"], "cwd": i["cwd"]} for i in items])
+    return {i["id"]: {**i, **r} for i, r in zip(items, results)}
+
+
+def _exits_2_with_one_line(r: dict) -> str:
+    """The one line `r` wrote on stderr, once it is known to have exited 2 without a traceback."""
+    shown = f"ddpkit {' '.join(r['argv'])}\nexit {r['code']}\nstdout:\n{r['stdout']}\nstderr:\n{r['stderr']}"
+    assert r["code"] == 2, shown
+    assert "Traceback" not in r["stderr"] and "Traceback" not in r["stdout"], shown
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{r['stderr']}"
+    return lines[0]
+
+
 @pytest.mark.parametrize("args, kind, needles", BAD_INPUT)
-def test_bad_input_exits_2_with_one_line(args, kind, needles, tmp_path, request):
-    if kind is not None:
-        run1 = request.getfixturevalue("run1") if kind in ("truncated.pt", "model.pt", "cnn-checkpoint.pt") else None
-        path = _make_input(kind, tmp_path, run1)
-        args = [a.replace("{FILE}", path) for a in args]
-        needles = tuple(n.replace("{FILE}", path) for n in needles)
-    # Cases marked no_out bring their own --out (or must go without): then nothing may appear
-    # in the working directory, where the default runs/ folder would go.
-    own_out = request.node.get_closest_marker("no_out") is not None
-    out = tmp_path / ("runs" if own_out else "out")
-    proc = run_cli(*args, *([] if own_out else ["--out", str(out)]), cwd=str(tmp_path))
-    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, f"stderr is not one line:\n{proc.stderr}"
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} not named in: {lines[0]}"
-    assert not out.exists(), "--out was created although the input was rejected"
+def test_bad_input_exits_2_with_one_line(args, kind, needles, outcomes, request):
+    r = outcomes[request.node.callspec.id]
+    line = _exits_2_with_one_line(r)
+    for needle in r["needles"]:
+        assert needle in line, f"{needle!r} not named in: {line}"
+    assert not os.path.exists(r["out"]), "--out was created although the input was rejected"
+
+
+def test_runner_agrees_with_the_command(outcomes):
+    """A case run by the helper interpreter exits as a real `python -m ddpkit` process does."""
+    r = outcomes["resume-truncated"]
+    real = run_cli(*r["argv"], cwd=r["cwd"])
+    assert (r["code"], r["stderr"], r["stdout"]) == (real.returncode, real.stderr, real.stdout)
+    assert r["code"] == 2 and "truncated.pt" in r["stderr"]
 
 
 def test_malicious_checkpoint_is_refused_without_running_its_code(tmp_path):
@@ -201,21 +260,9 @@ def test_malicious_checkpoint_is_refused_without_running_its_code(tmp_path):
         assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    "flags,needle",
-    [
-        (("--augment", "crop-flip", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "20"), "--augment"),
-        (("--comm-hook", "int8"), "--comm-hook"),
-        (("--comm-hook", "bf16", "--device", "cpu"), "--comm-hook bf16 needs CUDA"),
-        (("--label-smoothing", "1.5"), "--label-smoothing"),
-        (("--loader", "disk"), "--loader"),
-        (("--bucket-cap-mb", "0"), "--bucket-cap-mb"),
-    ],
-    ids=["augment-non-image", "comm-hook", "bf16-hook-on-cpu", "label-smoothing", "loader", "bucket"],
-)
-def test_bad_speed_flags_exit_2_with_one_line(tmp_path, flags, needle):
-    proc = run_cli("train", "--out", str(tmp_path / "o"), *flags)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], proc.stderr
-    assert not (tmp_path / "o").exists()
+@pytest.mark.parametrize("flags,needle", SPEED_FLAGS)
+def test_bad_speed_flags_exit_2_with_one_line(outcomes, request, flags, needle):
+    r = outcomes[f"speed-{request.node.callspec.id}"]
+    line = _exits_2_with_one_line(r)
+    assert needle in line, line
+    assert not os.path.exists(r["out"])

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.cli.argv_runner import run_batch
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.cli
@@ -66,23 +67,35 @@ def test_cli_fsdp_runs_the_sharded_step_on_every_process(tmp_path):
     assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--max-batch", "0"],
-        ["--start", "100", "--max-batch", "10"],
-        ["--model", "nope"],
-        ["--data", "synthetic", "--synthetic-shape", "3,x"],
-        ["--steps", "0"],
-        ["--nproc", "two"],
-        ["--plot", "curve.jpg"],
-        ["--json", "/dev/null/r.json"],
-    ],
-    ids=["max-batch", "start", "model", "shape", "steps", "nproc", "plot", "json"],
-)
-def test_bad_input_exits_2_with_one_line(args, tmp_path):
-    proc = run_cli("find-batch-size", "--device", "cpu", *args, timeout=60, cwd=str(tmp_path))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddpkit find-batch-size: error:"), proc.stderr
-    assert not os.listdir(tmp_path)  # nothing written
+BAD_INPUT = {
+    "max-batch": ["--max-batch", "0"],
+    "start": ["--start", "100", "--max-batch", "10"],
+    "model": ["--model", "nope"],
+    "shape": ["--data", "synthetic", "--synthetic-shape", "3,x"],
+    "steps": ["--steps", "0"],
+    "nproc": ["--nproc", "two"],
+    "plot": ["--plot", "curve.jpg"],
+    "json": ["--json", "/dev/null/r.json"],
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, dict]:
+    """Each BAD_INPUT command line, in an empty folder of its own, run in one helper interpreter
+    (tests/cli/argv_runner.py: they are all refused before any work starts): id -> its folder and
+    outcome."""
+    cases = {}
+    for name, args in BAD_INPUT.items():
+        cwd = tmp_path_factory.mktemp(f"bad-{name}")
+        cases[name] = {"argv": ["find-batch-size", "--device", "cpu", *args], "cwd": str(cwd)}
+    outcomes = run_batch(list(cases.values()))
+    return {name: {**c, **r} for (name, c), r in zip(cases.items(), outcomes)}
+
+
+@pytest.mark.parametrize("name", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(refused, name):
+    r = refused[name]
+    assert r["code"] == 2, r["stderr"]
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpkit find-batch-size: error:"), r["stderr"]
+    assert not os.listdir(r["cwd"])  # nothing written

@@ -13,6 +13,7 @@ import pytest
 
 from ddpkit.cli import run as run_command
 from ddpkit.errors import UsageError
+from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import free_port
 from tests.conftest import clean_env, run_cli
 
@@ -67,49 +68,73 @@ def test_runs_a_ddpkit_runtime_script(script):
     assert proc.stdout.count("world 2 total 1") == 1  # rt.print: rank 0 only
 
 
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`ddpkit run --nproc 2 SCRIPT --fail`, whose rank 1 raises: one run for the two tests of
+    what it prints."""
+    path = tmp_path_factory.mktemp("failed") / "script.py"
+    path.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    return run_cli("run", "--nproc", "2", str(path), "--fail")
+
+
 @pytest.mark.cli
-def test_failing_script_names_the_rank(script):
-    proc = run_cli("run", "--nproc", "2", script(TORCHRUN_SCRIPT), "--fail")
+def test_failing_script_names_the_rank(failed):
+    proc = failed  # --nproc 2 SCRIPT --fail
     assert proc.returncode == 1
     assert "rank one gives up" in proc.stderr  # the worker's own traceback is shown
     assert re.match(r"ddpkit run: rank 1 (\(pid \d+\) )?on ", proc.stderr.strip().splitlines()[-1])
 
 
+BAD_INPUT = [
+    (["nosuch.py"], "nosuch.py"),
+    (["--nnodes", "2", "{S}"], "--master-addr"),
+    (["--nnodes", "3:2", "{S}"], "--nnodes"),
+    (["--nproc", "0", "{S}"], "--nproc"),
+    (["--max-restarts", "-1", "{S}"], "--max-restarts"),
+    # refused in this process, before any worker starts (a missing module was exit 1 after them)
+    (["-m", "missing_module"], "-m missing_module: no such module"),
+    (["--no-python", "no-such-program-here"], "--no-python no-such-program-here"),
+    (["--no-python", "-m", "json.tool"], "--no-python"),
+    # ports outside 1..65535 were an OverflowError traceback
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000", "{S}"], "--master-port"),
+    (["--master_port", "-1", "{S}"], "--master-port"),
+    (["--node-rank", "-1", "{S}"], "--node-rank"),
+    (["--rdzv-endpoint", "localhost:99999", "{S}"], "--rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:0", "{S}"], "--rdzv-endpoint"),
+    (["--rdzv-backend", "etcd", "{S}"], "--rdzv-backend etcd"),
+    (["--rdzv-conf", "store_type=file", "{S}"], "--rdzv-conf store_type"),
+    (["--standalone", "--nnodes", "2", "{S}"], "--standalone"),
+    (["--local-ranks-filter", "first", "{S}"], "--local-ranks-filter"),
+    (["--redirects", "9", "{S}"], "--redirects"),
+    (["--start-method", "thread", "{S}"], "--start-method"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> list[dict]:
+    """Each BAD_INPUT command line with {S} a script that would run, in a folder of its own with
+    a --log-dir there, run in one helper interpreter (tests/cli/argv_runner.py: they are all
+    refused before any worker starts): their outcomes and log folders, in order."""
+    cases = []
+    for i, (args, _) in enumerate(BAD_INPUT):
+        root = tmp_path_factory.mktemp(f"bad{i}")
+        path = root / "script.py"
+        path.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+        logs = root / "logs"
+        argv = ["run", "--log-dir", str(logs), *[a.replace("{S}", str(path)) for a in args]]
+        cases.append({"argv": argv, "cwd": str(root), "logs": logs})
+    outcomes = run_batch([{"argv": c["argv"], "cwd": c["cwd"]} for c in cases])
+    return [{**c, **r} for c, r in zip(cases, outcomes)]
+
+
 @pytest.mark.cli
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["nosuch.py"], "nosuch.py"),
-        (["--nnodes", "2", "{S}"], "--master-addr"),
-        (["--nnodes", "3:2", "{S}"], "--nnodes"),
-        (["--nproc", "0", "{S}"], "--nproc"),
-        (["--max-restarts", "-1", "{S}"], "--max-restarts"),
-        # refused in this process, before any worker starts (a missing module was exit 1 after them)
-        (["-m", "missing_module"], "-m missing_module: no such module"),
-        (["--no-python", "no-such-program-here"], "--no-python no-such-program-here"),
-        (["--no-python", "-m", "json.tool"], "--no-python"),
-        # ports outside 1..65535 were an OverflowError traceback
-        (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000", "{S}"], "--master-port"),
-        (["--master_port", "-1", "{S}"], "--master-port"),
-        (["--node-rank", "-1", "{S}"], "--node-rank"),
-        (["--rdzv-endpoint", "localhost:99999", "{S}"], "--rdzv-endpoint"),
-        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:0", "{S}"], "--rdzv-endpoint"),
-        (["--rdzv-backend", "etcd", "{S}"], "--rdzv-backend etcd"),
-        (["--rdzv-conf", "store_type=file", "{S}"], "--rdzv-conf store_type"),
-        (["--standalone", "--nnodes", "2", "{S}"], "--standalone"),
-        (["--local-ranks-filter", "first", "{S}"], "--local-ranks-filter"),
-        (["--redirects", "9", "{S}"], "--redirects"),
-        (["--start-method", "thread", "{S}"], "--start-method"),
-    ],
-)
-def test_bad_input(script, tmp_path, args, needle):
-    path = script(TORCHRUN_SCRIPT)
-    logs = tmp_path / "logs"
-    proc = run_cli("run", "--log-dir", str(logs), *[a.replace("{S}", path) for a in args], cwd=str(tmp_path))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
-    assert not logs.exists() and proc.stdout == ""  # nothing written, nothing started
+@pytest.mark.parametrize("args,needle", BAD_INPUT)
+def test_bad_input(refused, args, needle):
+    r = refused[BAD_INPUT.index((args, needle))]
+    assert r["code"] == 2, r["stderr"][-2000:]
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r["stderr"]
+    assert not r["logs"].exists() and r["stdout"] == ""  # nothing written, nothing started
 
 
 # -- torchrun's command line ----------------------------------------------------------------------
@@ -318,8 +343,8 @@ def test_the_console_has_one_prefix_per_line_and_none_on_blank_lines(script):
 
 
 @pytest.mark.cli
-def test_a_traceback_gets_one_prefix_and_no_launcher_frames(script):
-    proc = run_cli("run", "--nproc", "2", script(TORCHRUN_SCRIPT), "--fail")
+def test_a_traceback_gets_one_prefix_and_no_launcher_frames(failed):
+    proc = failed  # --nproc 2 SCRIPT --fail
     assert proc.returncode == 1
     assert "[rank1]: Traceback" in proc.stderr and "[rank1]: [rank1]:" not in proc.stderr
     assert "runpy" not in proc.stderr and "ddpkit/launcher" not in proc.stderr

@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import ok
 from tests.conftest import clean_env, run_cli
 from tests.core.small_disk import small_disk
@@ -103,32 +104,48 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
     assert not (out / ".lock").exists()
 
 
-@pytest.mark.parametrize(
-    "name, target",
-    [
-        ("checkpoints", "outside-dir"),
-        ("metrics.jsonl", "outside-file"),
-        ("results.json", "dangling"),
-        ("checkpoints/step-00000005.pt", "outside-file"),
-    ],
-)
-def test_links_where_a_run_writes_are_refused_and_their_targets_untouched(tmp_path, name, target):
-    out, outside = tmp_path / "out", tmp_path / "outside"
-    (out / "checkpoints").mkdir(parents=True)
-    outside.mkdir()
-    (outside / "file").write_text("not yours\n")
-    if name == "checkpoints":
-        (out / "checkpoints").rmdir()
-    to = {"outside-dir": outside, "outside-file": outside / "file", "dangling": tmp_path / "nowhere" / "x"}[target]
-    os.symlink(to, out / name)
-    proc = run_cli(*TRAIN, "--nproc", "1", "--epochs", "1", "--out", str(out), "--resume", "auto")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+LINKS = [
+    ("checkpoints", "outside-dir"),
+    ("metrics.jsonl", "outside-file"),
+    ("results.json", "dangling"),
+    ("checkpoints/step-00000005.pt", "outside-file"),
+]
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """`ddpkit train --nproc 1 --epochs 1 --resume auto` into an --out holding one link of LINKS
+    each, made ready in folders of their own and run in one helper interpreter (they are all
+    refused before any worker starts; tests/cli/argv_runner.py): (name, target) -> the folder,
+    where the link points, and the outcome."""
+    cases = {}
+    for i, (name, target) in enumerate(LINKS):
+        root = tmp_path_factory.mktemp(f"link{i}")
+        out, outside = root / "out", root / "outside"
+        (out / "checkpoints").mkdir(parents=True)
+        outside.mkdir()
+        (outside / "file").write_text("not yours\n")
+        if name == "checkpoints":
+            (out / "checkpoints").rmdir()
+        to = {"outside-dir": outside, "outside-file": outside / "file", "dangling": root / "nowhere" / "x"}[target]
+        os.symlink(to, out / name)
+        argv = [*TRAIN, "--nproc", "1", "--epochs", "1", "--out", str(out), "--resume", "auto"]
+        cases[name, target] = {"root": root, "out": out, "to": to, "argv": argv, "cwd": str(root)}
+    outcomes = run_batch([{"argv": c["argv"], "cwd": c["cwd"]} for c in cases.values()])
+    return {key: {**c, **r} for (key, c), r in zip(cases.items(), outcomes)}
+
+
+@pytest.mark.parametrize("name, target", LINKS)
+def test_links_where_a_run_writes_are_refused_and_their_targets_untouched(linked, name, target):
+    r = linked[name, target]
+    out, outside, to = r["out"], r["root"] / "outside", r["to"]
+    assert r["code"] == 2, r["stderr"][-2000:]
+    assert r["stderr"].strip().splitlines() == [
         f"ddpkit train: error: --out {out}: {out / name} is a symbolic link (to {to}); a run writes only real files "
         f"in its directory: remove the link"
     ]
     assert sorted(os.listdir(outside)) == ["file"] and (outside / "file").read_text() == "not yours\n"
-    assert not (tmp_path / "nowhere").exists()
+    assert not (r["root"] / "nowhere").exists()
     assert sorted(p.name for p in out.iterdir()) == sorted({"checkpoints", name.split("/")[0]})  # nothing written
 
 

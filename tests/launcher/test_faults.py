@@ -25,14 +25,14 @@ from tests.conftest import clean_env
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
-# 16 steps an epoch, 32 in all, a checkpoint every 4 steps
-RUN = ("train", "--data", "synthetic", "--synthetic-size", "1024", "--epochs", "2", "--device", "cpu")
-RUN += ("--checkpoint-every", "4", "--nproc", "2")
+# The session's `two_process_run` (tests/conftest.py) with a checkpoint every 4 steps: 23 steps an
+# epoch on digits, 46 in all
+RUN = ("train", "--epochs", "2", "--device", "cpu", "--checkpoint-every", "4", "--nproc", "2")
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
+def _start(out: Path, *extra: str, run: tuple[str, ...] = RUN) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *RUN, *extra, "--out", str(out)],
+        [sys.executable, "-m", "ddpkit", *run, *extra, "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -67,11 +67,10 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference")
-    proc = _start(out)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+def reference(two_process_run) -> dict[str, torch.Tensor]:
+    """The weights of RUN uninterrupted: the session's run of its flags but --checkpoint-every."""
+    out, proc = two_process_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
     return _weights(out)
 
 
@@ -90,7 +89,7 @@ MOMENTS = [
     ("right after the first checkpoint", _checkpoint(4), 0.0, 0),
     ("in the middle of an epoch", _checkpoint(8), 0.15, -1),
     ("at the end of the first epoch", _epoch_logged, 0.0, 0),
-    ("after the last checkpoint", _checkpoint(32), 0.0, -1),
+    ("after the last checkpoint", _checkpoint(46), 0.0, -1),
 ]
 
 
@@ -227,13 +226,15 @@ def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
     assert not alive, "script workers outlived their launcher"
 
 
-def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(tmp_path):
-    fsdp = ("--strategy", "fsdp")
-    reference = _start(tmp_path / "reference", *fsdp)
-    _, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err[-2000:]
+# RUN under fsdp: the session's `fsdp_two_process_run` (tests/conftest.py) with a checkpoint every 4 steps
+FSDP_RUN = (*RUN, "--strategy", "fsdp")
+
+
+def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_the_same(fsdp_two_process_run, tmp_path):
+    reference, done = fsdp_two_process_run  # the same run, uninterrupted and without --checkpoint-every
+    assert done.returncode == 0, done.stderr[-2000:]
     out = tmp_path / "run"
-    proc = _start(out, *fsdp, "--max-restarts", "1")
+    proc = _start(out, "--max-restarts", "1", run=FSDP_RUN)
     _wait_for(proc, lambda: (out / "checkpoints" / "step-00000008" / ".metadata").exists(), "a sharded checkpoint")
     time.sleep(0.15)  # into the next steps, with the write of 8 done or under way in the background
     victim = _workers(proc)[-1]
@@ -244,5 +245,5 @@ def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_th
     assert len(restart) == 1 and f"(pid {victim}) was killed by SIGKILL" in restart[0], stdout + stderr
     assert re.search(r"resumed from \S+/checkpoints/step-000000\d\d at step", restart[0]), restart[0]
     assert not list((out / "checkpoints").glob(".tmp-*"))  # the interrupted writes were pruned or finished
-    ref, got = _weights(tmp_path / "reference"), _weights(out)
+    ref, got = _weights(reference), _weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill under fsdp"

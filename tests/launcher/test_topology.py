@@ -98,23 +98,11 @@ def test_under_torchrun_the_topology_is_the_launchers(monkeypatch):
 
 @pytest.mark.cli
 @pytest.mark.slow
-def test_two_jobs_started_together_do_not_collide(tmp_path):
-    args = ["train", "--epochs", "1", "--nproc", "2", "--device", "cpu"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", *args, "--out", str(tmp_path / f"job{i}")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-        )
-        for i in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-    for i in range(2):
-        assert json.loads((tmp_path / f"job{i}" / "results.json").read_text())["world_size"] == 2
+def test_two_jobs_started_together_do_not_collide(jobs_started_together):
+    # `--epochs 1 --nproc 2`, started at the same moment (tests/conftest.py; one of them compiles)
+    for out, proc in jobs_started_together.values():
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads((out / "results.json").read_text())["world_size"] == 2
 
 
 def _slurm_env(rank: int, ntasks: int, port: int) -> dict:

@@ -2,8 +2,8 @@
 uninterrupted 2-process `ddpkit train --epochs 2` run that the invariance and resume tests compare
 with (the session's `two_process_run`, tests/conftest.py); `one_process`, the same on one process;
 `stopped(step)`, that run stopped at a step; and `three_checkpoints`, a finished one-process run
-with several checkpoints. Tests that continue or damage a run work on their own copy
-(helpers.copied)."""
+with several checkpoints (the session's `one_epoch_run`). Tests that continue or damage a run work
+on their own copy (helpers.copied)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ def stopped(tmp_path_factory):
 
 
 @pytest.fixture(scope="package")
-def three_checkpoints(tmp_path_factory):
+def three_checkpoints(one_epoch_run):
     """A finished one-epoch run on one process that checkpointed every 5 steps and kept the
-    newest 3: steps 15, 20 and 23 (the epoch's end)."""
-    out = tmp_path_factory.mktemp("three") / "out"
-    train(out, "--nproc", "1", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "3")
-    return out
+    newest 3: steps 15, 20 and 23 (the epoch's end). The session's `one_epoch_run`
+    (tests/conftest.py)."""
+    return one_epoch_run[0]

@@ -11,7 +11,7 @@ import pytest
 from ddpkit.data import DATASETS
 from ddpkit.trainer import TrainConfig, resolve
 from ddpkit.trainer.config import load_config_file
-from tests.conftest import run_cli, run_train
+from tests.conftest import run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -59,10 +59,13 @@ def test_toy_config_trains_to_accuracy_one(tmp_path):
     assert json.loads((tmp_path / "run/results.json").read_text())["test_accuracy"] == 1.0
 
 
-@pytest.mark.cli
-@pytest.mark.slow
+@pytest.mark.unit
 def test_model_recipe_defaults_yield_to_yaml_and_flags(tmp_path):
-    import yaml
+    # The layering is settled before anything runs: `ddpkit train` parses its command line
+    # (cli.train.parse) and resolves the plan, whose cfg rank 0 writes to config.yaml as it is
+    # (real runs' config.yaml: cli/test_train.py, with a file under flags, and
+    # bench/test_fast_cifar.py, with this recipe).
+    from ddpkit.cli.train import parse
 
     base = (
         "--model",
@@ -77,13 +80,13 @@ def test_model_recipe_defaults_yield_to_yaml_and_flags(tmp_path):
         "1",
         "--eval-batch-size",
         "64",
+        "--device",
+        "cpu",
     )
-    _, _, out = run_train(tmp_path, "recipe", *base)
-    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg = resolve(parse(base)).cfg.to_dict()
     assert (cfg["batch_size"], cfg["label_smoothing"], cfg["augment"]) == (1024, 0.2, "crop-flip")
     assert cfg["precision"] == "fp32" and not cfg["channels_last"]  # the GPU part of the recipe: not on CPU
     conf = tmp_path / "c.yaml"
     conf.write_text("label_smoothing: 0.1\nbatch_size: 32\n")
-    _, _, out = run_train(tmp_path, "override", *base, "--config", str(conf), "--batch-size", "16")
-    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg = resolve(parse([*base, "--config", str(conf), "--batch-size", "16"])).cfg.to_dict()
     assert (cfg["label_smoothing"], cfg["batch_size"], cfg["lr"]) == (0.1, 16, 0.4)

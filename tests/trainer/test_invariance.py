@@ -4,10 +4,11 @@ stopped at any step and resumed, on any number of processes, ends where an unint
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from tests.trainer.helpers import ATOL_46_STEPS, copied, max_diff, train
+from tests.trainer.helpers import ATOL_46_STEPS, copied, finished, max_diff, train
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -50,13 +51,19 @@ def test_resume_on_another_number_of_processes(straight, stopped, tmp_path, npro
     assert max_diff(resumed["weights"], straight["weights"]) < ATOL_46_STEPS
 
 
-def test_fsdp_resumes_across_world_sizes_and_strategies(straight, tmp_path):
-    fsdp = train(tmp_path / "fsdp", "--nproc", "2", "--strategy", "fsdp")  # uninterrupted
+def test_fsdp_resumes_across_world_sizes_and_strategies(straight, fsdp_two_process_run, tmp_path):
+    fsdp = finished(*fsdp_two_process_run)  # uninterrupted: --nproc 2 --strategy fsdp (tests/conftest.py)
     assert max_diff(fsdp["weights"], straight["weights"]) < ATOL_46_STEPS
     assert fsdp["results"]["test_accuracy"] == straight["results"]["test_accuracy"]
     # fsdp on 2 -> fsdp on 3 (uneven shards) -> one process (ddp) -> fsdp on 2, each resumed mid-epoch
     out = tmp_path / "chain"
     train(out, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "12", "--checkpoint-every", "6")
+    # on the same number of processes, a resumed fsdp run is bit-identical to the uninterrupted one
+    same = shutil.copytree(out, tmp_path / "same")  # stopped mid-epoch at 12, before the damage below
+    resumed = train(same, "--nproc", "2", "--strategy", "fsdp", "--resume", "auto")
+    assert "step-00000012 at step 12" in resumed["stdout"]
+    assert max_diff(resumed["weights"], fsdp["weights"]) == 0.0
+    assert resumed["results"]["final_train_loss"] == fsdp["results"]["final_train_loss"]
     sharded = out / "checkpoints" / "step-00000012"
     assert sorted(p.name for p in sharded.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
     shard = sharded / "__1_0.distcp"
@@ -71,9 +78,3 @@ def test_fsdp_resumes_across_world_sizes_and_strategies(straight, tmp_path):
     last = train(out, "--nproc", "2", "--strategy", "fsdp", "--resume", "auto")
     assert last["results"]["steps"] == 46
     assert max_diff(last["weights"], straight["weights"]) < ATOL_46_STEPS
-    # on the same number of processes, a resumed fsdp run is bit-identical to the uninterrupted one
-    same = tmp_path / "same"
-    train(same, "--nproc", "2", "--strategy", "fsdp", "--max-steps", "30")
-    resumed = train(same, "--nproc", "2", "--strategy", "fsdp", "--resume", "auto")
-    assert max_diff(resumed["weights"], fsdp["weights"]) == 0.0
-    assert resumed["results"]["final_train_loss"] == fsdp["results"]["final_train_loss"]

@@ -5,15 +5,11 @@ unit; and the README shows the summary `ddpkit train` prints."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 import torch
@@ -93,35 +89,12 @@ def test_a_restart_after_the_last_checkpoint_reports_the_run_that_trained(tmp_pa
     assert r["samples_per_second"] == pytest.approx(basis["samples"] / basis["train_seconds"])  # it was 0
 
 
-def stderr_on_a_terminal(args: list[str]) -> tuple[str, str]:
-    """Run `python -m ddpkit ARGS` with its stderr on a pseudo-terminal (where the progress bar
-    shows); returns what it wrote to stdout and to the terminal."""
-    parent, child = pty.openpty()
-    # A new terminal is 0 columns wide, and tqdm draws a bar of that width: nothing.
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *args], stdout=subprocess.PIPE, stderr=child, env=clean_env()
-    )
-    os.close(child)
-    seen = []
-    while True:
-        try:
-            chunk = os.read(parent, 65536)
-        except OSError:  # EIO: the program's end of the terminal is closed
-            break
-        if not chunk:
-            break
-        seen.append(chunk)
-    os.close(parent)
-    stdout = proc.stdout.read().decode()
-    assert proc.wait(timeout=300) == 0, b"".join(seen).decode(errors="replace")[-3000:]
-    return stdout, b"".join(seen).decode(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def on_a_terminal(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tty") / "out"
-    return stderr_on_a_terminal(["train", "--epochs", "1", "--log-every", "5", "--device", "cpu", "--out", str(out)])
+def on_a_terminal(one_epoch_run):
+    """What the session's one-epoch run on a pseudo-terminal (tests/conftest.py) printed: its
+    stdout and what its terminal showed."""
+    _, stdout, terminal = one_epoch_run
+    return stdout, terminal
 
 
 def test_the_progress_bar_shows_samples_per_second_as_a_unit(on_a_terminal):
@@ -145,16 +118,15 @@ def test_the_readme_shows_the_summary_train_prints(on_a_terminal):
 
 
 @pytest.mark.slow
-def test_a_compiled_run_on_two_processes_trains_as_the_eager_one(tmp_path):
+def test_a_compiled_run_on_two_processes_trains_as_the_eager_one(jobs_started_together):
     # Compiled around DDP, nothing was compiled; compiled inside it, torch 2.13's inductor
     # zeroed the convolutions' gradients at 32 samples per rank unless told not to reorder.
+    # Both: `--nproc 2 --epochs 1`, the second with --compile (tests/conftest.py).
     weights = {}
-    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
-        out = tmp_path / name
-        proc = run_cli("train", "--nproc", "2", "--epochs", "1", "--device", "cpu", "--out", str(out), *extra)
+    for name, (out, proc) in jobs_started_together.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "torch.compile produced no graph" not in proc.stderr
         weights[name] = torch.load(out / "model.pt", weights_only=True)
-    assert json.loads((tmp_path / "compiled" / "results.json").read_text())["compile_seconds"] > 0
+    assert json.loads((jobs_started_together["compiled"][0] / "results.json").read_text())["compile_seconds"] > 0
     diff = max((weights["compiled"][k] - weights["eager"][k]).abs().max().item() for k in weights["eager"])
     assert diff < 1e-4  # inductor's kernels round differently; the bug made it 1e-1

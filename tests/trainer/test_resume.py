@@ -1,17 +1,87 @@
 """`resume`: `--resume auto` skips a damaged newest checkpoint (saying so), refuses a run it
 cannot continue, a changed learning rate, or a folder whose checkpoints are all damaged; a
 checkpoint with wrong entries is one line and exit 2; and a fresh run will not reuse a folder
-with checkpoints; nothing is lost either way."""
+with checkpoints; nothing is lost either way.
+
+The refused command lines all end before any worker starts: they run together in one helper
+interpreter (`refused`, through tests/cli/argv_runner.py, whose cases exit as `python -m ddpkit`
+does: tests/cli/test_bad_flags.py and test_bad_input.py compare them with real processes), each on
+a copy of its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.cli.argv_runner import run_batch
 from tests.conftest import run_cli
 from tests.trainer.helpers import COMMON, copied, max_diff, train
 
 pytestmark = pytest.mark.cli
+
+CANNOT_CONTINUE = {"model": ("--model", "mlp"), "batch-size": ("--batch-size", "32"), "seed": ("--seed", "1")}
+CANNOT_CONTINUE["already-finished"] = ("--epochs", "1")
+
+
+def _set(key, value):
+    def change(state):
+        state["run"][key] = value
+
+    return change
+
+
+def _drop(key):
+    def change(state):
+        del state["run"][key]
+
+    return change
+
+
+WRONG_ENTRIES = {
+    "epoch-str": (_set("epoch", "1"), "'epoch' is '1'"),  # a TypeError in the plan before
+    "rng-short": (_set("rng", []), "0 random states for world size 1"),  # an IndexError in every worker
+    "no-history": (_drop("history"), "no 'history'"),  # a KeyError in every worker
+    "lr-tensor": (_set("lr", torch.tensor([0.05, 0.05])), "'lr' is Tensor"),  # "ambiguous truth value"
+}
+
+
+def _files(*paths) -> dict:
+    """Each file under `paths` (or the file itself) -> its bytes."""
+    files = [f for p in paths for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+    return {f: f.read_bytes() for f in files}
+
+
+@pytest.fixture(scope="module")
+def refused(three_checkpoints, tmp_path_factory) -> dict[str, dict]:
+    """The command lines this file expects refused, each on its own copy of `three_checkpoints`
+    (a finished one-epoch run on one process) or with a checkpoint of it changed, made ready and
+    run in one helper interpreter: id -> {"out", "argv", "code", "stdout", "stderr", ...}."""
+    root, cases = tmp_path_factory.mktemp("refused"), {}
+
+    def case(name: str, *args: str, out=None, **more) -> dict:
+        out = out or copied(three_checkpoints, root / name)
+        cases[name] = {"out": out, "argv": [*COMMON, "--out", str(out), *args], "cwd": str(root), **more}
+        return cases[name]
+
+    for name, change in CANNOT_CONTINUE.items():
+        c = case(name, "--nproc", "1", "--resume", "auto", *change)
+        c["before"] = _files(c["out"] / "checkpoints"), _files(c["out"] / "metrics.jsonl")
+    c = case("fresh", "--nproc", "1")  # forgot --resume auto
+    c["before"] = sorted(p.name for p in (c["out"] / "checkpoints").iterdir())
+    case("lr", "--nproc", "1", "--resume", "auto", "--lr", "0.01")  # one epoch of two: one left to train
+    c = case("none-usable", "--nproc", "1", "--resume", "auto")
+    for path in (c["out"] / "checkpoints").iterdir():
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    c["before"] = _files(c["out"] / "checkpoints", c["out"] / "metrics.jsonl", c["out"] / "results.json")
+    for name, (change, _) in WRONG_ENTRIES.items():
+        state = torch.load(three_checkpoints / "checkpoints" / "step-00000015.pt", weights_only=True)
+        change(state)
+        (root / name).mkdir()
+        path = root / name / "bad.pt"
+        torch.save(state, path)
+        case(name, "--nproc", "2", "--resume", str(path), out=root / name / "new", path=path)
+    outcomes = run_batch([{"argv": c["argv"], "cwd": c["cwd"]} for c in cases.values()])
+    return {name: {**c, **r} for (name, c), r in zip(cases.items(), outcomes)}
 
 
 @pytest.mark.slow
@@ -28,37 +98,28 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(straight, stopped, tmp_pa
     assert max_diff(resumed["weights"], straight["weights"]) == 0.0  # 23 -> 46 replays exactly
 
 
-@pytest.mark.parametrize(
-    "change",
-    [("--model", "mlp"), ("--batch-size", "32"), ("--seed", "1"), ("--epochs", "1")],
-    ids=["model", "batch-size", "seed", "already-finished"],
-)
-def test_resume_auto_refuses_a_run_it_cannot_continue(three_checkpoints, tmp_path, change):
+@pytest.mark.parametrize("change", CANNOT_CONTINUE)
+def test_resume_auto_refuses_a_run_it_cannot_continue(refused, change):
     # Starting afresh would overwrite the run's metrics and checkpoints: refuse, lose nothing.
-    out = copied(three_checkpoints, tmp_path)  # a finished one-epoch run on one process
-    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    metrics = (out / "metrics.jsonl").read_bytes()
-    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", *change)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = proc.stderr.strip()
-    assert "\n" not in line and "--resume auto" in line and (change[0] in line or "finished" in line)
-    assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
-    assert (out / "metrics.jsonl").read_bytes() == metrics
+    r = refused[change]  # --nproc 1 --resume auto CHANGE, on a copy of a finished one-epoch run
+    assert r["code"] == 2, r["stderr"][-2000:]
+    line = r["stderr"].strip()
+    flag = CANNOT_CONTINUE[change][0]
+    assert "\n" not in line and "--resume auto" in line and (flag in line or "finished" in line)
+    checkpoints, metrics = r["before"]
+    assert _files(r["out"] / "checkpoints") == checkpoints
+    assert _files(r["out"] / "metrics.jsonl") == metrics
 
 
-def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(three_checkpoints, tmp_path):
-    out = copied(three_checkpoints, tmp_path)
-    before = sorted(p.name for p in (out / "checkpoints").iterdir())
-    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out))  # forgot --resume auto
-    assert proc.returncode == 2 and "--resume auto" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+def test_a_fresh_run_will_not_reuse_a_folder_with_checkpoints(refused):
+    r = refused["fresh"]  # --nproc 1 without --resume auto, on a copy of the run
+    assert r["code"] == 2 and "--resume auto" in r["stderr"] and len(r["stderr"].strip().splitlines()) == 1
+    assert sorted(p.name for p in (r["out"] / "checkpoints").iterdir()) == r["before"]
 
 
-@pytest.mark.slow
-def test_resume_refuses_a_changed_learning_rate(three_checkpoints, tmp_path):
-    out = copied(three_checkpoints, tmp_path)  # one epoch of the two asked for below: one left to train
-    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto", "--lr", "0.01")
-    assert proc.returncode == 2 and "--lr" in proc.stderr  # the saved optimizer state would override it
+def test_resume_refuses_a_changed_learning_rate(refused):
+    r = refused["lr"]  # --resume auto --lr 0.01: one epoch of the two asked for is left to train
+    assert r["code"] == 2 and "--lr" in r["stderr"]  # the saved optimizer state would override it
 
 
 def _copy(run, tmp_path):
@@ -83,54 +144,20 @@ def test_resume_auto_names_each_checkpoint_it_skips_and_prunes_interrupted_write
     assert not (folder / ".tmp-k2j4.pt").exists() and not (out / ".tmp-9x.json").exists()
 
 
-def test_resume_auto_exits_2_when_checkpoints_exist_and_none_is_usable(three_checkpoints, tmp_path):
+def test_resume_auto_exits_2_when_checkpoints_exist_and_none_is_usable(refused):
     # Starting over from step 0 would silently throw the run's progress away.
-    out, folder = _copy(three_checkpoints, tmp_path)
-    for path in folder.iterdir():
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
-    before = {p: p.read_bytes() for p in [*folder.iterdir(), out / "metrics.jsonl", out / "results.json"]}
-    proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--resume auto: none of the 3 checkpoints" in lines[0], proc.stderr
+    r = refused["none-usable"]  # every checkpoint of the copy cut to a third
+    assert r["code"] == 2, r["stderr"][-2000:]
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1 and "--resume auto: none of the 3 checkpoints" in lines[0], r["stderr"]
     assert all(f"step-000000{s}.pt" in lines[0] for s in ("15", "20", "23"))
-    assert {p: p.read_bytes() for p in before} == before
+    assert _files(*r["before"]) == r["before"]
 
 
-def _set(key, value):
-    def change(state):
-        state["run"][key] = value
-
-    return change
-
-
-def _drop(key):
-    def change(state):
-        del state["run"][key]
-
-    return change
-
-
-@pytest.mark.parametrize(
-    "change, named",
-    [
-        (_set("epoch", "1"), "'epoch' is '1'"),  # a TypeError in the plan before
-        (_set("rng", []), "0 random states for world size 1"),  # an IndexError in every worker
-        (_drop("history"), "no 'history'"),  # a KeyError in every worker
-        (_set("lr", torch.tensor([0.05, 0.05])), "'lr' is Tensor"),  # "ambiguous truth value"
-    ],
-    ids=["epoch-str", "rng-short", "no-history", "lr-tensor"],
-)
-def test_a_checkpoint_with_wrong_entries_is_one_line_and_exit_2_before_any_worker(
-    three_checkpoints, tmp_path, change, named
-):
-    state = torch.load(three_checkpoints / "checkpoints" / "step-00000015.pt", weights_only=True)
-    change(state)
-    path = tmp_path / "bad.pt"
-    torch.save(state, path)
-    out = tmp_path / "new"
-    proc = run_cli(*COMMON, "--nproc", "2", "--out", str(out), "--resume", str(path))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"--resume: checkpoint {path}: damaged" in lines[0] and named in lines[0], lines
-    assert proc.stdout == "" and not out.exists()  # no worker started, nothing written
+@pytest.mark.parametrize("change", WRONG_ENTRIES)
+def test_a_checkpoint_with_wrong_entries_is_one_line_and_exit_2_before_any_worker(refused, change):
+    r, named = refused[change], WRONG_ENTRIES[change][1]  # step 15's checkpoint changed, --nproc 2
+    assert r["code"] == 2, r["stderr"][-2000:]
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1 and f"--resume: checkpoint {r['path']}: damaged" in lines[0] and named in lines[0], lines
+    assert r["stdout"] == "" and not r["out"].exists()  # no worker started, nothing written
