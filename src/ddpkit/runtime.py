@@ -325,7 +325,8 @@ class Runtime:
         if not self.step_ready:
             return False
         self._strategy.check_optimizer(optimizer)
-        self._acc.rescale(self._parameters(optimizer))
+        if self._acc.weighted:  # only then: listing the parameters costs time on every step
+            self._acc.rescale(self._parameters(optimizer))
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
