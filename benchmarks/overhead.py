@@ -1,0 +1,204 @@
+"""`python -m benchmarks overhead`: what ddpkit's runtime costs per step, in microseconds.
+
+A model so small that a step is mostly Python (an MLP 32 -> 64 -> 10, batch 32, one thread,
+SGD) is trained, in ONE process and alternating, by
+
+  (a) a hand-written loop over tensors held in memory: one permutation per epoch, then per step
+      `x[idx]`, the model, `cross_entropy`, `backward`, `opt.step()`,
+      `opt.zero_grad(set_to_none=True)`;
+  (b) ddpkit's runtime on one process: `rt.loader` over a TensorDataset (resident: batches are
+      index gathers, as in (a)), `rt.backward`, `rt.step`.
+
+Both read the same samples in the same order (ddpkit's global order for epoch e is
+`randperm(n, seed + e)`, which (a) draws too), so their weights stay bitwise equal, which is
+checked at the end. Each round runs a few epochs of each side, in an order swapped every
+round; every epoch is one block timed with `time.perf_counter` (the permutation included on
+both sides). A round's value per side is the median µs/step of its blocks; the result is the
+median over rounds of the paired difference ddpkit - hand-written, with a bootstrap 95%
+interval of that median (the rounds resampled). Paired rounds cancel most of the drift a
+shared machine adds, which a comparison of separate runs cannot.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TARGET_OVERHEAD_US = 2.0  # ddpkit's step minus the hand-written step, µs (median over rounds)
+DESCRIPTION = "µs per step of ddpkit's runtime over a hand-written loop on a tiny MLP, one process, alternating"
+SIDES = ("hand_written", "ddpkit")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What both loops train."""
+
+    features: int = 32
+    hidden: int = 64
+    classes: int = 10
+    batch: int = 32
+    steps_per_epoch: int = 64  # one timed block
+    epochs_per_round: int = 3  # blocks of each side per round
+    lr: float = 0.01
+    seed: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.batch * self.steps_per_epoch
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 200; --quick 6)")
+    parser.add_argument("--steps", type=int, default=64, help="steps per timed block, one epoch (default 64)")
+
+
+def run(opts: Any, device: str) -> dict[str, Any]:
+    import torch
+
+    from ddpkit.errors import UsageError
+
+    extra = opts.extra
+    rounds = extra.get("rounds") or opts.reps(200, 6)
+    work = Work(steps_per_epoch=extra.get("steps", 64))
+    if rounds < 2 or work.steps_per_epoch < 1:
+        raise UsageError("--rounds must be at least 2 and --steps at least 1")
+    threads = torch.get_num_threads()
+    try:
+        return _measure(work, rounds, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(work: Work, rounds: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from ddpkit.runtime import Runtime
+
+    with Runtime(strategy="ddp", device=device, seed=work.seed, cudnn_benchmark=False) as rt:
+        torch.set_num_threads(1)  # after the Runtime, which sets its own thread count
+        loops = _loops(work, rt)
+        for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
+            loops[side]()
+        times: dict[str, list[float]] = {s: [] for s in SIDES}
+        for r in range(rounds):
+            gc.collect()
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                blocks = [loops[side]() for _ in range(work.epochs_per_round)]
+                times[side].append(statistics.median(blocks) / work.steps_per_epoch * 1e6)
+        equal = _equal(loops["hand_written"].model, rt.unwrap(loops["ddpkit"].model))
+        return _result(work, rounds, times, equal, device)
+
+
+class _Loop:
+    """One side's model, optimizer and epoch counter; calling it trains one timed epoch."""
+
+    def __init__(self, model: Any, opt: Any, epoch: Any):
+        self.model, self.opt, self._epoch = model, opt, epoch
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        self._epoch()
+        return time.perf_counter() - t
+
+
+def _loops(work: Work, rt: Any) -> dict[str, _Loop]:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(work.seed)
+    x = torch.randn(work.samples, work.features, generator=g).to(rt.device)
+    y = torch.randint(0, work.classes, (work.samples,), generator=g).to(rt.device)
+    initial = _model(work)
+    hand = _model(work).to(rt.device)
+    hand.load_state_dict(initial.state_dict())
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=work.lr)
+    kit, kit_opt = rt.setup(initial, torch.optim.SGD(initial.parameters(), lr=work.lr))
+    loader = rt.loader(TensorDataset(x, y), batch_size=work.batch, seed=work.seed)
+    epoch = [0]
+
+    def hand_epoch() -> None:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[0])).to(x.device)
+        epoch[0] += 1
+        for k in range(0, len(x), work.batch):
+            idx = order[k : k + work.batch]
+            loss = F.cross_entropy(hand(x[idx]), y[idx])
+            loss.backward()
+            hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+
+    def kit_epoch() -> None:
+        for xb, yb in loader:
+            rt.backward(F.cross_entropy(kit(xb), yb))
+            rt.step(kit_opt)
+
+    return {"hand_written": _Loop(hand, hand_opt, hand_epoch), "ddpkit": _Loop(kit, kit_opt, kit_epoch)}
+
+
+def _model(work: Work) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(work.seed)
+    return nn.Sequential(nn.Linear(work.features, work.hidden), nn.ReLU(), nn.Linear(work.hidden, work.classes))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def bootstrap_median(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of `values`."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def _result(work: Work, rounds: int, times: dict[str, list[float]], equal: bool, device: str) -> dict[str, Any]:
+    from ddpkit.bench.common import stats
+
+    diffs = [k - h for h, k in zip(times["hand_written"], times["ddpkit"])]
+    low, high = bootstrap_median(diffs)
+    overhead = statistics.median(diffs)
+    return {
+        "method": (
+            f"one process ({device}, 1 thread); {rounds} rounds, each running {work.epochs_per_round} epochs of "
+            f"{work.steps_per_epoch} steps with each loop, in an order swapped every round. An epoch is one block "
+            "timed with time.perf_counter (the epoch's permutation included on both sides); a round's value per loop "
+            "is the median µs/step of its blocks. overhead_us: the median over rounds of the paired difference "
+            "ddpkit - hand-written, with a 95% percentile-bootstrap interval (4000 resamples of the rounds)."
+        ),
+        "work": {**asdict(work), "samples": work.samples, "model": "MLP 32-64-10 (Linear, ReLU, Linear), SGD"},
+        "rounds": rounds,
+        "us_per_step": {side: stats(times[side]) for side in SIDES},
+        "us_per_step_per_round": times,
+        "overhead_us": overhead,
+        "overhead_us_interval95": [low, high],
+        "overhead_us_per_round": stats(diffs),
+        "weights_equal": equal,
+        "target_overhead_us": TARGET_OVERHEAD_US,
+        "meets_target": high <= TARGET_OVERHEAD_US,
+        "resolved": high <= TARGET_OVERHEAD_US or low > TARGET_OVERHEAD_US,
+    }
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    hand, kit = (result["us_per_step"][s]["median"] for s in SIDES)
+    low, high = result["overhead_us_interval95"]
+    verdict = "met" if result["meets_target"] else ("missed" if result["resolved"] else "not resolved")
+    return [
+        ("µs/step hand-written / ddpkit (median)", f"{hand:.1f} / {kit:.1f}"),
+        (
+            "ddpkit overhead per step (median, 95% CI)",
+            f"{result['overhead_us']:+.2f} µs [{low:+.2f}, {high:+.2f}] (target <= {TARGET_OVERHEAD_US:g}: {verdict})",
+        ),
+        ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
+    ]
