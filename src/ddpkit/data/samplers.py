@@ -9,6 +9,7 @@ without padding, so every test sample is counted exactly once whatever the world
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -147,9 +148,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         """(start, stop, MicroBatch): this rank's remaining micro-batches of the epoch, as
         positions [start, stop) in the epoch's global order."""
-        if self.token_counts is None:
-            yield from self._spans()
-            return
+        return self._spans() if self.token_counts is None else self._token_spans()
+
+    def _token_spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         counts = self.token_counts[self.order()]  # in the epoch's order: a global batch is a slice
         total = {}  # the tokens of the global batch that starts at position `first`
         for start, stop, info in self._spans():
@@ -160,21 +161,46 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield start, stop, info
 
     def _spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
-        for step in range(self.start_step, self.steps_per_epoch):
-            first = step * self.global_batch
-            batch_len = min(self.global_batch, self.length - first)
-            offset, size = share(batch_len, self.world_size, self.rank)
-            micro = self.micro or max(1, size)
-            # A rank whose share is empty (a last batch smaller than the world) still takes
-            # one empty micro-batch: DDP needs every rank's backward to all-reduce.
-            starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
-            for _ in range(self._padding(batch_len, len(starts))):
-                # Empty micro-batches first (never the last, which reduces): under lockstep
-                # every rank runs as many forwards per step as the rank with the largest share.
-                yield first + offset, first + offset, MicroBatch(0, batch_len, False)
-            for i, start in enumerate(starts):
-                stop = min(start + micro, first + offset + size)
-                yield start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)
+        for first, layout in self._layouts():
+            for start, stop, info in layout:
+                yield first + start, first + stop, info
+
+    def steps(self) -> Iterator[tuple[int, tuple[tuple[int, int, MicroBatch], ...]]]:
+        """(first, layout) for each remaining global batch of the epoch: its first position in the
+        epoch's order, and this rank's micro-batches of it as (start, stop, MicroBatch) counted
+        from `first`. What `spans()` yields, cheaper to step through: the full global batches
+        share one layout (and MicroBatch records, which are frozen), and no Python code runs per
+        step to make them, since the runtime's loader reads this once per step. With
+        `token_counts` every micro-batch has a record of its own (its tokens), from `spans()`."""
+        if self.token_counts is not None:
+            return ((0, (span,)) for span in self._token_spans())
+        return self._layouts()
+
+    def _layouts(self) -> Iterator[tuple[int, tuple[tuple[int, int, MicroBatch], ...]]]:
+        size = self.global_batch
+        full = self.length // size  # global batches of `size` samples
+        plan: Iterator[Any] = zip(
+            range(self.start_step * size, full * size, size), itertools.repeat(self._layout(size))
+        )
+        if self.steps_per_epoch > max(full, self.start_step):  # a last, shorter global batch
+            plan = itertools.chain(plan, [(full * size, self._layout(self.length - full * size))])
+        return plan
+
+    def _layout(self, batch_len: int) -> tuple[tuple[int, int, MicroBatch], ...]:
+        """This rank's micro-batches of a global batch of `batch_len` samples, as (start, stop,
+        MicroBatch) with positions counted from the batch's first sample."""
+        offset, size = share(batch_len, self.world_size, self.rank)
+        micro = self.micro or max(1, size)
+        # A rank whose share is empty (a last batch smaller than the world) still takes
+        # one empty micro-batch: DDP needs every rank's backward to all-reduce.
+        starts = list(range(offset, offset + size, micro)) or [offset]
+        # Empty micro-batches first (never the last, which reduces): under lockstep every rank
+        # runs as many forwards per step as the rank with the largest share.
+        layout = [(offset, offset, MicroBatch(0, batch_len, False))] * self._padding(batch_len, len(starts))
+        for i, start in enumerate(starts):
+            stop = min(start + micro, offset + size)
+            layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)))
+        return tuple(layout)
 
     def _padding(self, batch_len: int, count: int) -> int:
         """Empty micro-batches this rank adds to its `count` for a global batch of `batch_len`."""
