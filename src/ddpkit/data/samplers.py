@@ -92,6 +92,22 @@ class MicroBatch:
         return self.step_size if self.step_tokens is None else self.step_tokens
 
 
+Layout = tuple[tuple[int, int, MicroBatch], ...]  # a global batch's micro-batches on one rank
+
+
+def shifted(layout: Layout, firsts: range) -> Iterator[tuple[int, int, MicroBatch]]:
+    """The spans of `layout` (positions from a global batch's first sample) for global batches
+    starting at each of `firsts`."""
+    if len(layout) == 1:  # one micro-batch per step: ranges and a repeat, no Python code per step
+        ((start, stop, info),) = layout
+        return zip(_shift(firsts, start), _shift(firsts, stop), itertools.repeat(info))
+    return ((first + start, first + stop, info) for first in firsts for start, stop, info in layout)
+
+
+def _shift(r: range, by: int) -> range:
+    return range(r.start + by, r.stop + by, r.step)
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches, cut from one global order that ignores the world size.
 
@@ -161,32 +177,18 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield start, stop, info
 
     def _spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
-        for first, layout in self._layouts():
-            for start, stop, info in layout:
-                yield first + start, first + stop, info
-
-    def steps(self) -> Iterator[tuple[int, tuple[tuple[int, int, MicroBatch], ...]]]:
-        """(first, layout) for each remaining global batch of the epoch: its first position in the
-        epoch's order, and this rank's micro-batches of it as (start, stop, MicroBatch) counted
-        from `first`. What `spans()` yields, cheaper to step through: the full global batches
-        share one layout (and MicroBatch records, which are frozen), and no Python code runs per
-        step to make them, since the runtime's loader reads this once per step. With
-        `token_counts` every micro-batch has a record of its own (its tokens), from `spans()`."""
-        if self.token_counts is not None:
-            return ((0, (span,)) for span in self._token_spans())
-        return self._layouts()
-
-    def _layouts(self) -> Iterator[tuple[int, tuple[tuple[int, int, MicroBatch], ...]]]:
-        size = self.global_batch
-        full = self.length // size  # global batches of `size` samples
-        plan: Iterator[Any] = zip(
-            range(self.start_step * size, full * size, size), itertools.repeat(self._layout(size))
-        )
+        """Every full global batch is cut alike: its layout is made once per pass, its MicroBatch
+        records shared (they are frozen), and when a rank's share is one micro-batch the spans
+        come from itertools alone, with no Python code per step (the runtime's loader reads
+        one per step)."""
+        size, full = self.global_batch, self.length // self.global_batch  # full: batches of `size` samples
+        plan = shifted(self._layout(size), range(self.start_step * size, full * size, size))
         if self.steps_per_epoch > max(full, self.start_step):  # a last, shorter global batch
-            plan = itertools.chain(plan, [(full * size, self._layout(self.length - full * size))])
+            last = range(full * size, full * size + 1)
+            plan = itertools.chain(plan, shifted(self._layout(self.length - full * size), last))
         return plan
 
-    def _layout(self, batch_len: int) -> tuple[tuple[int, int, MicroBatch], ...]:
+    def _layout(self, batch_len: int) -> Layout:
         """This rank's micro-batches of a global batch of `batch_len` samples, as (start, stop,
         MicroBatch) with positions counted from the batch's first sample."""
         offset, size = share(batch_len, self.world_size, self.rank)
