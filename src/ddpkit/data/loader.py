@@ -193,17 +193,16 @@ class DistributedLoader:
             # One permutation per epoch on the device; each micro-batch is a slice of it.
             order = sampler.order().to(self.device)
             augment = self.resident.images is not None and self.resident.images.augment is not None
-            for first, layout in sampler.steps():
-                for start, stop, info in layout:
-                    start, stop, keys = first + start, first + stop, None
-                    if augment:
-                        keys = augment_keys(sampler.seed, sampler.epoch, torch.arange(start, stop, device=self.device))
-                    self.current = info
-                    if info.last:
-                        self.position += 1
-                    if on_batch is not None:
-                        on_batch(self)
-                    yield self.resident.batch(order[start:stop], keys)
+            for start, stop, info in sampler.spans():
+                self.current = info
+                if info.last:
+                    self.position += 1
+                if on_batch is not None:
+                    on_batch(self)
+                keys = None
+                if augment:
+                    keys = augment_keys(sampler.seed, sampler.epoch, torch.arange(start, stop, device=self.device))
+                yield self.resident.batch(order[start:stop], keys)
             self.epoch, self.position = self.epoch + 1, 0
         finally:
             self._end_pass()
