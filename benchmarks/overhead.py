@@ -16,8 +16,11 @@ slower than the same runtime with `loss` held to the next step, and so is a hand
 written that way), which is no cost of the runtime.
 
 Both read the same samples in the same order (ddpkit's global order for epoch e is
-`randperm(n, seed + e)`, which (a) draws too), so their weights stay bitwise equal, which is
-checked at the end. Each round runs a few epochs of each side, in an order swapped every
+`randperm(n, seed + e)`, which (a) draws too). Two models, built alike, take turns with each loop
+(which loop trains which model swaps every other round), each going through the same epochs:
+so a model's place in memory, which moves a step by a few µs in either direction and differs
+from process to process, favours neither loop; and the two models end bitwise equal only if
+the two loops make bitwise the same updates, which is checked at the end. Each round runs a few epochs of each side, in an order swapped every
 round; every epoch is one block timed with `time.perf_counter` (the permutation included on
 both sides). A round's value per side is the median µs/step of its blocks; the result is the
 median over rounds of the paired difference ddpkit - hand-written, with a bootstrap 95%
@@ -86,32 +89,45 @@ def _measure(work: Work, rounds: int, device: str) -> dict[str, Any]:
 
     with Runtime(strategy="ddp", device=device, seed=work.seed, cudnn_benchmark=False) as rt:
         torch.set_num_threads(1)  # after the Runtime, which sets its own thread count
-        loops = _loops(work, rt)
+        loops, pairs = _loops(work, rt), [_pair(work, rt), _pair(work, rt)]
         for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
-            loops[side]()
+            loops[side](*pairs[SIDES.index(side)])
         times: dict[str, list[float]] = {s: [] for s in SIDES}
         for r in range(rounds):
             gc.collect()
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                blocks = [loops[side]() for _ in range(work.epochs_per_round)]
+                # The two models take turns with each loop, so neither loop keeps the one that
+                # happens to sit better in memory (a bias of a few µs that changes per process).
+                pair = pairs[(SIDES.index(side) + r // 2) % 2]
+                blocks = [loops[side](*pair) for _ in range(work.epochs_per_round)]
                 times[side].append(statistics.median(blocks) / work.steps_per_epoch * 1e6)
-        equal = _equal(loops["hand_written"].model, rt.unwrap(loops["ddpkit"].model))
-        return _result(work, rounds, times, equal, device)
+        return _result(work, rounds, times, _equal(*(model for model, _ in pairs)), device)
 
 
-class _Loop:
-    """One side's model, optimizer and epoch counter; calling it trains one timed epoch."""
+def _pair(work: Work, rt: Any) -> tuple[Any, Any]:
+    """A fresh model (the same initial weights every time) and its optimizer, set up by `rt`
+    (on one process: moved to the device, not wrapped)."""
+    import torch
 
-    def __init__(self, model: Any, opt: Any, epoch: Any):
-        self.model, self.opt, self._epoch = model, opt, epoch
+    model = _model(work)
+    return rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr))
 
-    def __call__(self) -> float:
+
+def _timed(epoch: Any) -> Any:
+    """`epoch(model, opt)`, returning its seconds."""
+
+    def run(model: Any, opt: Any) -> float:
         t = time.perf_counter()
-        self._epoch()
+        epoch(model, opt)
         return time.perf_counter() - t
 
+    return run
 
-def _loops(work: Work, rt: Any) -> dict[str, _Loop]:
+
+def _loops(work: Work, rt: Any) -> dict[str, Any]:
+    """Each loop as a function that trains (model, opt) for one timed epoch. Both count
+    epochs alike (one per call), so the models, which take turns with each loop, see the same
+    epochs in the same order."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
@@ -119,31 +135,26 @@ def _loops(work: Work, rt: Any) -> dict[str, _Loop]:
     g = torch.Generator().manual_seed(work.seed)
     x = torch.randn(work.samples, work.features, generator=g).to(rt.device)
     y = torch.randint(0, work.classes, (work.samples,), generator=g).to(rt.device)
-    initial = _model(work)
-    hand = _model(work).to(rt.device)
-    hand.load_state_dict(initial.state_dict())
-    hand_opt = torch.optim.SGD(hand.parameters(), lr=work.lr)
-    kit, kit_opt = rt.setup(initial, torch.optim.SGD(initial.parameters(), lr=work.lr))
     loader = rt.loader(TensorDataset(x, y), batch_size=work.batch, seed=work.seed)
     epoch = [0]
 
-    def hand_epoch() -> None:
+    def hand_epoch(model: Any, opt: Any) -> None:
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[0])).to(x.device)
         epoch[0] += 1
         for k in range(0, len(x), work.batch):
             idx = order[k : k + work.batch]
-            loss = F.cross_entropy(hand(x[idx]), y[idx])
+            loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
-            hand_opt.step()
-            hand_opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    def kit_epoch() -> None:
+    def kit_epoch(model: Any, opt: Any) -> None:
         for xb, yb in loader:
-            loss = F.cross_entropy(kit(xb), yb)  # held to the next step, as (a) holds it (see above)
+            loss = F.cross_entropy(model(xb), yb)  # held to the next step, as (a) holds it (see above)
             rt.backward(loss)
-            rt.step(kit_opt)
+            rt.step(opt)
 
-    return {"hand_written": _Loop(hand, hand_opt, hand_epoch), "ddpkit": _Loop(kit, kit_opt, kit_epoch)}
+    return {"hand_written": _timed(hand_epoch), "ddpkit": _timed(kit_epoch)}
 
 
 def _model(work: Work) -> Any:
