@@ -63,6 +63,7 @@ class Work:
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 200; --quick 6)")
     parser.add_argument("--steps", type=int, default=64, help="steps per timed block, one epoch (default 64)")
+    parser.add_argument("--note", default="", help="where it ran, in words (kept in the JSON): a shared machine, say")
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         raise UsageError("--rounds must be at least 2 and --steps at least 1")
     threads = torch.get_num_threads()
     try:
-        return _measure(work, rounds, device)
+        return {**_measure(work, rounds, device), "note": extra.get("note", "")}
     finally:
         torch.set_num_threads(threads)
 
