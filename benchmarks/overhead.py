@@ -221,3 +221,26 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
     ]
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    from ddpkit.plots import pyplot, save_figure
+
+    plt = pyplot()
+    r = record["result"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for side, label in zip(SIDES, ("hand-written", "ddpkit")):
+        left.plot(r["us_per_step_per_round"][side], ".", markersize=3, label=label)
+    left.set_xlabel("round")
+    left.set_ylabel("µs per step (median of the round's epochs)")
+    left.legend()
+    diffs = [k - h for h, k in zip(*(r["us_per_step_per_round"][s] for s in SIDES))]
+    right.hist(diffs, bins=40)
+    low, high = r["overhead_us_interval95"]
+    right.axvline(r["overhead_us"], color="k", label=f"median {r['overhead_us']:+.2f} µs")
+    right.axvspan(low, high, color="k", alpha=0.15, label=f"95% interval [{low:+.2f}, {high:+.2f}]")
+    right.axvline(TARGET_OVERHEAD_US, color="C3", linestyle="--", label=f"target {TARGET_OVERHEAD_US:g} µs")
+    right.set_xlabel("ddpkit - hand-written, µs per step, per round")
+    right.legend(fontsize=8)
+    fig.suptitle(f"runtime overhead per step, tiny MLP, one process ({r['rounds']} rounds)", fontsize=10)
+    save_figure(fig, path, dpi=110)
