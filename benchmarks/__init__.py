@@ -2,15 +2,20 @@
 
 - `parity`: ddpkit's runtime against the hand-written DDP loop of the PyTorch tutorial;
 - `startup`: the whole `ddpkit train` command against torchrun, `accelerate launch` and
-  Lightning Fabric on the same job (`baselines/` holds their scripts).
+  Lightning Fabric on the same job (`baselines/` holds their scripts);
+- `overhead`: the runtime's cost per step, in µs, over a hand-written loop on a tiny model.
 
 Run from the repository root, with ddpkit installed:
 
-    python -m benchmarks parity|startup|all [--quick] [--device cpu|cuda] [--json FILE --plot FILE.png]
+    python -m benchmarks parity|startup|overhead|all [--quick] [--device cpu|cuda] [--json FILE --plot FILE.png]
 
 They use the same runner, options and result records as `ddpkit bench`; results go to
 benchmarks/results/ and `all` refreshes the comparison table in benchmarks/README.md.
 """
 
 # name -> module, in the order `python -m benchmarks all` runs them
-COMPARISONS: dict[str, str] = {"parity": "benchmarks.parity", "startup": "benchmarks.startup"}
+COMPARISONS: dict[str, str] = {
+    "parity": "benchmarks.parity",
+    "startup": "benchmarks.startup",
+    "overhead": "benchmarks.overhead",
+}

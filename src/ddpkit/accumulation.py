@@ -40,6 +40,11 @@ class Accumulation:
         # rescale all-reduces would not pair up.
         self.weights: torch.Tensor | None = None
         self.weighted = self.by_weight = False
+        # The current micro-batch's backward is the loss as given: nothing to weigh (a weight of
+        # exactly 1, or no loader's batch), no no_sync to leave, no weighted backward before. Kept
+        # up to date here so that Runtime.backward checks one flag per step (see its fast path).
+        self.as_given = True
+        self._seen, self._seen_unit = None, True  # the last MicroBatch on_batch weighed, and whether it counts 1
 
     @property
     def step_ready(self) -> bool:
@@ -49,11 +54,15 @@ class Accumulation:
     def on_batch(self, loader: DistributedLoader) -> None:
         """Told by a training loader of every micro-batch it hands out, before the user's
         forward, and when a pass ends or is left (then `loader.current` is None)."""
-        self.leave()
-        self.micro = loader.current
-        if self.micro is not None and not self.micro.last and self.no_sync is not None:
+        if self._entered is not None:
+            self.leave()
+        micro = self.micro = loader.current
+        if micro is not None and not micro.last and self.no_sync is not None:
             self._entered = self.no_sync()
             self._entered.__enter__()
+        if micro is not self._seen:  # a loader's full global batches share one MicroBatch: weighed once
+            self._seen, self._seen_unit = micro, micro is None or unit_weight(micro, self.world_size)
+        self.as_given = self._seen_unit and self._entered is None and not self.by_weight
 
     def weigh(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to back-propagate for the current micro-batch (the mean loss as given when
@@ -79,6 +88,7 @@ class Accumulation:
         w = checked_weight(weight, loss.device)
         self.weights = w.clone() if self.weights is None else self.weights + w
         self.weighted = self.by_weight = True
+        self.as_given = False
         # An empty share (weight 0) may have a NaN mean: zero gradients, but the reduction still runs.
         return torch.where(w > 0, loss * w.to(loss.dtype), loss.nan_to_num(0.0) * 0.0)
 
@@ -102,6 +112,13 @@ class Accumulation:
         if self._entered is not None:
             self._entered.__exit__(None, None, None)
             self._entered = None
+
+
+def unit_weight(micro: MicroBatch, world_size: int) -> bool:
+    """Whether `micro` counts exactly 1 (`weigh` returns the loss as given): a whole global batch
+    of one process, or an even share of one on each rank, with no micro-batches."""
+    count = micro.count
+    return count > 0 and count * world_size == micro.step_count
 
 
 def checked_weight(weight: Any, device: torch.device) -> torch.Tensor:

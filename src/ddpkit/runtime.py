@@ -305,11 +305,14 @@ class Runtime:
         (0 for an empty share). A dataset with a `token_counts` attribute (each sample's tokens,
         as `ddpkit.data.TextSet` has) gets the same weighting from `loader()` without `weight`.
         """
-        try:
-            weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
-            self.precision.backward(weighted)
-        finally:
-            self._acc.leave()
+        if weight is None and self._acc.as_given and self.precision.scaler is None:
+            loss.backward()  # the hand-written loop's backward exactly: nothing to weigh, scale or leave
+        else:
+            try:
+                weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
+                self.precision.backward(weighted)
+            finally:
+                self._acc.leave()
         self._counted = False
 
     @property
@@ -322,15 +325,20 @@ class Runtime:
         True. Between micro-batches of one global batch it does nothing and returns False, so
         `if rt.step(opt): scheduler.step()` keeps a per-step schedule right under accumulation.
         With `max_grad_norm`, gradients are unscaled and clipped first."""
-        if not self.step_ready:
+        micro = self._acc.micro
+        if micro is not None and not micro.last:  # not step_ready (read here: step() runs every step)
             return False
-        self._strategy.check_optimizer(optimizer)
+        if self._strategy.checks_optimizers:
+            self._strategy.check_optimizer(optimizer)
         if self._acc.weighted:  # only then: listing the parameters costs time on every step
             self._acc.rescale(self._parameters(optimizer))
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
-        self.precision.step(optimizer)
+        if self.precision.scaler is None:
+            optimizer.step()  # what precision.step does without a scaler, one call less per step
+        else:
+            self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if not self._counted:  # a second optimizer stepped on the same backward is the same step
             self._steps, self._counted = self._steps + 1, True

@@ -3,6 +3,9 @@ depend on the number of ranks or micro-batches, nor on a resume mid-epoch."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
 from ddpkit import data
@@ -84,3 +87,40 @@ def test_lockstep_gives_every_rank_as_many_micro_batches_padding_with_empty_ones
         for sizes in steps:
             assert sizes == sorted(sizes, key=bool)  # empty ones first: the last one, which reduces, is real
     assert len(counts) == 1  # every rank runs as many micro-batches in every step
+
+
+def _spans_step_by_step(s: data.GlobalBatchSampler) -> list[tuple[int, int, tuple]]:
+    """What spans() promises, derived one global batch at a time from `share`, as plainly as it
+    can be written: the reference for the sampler's per-pass layouts."""
+    out = []
+    for step in range(s.start_step, s.steps_per_epoch):
+        first = step * s.global_batch
+        batch_len = min(s.global_batch, s.length - first)
+        offset, size = data.share(batch_len, s.world_size, s.rank)
+        micro = s.micro or max(1, size)
+        starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
+        padding = 0
+        if s.lockstep and s.micro:  # as many micro-batches as the largest share (rank 0's) needs
+            largest = math.ceil(batch_len / s.world_size)
+            padding = max(0, math.ceil(largest / s.micro) - len(starts))
+        out += [(first + offset, first + offset, (0, batch_len, False))] * padding
+        for i, start in enumerate(starts):
+            stop = min(start + micro, first + offset + size)
+            out.append((start, stop, (stop - start, batch_len, i == len(starts) - 1)))
+    return out
+
+
+def test_spans_made_from_shared_layouts_are_the_step_by_step_spans():
+    """spans() cuts each full global batch alike from one layout per pass (itertools alone when
+    a share is one micro-batch): the same spans as cutting every global batch on its own, for
+    every rank, micro-batch size, lockstep, drop_last and resume position."""
+    for length, batch, world in [(1, 1, 1), (7, 3, 2), (33, 8, 3), (64, 32, 1), (100, 10, 4), (5, 5, 4)]:
+        for rank, micro, lockstep, drop_last, start_step in itertools.product(
+            range(world), (None, 1, 3), (False, True), (False, True), (0, 1)
+        ):
+            s = data.GlobalBatchSampler(
+                length, batch, world, rank, drop_last=drop_last, micro_batch_size=micro, lockstep=lockstep
+            )
+            s.set_epoch(1, start_step)
+            got = [(a, b, (i.size, i.step_size, i.last)) for a, b, i in s.spans()]
+            assert got == _spans_step_by_step(s), (length, batch, world, rank, micro, lockstep, drop_last, start_step)

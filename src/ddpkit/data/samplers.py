@@ -9,6 +9,7 @@ without padding, so every test sample is counted exactly once whatever the world
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,22 @@ class MicroBatch:
         return self.step_size if self.step_tokens is None else self.step_tokens
 
 
+Layout = tuple[tuple[int, int, MicroBatch], ...]  # a global batch's micro-batches on one rank
+
+
+def shifted(layout: Layout, firsts: range) -> Iterator[tuple[int, int, MicroBatch]]:
+    """The spans of `layout` (positions from a global batch's first sample) for global batches
+    starting at each of `firsts`."""
+    if len(layout) == 1:  # one micro-batch per step: ranges and a repeat, no Python code per step
+        ((start, stop, info),) = layout
+        return zip(_shift(firsts, start), _shift(firsts, stop), itertools.repeat(info))
+    return ((first + start, first + stop, info) for first in firsts for start, stop, info in layout)
+
+
+def _shift(r: range, by: int) -> range:
+    return range(r.start + by, r.stop + by, r.step)
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches, cut from one global order that ignores the world size.
 
@@ -147,9 +164,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         """(start, stop, MicroBatch): this rank's remaining micro-batches of the epoch, as
         positions [start, stop) in the epoch's global order."""
-        if self.token_counts is None:
-            yield from self._spans()
-            return
+        return self._spans() if self.token_counts is None else self._token_spans()
+
+    def _token_spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
         counts = self.token_counts[self.order()]  # in the epoch's order: a global batch is a slice
         total = {}  # the tokens of the global batch that starts at position `first`
         for start, stop, info in self._spans():
@@ -160,21 +177,32 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield start, stop, info
 
     def _spans(self) -> Iterator[tuple[int, int, MicroBatch]]:
-        for step in range(self.start_step, self.steps_per_epoch):
-            first = step * self.global_batch
-            batch_len = min(self.global_batch, self.length - first)
-            offset, size = share(batch_len, self.world_size, self.rank)
-            micro = self.micro or max(1, size)
-            # A rank whose share is empty (a last batch smaller than the world) still takes
-            # one empty micro-batch: DDP needs every rank's backward to all-reduce.
-            starts = list(range(first + offset, first + offset + size, micro)) or [first + offset]
-            for _ in range(self._padding(batch_len, len(starts))):
-                # Empty micro-batches first (never the last, which reduces): under lockstep
-                # every rank runs as many forwards per step as the rank with the largest share.
-                yield first + offset, first + offset, MicroBatch(0, batch_len, False)
-            for i, start in enumerate(starts):
-                stop = min(start + micro, first + offset + size)
-                yield start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)
+        """Every full global batch is cut alike: its layout is made once per pass, its MicroBatch
+        records shared (they are frozen), and when a rank's share is one micro-batch the spans
+        come from itertools alone, with no Python code per step (the runtime's loader reads
+        one per step)."""
+        size, full = self.global_batch, self.length // self.global_batch  # full: batches of `size` samples
+        plan = shifted(self._layout(size), range(self.start_step * size, full * size, size))
+        if self.steps_per_epoch > max(full, self.start_step):  # a last, shorter global batch
+            last = range(full * size, full * size + 1)
+            plan = itertools.chain(plan, shifted(self._layout(self.length - full * size), last))
+        return plan
+
+    def _layout(self, batch_len: int) -> Layout:
+        """This rank's micro-batches of a global batch of `batch_len` samples, as (start, stop,
+        MicroBatch) with positions counted from the batch's first sample."""
+        offset, size = share(batch_len, self.world_size, self.rank)
+        micro = self.micro or max(1, size)
+        # A rank whose share is empty (a last batch smaller than the world) still takes
+        # one empty micro-batch: DDP needs every rank's backward to all-reduce.
+        starts = list(range(offset, offset + size, micro)) or [offset]
+        # Empty micro-batches first (never the last, which reduces): under lockstep every rank
+        # runs as many forwards per step as the rank with the largest share.
+        layout = [(offset, offset, MicroBatch(0, batch_len, False))] * self._padding(batch_len, len(starts))
+        for i, start in enumerate(starts):
+            stop = min(start + micro, offset + size)
+            layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)))
+        return tuple(layout)
 
     def _padding(self, batch_len: int, count: int) -> int:
         """Empty micro-batches this rank adds to its `count` for a global batch of `batch_len`."""

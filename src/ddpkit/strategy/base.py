@@ -35,6 +35,8 @@ class Strategy:
     compile_inside: ClassVar[bool] = True
     # Every rank must run the same number of forwards (fsdp: each forward all-gathers).
     lockstep: ClassVar[bool] = False
+    # check_optimizer does something (fsdp): Runtime.step calls it only then.
+    checks_optimizers: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device

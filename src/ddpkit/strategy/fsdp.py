@@ -123,6 +123,7 @@ class FSDP(Strategy):
 
     name = "fsdp"
     lockstep: ClassVar[bool] = True
+    checks_optimizers: ClassVar[bool] = True
 
     def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions()):
         super().__init__(device)

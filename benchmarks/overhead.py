@@ -1,0 +1,246 @@
+"""`python -m benchmarks overhead`: what ddpkit's runtime costs per step, in microseconds.
+
+A model so small that a step is mostly Python (an MLP 32 -> 64 -> 10, batch 32, one thread,
+SGD) is trained, in ONE process and alternating, by
+
+  (a) a hand-written loop over tensors held in memory: one permutation per epoch, then per step
+      `x[idx]`, the model, `cross_entropy`, `backward`, `opt.step()`,
+      `opt.zero_grad(set_to_none=True)`;
+  (b) ddpkit's runtime on one process: `rt.loader` over a TensorDataset (resident: batches are
+      index gathers, as in (a)), `rt.backward`, `rt.step`.
+
+Both loops are written alike, `loss = ...` then its backward: where the loss tensor (and its
+graph's nodes) is freed changes the step by itself, by about 2 to 4 µs on the machine this was
+written on (`rt.backward(F.cross_entropy(...))`, which frees it inside the call, is that much
+slower than the same runtime with `loss` held to the next step, and so is a hand-written loop
+written that way), which is no cost of the runtime.
+
+Both read the same samples in the same order (ddpkit's global order for epoch e is
+`randperm(n, seed + e)`, which (a) draws too). Two models, built alike, take turns with each loop
+(which loop trains which model swaps every other round), each going through the same epochs:
+so a model's place in memory, which moves a step by a few µs in either direction and differs
+from process to process, favours neither loop; and the two models end bitwise equal only if
+the two loops make bitwise the same updates, which is checked at the end. Each round runs a few epochs of each side, in an order swapped every
+round; every epoch is one block timed with `time.perf_counter` (the permutation included on
+both sides). A round's value per side is the median µs/step of its blocks; the result is the
+median over rounds of the paired difference ddpkit - hand-written, with a bootstrap 95%
+interval of that median (the rounds resampled). Paired rounds cancel most of the drift a
+shared machine adds, which a comparison of separate runs cannot.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TARGET_OVERHEAD_US = 2.0  # ddpkit's step minus the hand-written step, µs (median over rounds)
+DESCRIPTION = "µs per step of ddpkit's runtime over a hand-written loop on a tiny MLP, one process, alternating"
+SIDES = ("hand_written", "ddpkit")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What both loops train."""
+
+    features: int = 32
+    hidden: int = 64
+    classes: int = 10
+    batch: int = 32
+    steps_per_epoch: int = 64  # one timed block
+    epochs_per_round: int = 3  # blocks of each side per round
+    lr: float = 0.01
+    seed: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.batch * self.steps_per_epoch
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 200; --quick 6)")
+    parser.add_argument("--steps", type=int, default=64, help="steps per timed block, one epoch (default 64)")
+    parser.add_argument("--note", default="", help="where it ran, in words (kept in the JSON): a shared machine, say")
+
+
+def run(opts: Any, device: str) -> dict[str, Any]:
+    import torch
+
+    from ddpkit.errors import UsageError
+
+    extra = opts.extra
+    rounds = extra.get("rounds") or opts.reps(200, 6)
+    work = Work(steps_per_epoch=extra.get("steps", 64))
+    if rounds < 2 or work.steps_per_epoch < 1:
+        raise UsageError("--rounds must be at least 2 and --steps at least 1")
+    threads = torch.get_num_threads()
+    try:
+        return {**_measure(work, rounds, device), "note": extra.get("note", "")}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(work: Work, rounds: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from ddpkit.runtime import Runtime
+
+    with Runtime(strategy="ddp", device=device, seed=work.seed, cudnn_benchmark=False) as rt:
+        torch.set_num_threads(1)  # after the Runtime, which sets its own thread count
+        loops, pairs = _loops(work, rt), [_pair(work, rt), _pair(work, rt)]
+        for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
+            loops[side](*pairs[SIDES.index(side)])
+        times: dict[str, list[float]] = {s: [] for s in SIDES}
+        for r in range(rounds):
+            gc.collect()
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                # The two models take turns with each loop, so neither loop keeps the one that
+                # happens to sit better in memory (a bias of a few µs that changes per process).
+                pair = pairs[(SIDES.index(side) + r // 2) % 2]
+                blocks = [loops[side](*pair) for _ in range(work.epochs_per_round)]
+                times[side].append(statistics.median(blocks) / work.steps_per_epoch * 1e6)
+        return _result(work, rounds, times, _equal(*(model for model, _ in pairs)), device)
+
+
+def _pair(work: Work, rt: Any) -> tuple[Any, Any]:
+    """A fresh model (the same initial weights every time) and its optimizer, set up by `rt`
+    (on one process: moved to the device, not wrapped)."""
+    import torch
+
+    model = _model(work)
+    return rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr))
+
+
+def _timed(epoch: Any) -> Any:
+    """`epoch(model, opt)`, returning its seconds."""
+
+    def run(model: Any, opt: Any) -> float:
+        t = time.perf_counter()
+        epoch(model, opt)
+        return time.perf_counter() - t
+
+    return run
+
+
+def _loops(work: Work, rt: Any) -> dict[str, Any]:
+    """Each loop as a function that trains (model, opt) for one timed epoch. Both count
+    epochs alike (one per call), so the models, which take turns with each loop, see the same
+    epochs in the same order."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(work.seed)
+    x = torch.randn(work.samples, work.features, generator=g).to(rt.device)
+    y = torch.randint(0, work.classes, (work.samples,), generator=g).to(rt.device)
+    loader = rt.loader(TensorDataset(x, y), batch_size=work.batch, seed=work.seed)
+    epoch = [0]
+
+    def hand_epoch(model: Any, opt: Any) -> None:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[0])).to(x.device)
+        epoch[0] += 1
+        for k in range(0, len(x), work.batch):
+            idx = order[k : k + work.batch]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def kit_epoch(model: Any, opt: Any) -> None:
+        for xb, yb in loader:
+            loss = F.cross_entropy(model(xb), yb)  # held to the next step, as (a) holds it (see above)
+            rt.backward(loss)
+            rt.step(opt)
+
+    return {"hand_written": _timed(hand_epoch), "ddpkit": _timed(kit_epoch)}
+
+
+def _model(work: Work) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(work.seed)
+    return nn.Sequential(nn.Linear(work.features, work.hidden), nn.ReLU(), nn.Linear(work.hidden, work.classes))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def bootstrap_median(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of `values`."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def _result(work: Work, rounds: int, times: dict[str, list[float]], equal: bool, device: str) -> dict[str, Any]:
+    from ddpkit.bench.common import stats
+
+    diffs = [k - h for h, k in zip(times["hand_written"], times["ddpkit"])]
+    low, high = bootstrap_median(diffs)
+    overhead = statistics.median(diffs)
+    return {
+        "method": (
+            f"one process ({device}, 1 thread); {rounds} rounds, each running {work.epochs_per_round} epochs of "
+            f"{work.steps_per_epoch} steps with each loop, in an order swapped every round. An epoch is one block "
+            "timed with time.perf_counter (the epoch's permutation included on both sides); a round's value per loop "
+            "is the median µs/step of its blocks. overhead_us: the median over rounds of the paired difference "
+            "ddpkit - hand-written, with a 95% percentile-bootstrap interval (4000 resamples of the rounds)."
+        ),
+        "work": {**asdict(work), "samples": work.samples, "model": "MLP 32-64-10 (Linear, ReLU, Linear), SGD"},
+        "rounds": rounds,
+        "us_per_step": {side: stats(times[side]) for side in SIDES},
+        "us_per_step_per_round": times,
+        "overhead_us": overhead,
+        "overhead_us_interval95": [low, high],
+        "overhead_us_per_round": stats(diffs),
+        "weights_equal": equal,
+        "target_overhead_us": TARGET_OVERHEAD_US,
+        "meets_target": high <= TARGET_OVERHEAD_US,
+        "resolved": high <= TARGET_OVERHEAD_US or low > TARGET_OVERHEAD_US,
+    }
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    hand, kit = (result["us_per_step"][s]["median"] for s in SIDES)
+    low, high = result["overhead_us_interval95"]
+    verdict = "met" if result["meets_target"] else ("missed" if result["resolved"] else "not resolved")
+    return [
+        ("µs/step hand-written / ddpkit (median)", f"{hand:.1f} / {kit:.1f}"),
+        (
+            "ddpkit overhead per step (median, 95% CI)",
+            f"{result['overhead_us']:+.2f} µs [{low:+.2f}, {high:+.2f}] (target <= {TARGET_OVERHEAD_US:g}: {verdict})",
+        ),
+        ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
+    ]
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    from ddpkit.plots import pyplot, save_figure
+
+    plt = pyplot()
+    r = record["result"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for side, label in zip(SIDES, ("hand-written", "ddpkit")):
+        left.plot(r["us_per_step_per_round"][side], ".", markersize=3, label=label)
+    left.set_xlabel("round")
+    left.set_ylabel("µs per step (median of the round's epochs)")
+    left.legend()
+    diffs = [k - h for h, k in zip(*(r["us_per_step_per_round"][s] for s in SIDES))]
+    right.hist(diffs, bins=40)
+    low, high = r["overhead_us_interval95"]
+    right.axvline(r["overhead_us"], color="k", label=f"median {r['overhead_us']:+.2f} µs")
+    right.axvspan(low, high, color="k", alpha=0.15, label=f"95% interval [{low:+.2f}, {high:+.2f}]")
+    right.axvline(TARGET_OVERHEAD_US, color="C3", linestyle="--", label=f"target {TARGET_OVERHEAD_US:g} µs")
+    right.set_xlabel("ddpkit - hand-written, µs per step, per round")
+    right.legend(fontsize=8)
+    fig.suptitle(f"runtime overhead per step, tiny MLP, one process ({r['rounds']} rounds)", fontsize=10)
+    save_figure(fig, path, dpi=110)

@@ -1,0 +1,30 @@
+"""`python -m benchmarks overhead` as a real command (two short rounds), and its interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import overhead
+from tests.conftest import run_bench
+
+
+@pytest.mark.unit
+def test_bootstrap_interval_holds_the_median_and_narrows_with_more_rounds():
+    few = [float(v) for v in range(10)]
+    many = few * 20
+    low, high = overhead.bootstrap_median(few)
+    assert low <= 4.5 <= high and high - low >= 2
+    low_many, high_many = overhead.bootstrap_median(many)
+    assert low_many <= 4.5 <= high_many and high_many - low_many < high - low
+
+
+@pytest.mark.cli
+def test_overhead(tmp_path):
+    r = run_bench(tmp_path, "overhead", "--rounds", "2", "--steps", "4", comparison=True)
+    assert r["weights_equal"] is True  # the two loops made bitwise the same updates
+    assert r["rounds"] == 2 and len(r["us_per_step_per_round"]["ddpkit"]) == 2
+    for side in overhead.SIDES:
+        assert r["us_per_step"][side]["median"] > 0
+    low, high = r["overhead_us_interval95"]
+    assert low <= r["overhead_us"] <= high
+    assert isinstance(r["meets_target"], bool) and r["target_overhead_us"] == 2.0
