@@ -49,6 +49,9 @@ __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank
 
 M = TypeVar("M", bound=nn.Module)
 
+# The entries save_state writes without being told (see Runtime._state), as load_state finds them.
+AUTOMATIC = re.compile(r"(model|optimizer|loader)(_\d+)?|precision")
+
 
 def ddp_options(ddp: DDPOptions | dict | None) -> DDPOptions:
     """`Runtime(ddp=...)` as DDPOptions; an unknown field is a UsageError."""
@@ -88,8 +91,8 @@ class Runtime:
             gradients' reduce dtype, CPU offload): an `FSDPOptions` or a dict of its fields.
         cudnn_benchmark: let cuDNN time its algorithms for each new shape and keep the
             fastest (default: on for CUDA; results may then differ in the last bits run to run).
-        log_dir: where `log()` writes, on rank 0: metrics.jsonl and metrics.csv (begun anew),
-            and the trackers' runs.
+        log_dir: where `log()` writes, on rank 0: metrics.jsonl and metrics.csv (begun anew,
+            or after `load_state()` kept up to the restored step), and the trackers' runs.
         log_with: trackers besides: "tensorboard", "mlflow" (a local store in log_dir unless
             MLFLOW_TRACKING_URI is set), "wandb" (offline in log_dir unless WANDB_MODE is set).
     """
@@ -691,8 +694,9 @@ class Runtime:
                 "rt.load_state: call it after rt.setup() and rt.loader(), which make what it loads into, "
                 "and before the first rt.log()"
             )
-        targets = {**self._state(gather=False), **extra}
-        check = functools.partial(self._check_entries, os.fspath(path), set(targets))
+        automatic = self._state(gather=False)
+        targets = {**automatic, **extra}
+        check = functools.partial(self._check_entries, os.fspath(path), set(automatic))
         try:
             state = checkpoint.load_into(path, targets, map_location=self.device, check=check)
         except KeyError as err:  # an entry of `extra` the checkpoint lacks
@@ -713,13 +717,12 @@ class Runtime:
             )
 
     @staticmethod
-    def _check_entries(path: str, mine: set[str], saved: set[str]) -> None:
+    def _check_entries(path: str, ours: set[str], saved: set[str]) -> None:
         """Refuse, before anything is loaded, a checkpoint that is not save_state's, or whose
-        models, optimizers and loaders are not this run's."""
+        models, optimizers and loaders (`ours`: this run's automatic entries) are not this run's."""
         if "runtime" not in saved:
             raise UsageError(f"rt.load_state: {path} was not written by rt.save_state (rt.load reads it)")
-        automatic = re.compile(r"(model|optimizer|loader)(_\d+)?|precision")
-        ours, theirs = {k for k in mine if automatic.fullmatch(k)}, {k for k in saved if automatic.fullmatch(k)}
+        theirs = {k for k in saved if AUTOMATIC.fullmatch(k)}
         if ours != theirs:
             raise UsageError(
                 f"rt.load_state: {path} holds {', '.join(sorted(theirs))}; this run has {', '.join(sorted(ours))} "
