@@ -91,6 +91,22 @@ def test_run1_results_json(run1):
     assert r["wall_seconds"] > 0
 
 
+def test_run1_timeline_runs_from_the_process_start_to_the_workers_exit(run1):
+    from ddpkit.timeline import MOMENTS
+
+    out, proc = run1
+    ok(proc)
+    r = _results(out)
+    timeline = r["timeline"]
+    assert list(timeline) == list(MOMENTS)  # every moment of a 2-process run, in order
+    seconds = list(timeline.values())
+    assert seconds[0] > 0 and seconds == sorted(seconds)
+    # results.json's wall_seconds starts after the imports and ends before the outputs
+    assert timeline["outputs_written"] - timeline["imports_done"] > r["wall_seconds"] > 0
+    # the first step's end comes from the step timer, not a clock read: still in its place
+    assert timeline["model_ready"] < timeline["first_step_done"] < timeline["training_done"]
+
+
 def test_run1_metrics_jsonl(run1):
     out, proc = run1
     ok(proc)

@@ -11,9 +11,13 @@ from .parsing import OneLineErrors
 
 
 def main(argv: Sequence[str]) -> int:
+    from ..timeline import Timeline
+
+    timeline = Timeline()  # from this process's start: the interpreter's start counts
     from ..trainer import train
 
-    train(parse(argv))
+    timeline.mark("imports_done")
+    train(parse(argv), timeline)
     return 0
 
 

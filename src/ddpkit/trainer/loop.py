@@ -8,6 +8,7 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import time
 from typing import Any
@@ -18,12 +19,14 @@ from .. import checkpoint, data, dist
 from ..early_stopping import EarlyStopping
 from ..ema import EMA
 from ..errors import Interrupted
+from ..files import write_json
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
 from ..shards import Pending
 from ..strategy import local, unwrap
+from ..timeline import Timeline
 from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
@@ -32,22 +35,34 @@ from .resume import RunState, after_restart, last_checkpoint
 from .tasks import task_of
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Resolve the plan for `cfg`, then run `fit` on this process or on the plan's workers."""
+def train(cfg: TrainConfig, timeline: Timeline | None = None) -> dict[str, Any]:
+    """Resolve the plan for `cfg`, then run `fit` on this process or on the plan's workers.
+    `timeline`: where the run marks its moments (results.json's "timeline"); `ddpkit train`
+    passes one that starts with its process, by default it starts with this call."""
     t0 = time.time()
+    timeline = timeline if timeline is not None else Timeline(time.monotonic())
     plan = make_plan(cfg)
+    timeline.mark("checks_done")
     try:
         if plan.topology.in_process:  # no agent needed: nothing to restart, no one to coordinate
-            return fit(plan, t0)
-        results = run_function(plan.topology, fit, plan, t0, announce_restarts=False)  # fit says it, with where
+            return fit(plan, t0, timeline)
+        # fit says why a restart happened itself, with where it resumes
+        results = run_function(plan.topology, fit, plan, t0, timeline, announce_restarts=False)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: say where --resume auto would carry on
         raise Interrupted(getattr(err, "signum", signal.SIGINT), last_checkpoint(plan.out)) from None
-    return next(iter(results.values()))  # every rank returns the same results
+    if 0 in results:  # this machine holds rank 0, which wrote results.json: add the workers' exit
+        results[0]["timeline"]["workers_exited"] = round(time.monotonic() - timeline.origin, 4)
+        write_json(os.path.join(plan.out, "results.json"), results[0])
+    return next(iter(results.values()))  # every rank returns the same results (but its timeline)
 
 
-def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
-    """One worker's whole run. Every rank returns the same results dict."""
+def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str, Any]:
+    """One worker's whole run. Every rank returns the same results dict (its "timeline" is
+    the rank's own: rank 0's is written). `timeline`: the launching process's, or a new one."""
     cfg = plan.cfg
+    timeline = timeline if timeline is not None else Timeline(time.monotonic())
+    if not plan.topology.in_process:
+        timeline.mark("workers_started")
     with Runtime(
         cfg.strategy,
         cfg.precision,
@@ -59,11 +74,12 @@ def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
         ddp=plan.ddp,
         fsdp=plan.fsdp,
     ) as rt:
+        timeline.mark("process_group_ready")
         # Under torchrun each rank made its own plan and clock: rank 0's win.
         if rt.is_main and (restart := after_restart(cfg, plan.in_shape, plan.num_classes)):
             plan = dataclasses.replace(plan, resume=restart)
         plan = rt.broadcast_object(plan)
-        loop = Loop(rt, plan)  # rt.setup() inside gives each rank its own random stream
+        loop = Loop(rt, plan, timeline)  # rt.setup() inside gives each rank its own random stream
         rt.print(
             f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
             f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
@@ -86,9 +102,10 @@ def fit(plan: RunPlan, t0: float) -> dict[str, Any]:
 class Loop:
     """The built-in loop's parts, built once per worker: data, model, optimizer, schedule."""
 
-    def __init__(self, rt: Runtime, plan: RunPlan):
+    def __init__(self, rt: Runtime, plan: RunPlan, timeline: Timeline | None = None):
         cfg = plan.cfg
         self.rt, self.plan, self.cfg = rt, plan, cfg
+        self.timeline = timeline if timeline is not None else Timeline(time.monotonic())
         # (For --data synthetic the input shape is the synthetic shape; other sets ignore it.)
         self.splits = data.load(
             cfg.data,
@@ -100,6 +117,7 @@ class Loop:
             text_path=cfg.text_path,
             seq_len=cfg.seq_len,
         )
+        self.timeline.mark("data_loaded")
         if isinstance(self.splits.train, data.ImageSet):
             self.splits.train.augment = plan.augment
         self.task = task_of(cfg)
@@ -139,6 +157,7 @@ class Loop:
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
         self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
+        self.timeline.mark("model_ready")
 
     def flops_on_meta(self) -> float | None:
         """FLOPs per sample counted on a copy of the model built on the meta device: FLOPs depend
@@ -191,6 +210,7 @@ class Loop:
 
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
+        started = time.monotonic()
         while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
             self.epoch_t0 = t_epoch = time.perf_counter()
             done = self.train_epoch(out)
@@ -199,6 +219,7 @@ class Loop:
             if done:
                 self.end_epoch(out, time.perf_counter() - t_epoch)
             self.save(out)
+        self.mark_training(started)
         self.check_finite()
         self.wait_for_checkpoint()
         ev = self.task.evaluate(self.rt, self.model, self.test_loader)
@@ -209,8 +230,16 @@ class Loop:
         # How long training stood still for checkpoints (fsdp writes them in the background).
         results["checkpoint_seconds"] = round(self.checkpoint_seconds, 4)
         results.update(self.performance(rate))
-        out.finish(results, self.model, self.run.history, self.ema)
+        out.finish(results, self.model, self.run.history, self.ema, self.timeline)
         return results
+
+    def mark_training(self, started: float) -> None:
+        """The timeline's first step (its end from the step timer: no clock read in the loop;
+        on a GPU, device time) and the end of training; `started`: before the first epoch."""
+        self.timer.flush()
+        if self.timer.warmup:  # the first step is always a warm-up step (its shape is new)
+            self.timeline.mark("first_step_done", started + self.timer.warmup[0])
+        self.timeline.mark("training_done")
 
     def figures(self) -> dict[str, Any]:
         """The samples this attempt trained on and its training seconds so far (evaluation

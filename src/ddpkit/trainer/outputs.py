@@ -19,6 +19,7 @@ from ..checkpoint import save_file, state_of
 from ..ema import EMA
 from ..errors import RunError
 from ..files import FULL_DISK, remove, write_json, write_yaml
+from ..timeline import Timeline
 from .config import TrainConfig
 from .resume import checkpoint_names, newest_checkpoint
 from .tasks import task_of
@@ -105,20 +106,30 @@ class Outputs:
             remove(os.path.join(folder, name))
 
     def finish(
-        self, results: dict[str, Any], model: Any, history: list[dict[str, Any]], ema: EMA | None = None
+        self,
+        results: dict[str, Any],
+        model: Any,
+        history: list[dict[str, Any]],
+        ema: EMA | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
-        """Rank 0 writes model.pt (and with --ema model_ema.pt), results.json and the plot.
-        Collective: every rank calls it (an fsdp model is gathered whole for model.pt)."""
+        """Rank 0 writes model.pt (and with --ema model_ema.pt), the plot, and results.json
+        last (with `timeline`'s moments, "outputs_written" included, under "timeline"): once
+        it exists, the run's files are complete. Collective: every rank calls it (an fsdp
+        model is gathered whole for model.pt)."""
         weights = state_of(model)  # the bare model's state_dict
         ema_weights = _ema_weights(model, ema) if ema is not None else None
-        if not self.is_main:
-            return
-        save_file(os.path.join(self.dir, "model.pt"), weights)
-        if ema_weights is not None:
-            save_file(os.path.join(self.dir, "model_ema.pt"), ema_weights)
-        write_json(os.path.join(self.dir, "results.json"), results)
-        title = f"{self.cfg.model} on {self.cfg.data}"
-        self.task.plot(self._steps, history, os.path.join(self.dir, "curves.png"), title)
+        if self.is_main:
+            save_file(os.path.join(self.dir, "model.pt"), weights)
+            if ema_weights is not None:
+                save_file(os.path.join(self.dir, "model_ema.pt"), ema_weights)
+            title = f"{self.cfg.model} on {self.cfg.data}"
+            self.task.plot(self._steps, history, os.path.join(self.dir, "curves.png"), title)
+        if timeline is not None:
+            timeline.mark("outputs_written")
+            results["timeline"] = timeline.seconds()
+        if self.is_main:
+            write_json(os.path.join(self.dir, "results.json"), results)
 
     def summary(self, r: dict[str, Any]) -> str:
         """The `done:` line (scripts parse it), then an aligned table of the run's results."""

@@ -1,0 +1,73 @@
+"""Where the time of a `ddpkit train` command goes: named moments, in seconds since the
+command's process started (its interpreter start included).
+
+The clock is `time.monotonic`, one system-wide clock on Linux, so a forked or spawned worker
+can mark moments on the same timeline as the parent that started it; the parent's timeline
+travels to the workers with the plan. A reading is one clock read, nothing is synchronized:
+on a GPU a moment is when the host got there (the device may still be working).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+_IMPORTED_AT = time.monotonic()  # the origin off Linux: when ddpkit got this far
+
+# The moments of `ddpkit train`, in the order they happen, and what the phase that ends at
+# each one did (results.json's "timeline" holds the ones a run reached).
+MOMENTS: dict[str, str] = {
+    "imports_done": "interpreter start, `import torch` and ddpkit's modules",
+    "checks_done": "flags parsed, every setting checked, the plan made",
+    "workers_started": "the launcher's agent, its rendezvous and the workers' start (fork)",
+    "process_group_ready": "the process group (gloo/NCCL) joined, the runtime made",
+    "data_loaded": "the dataset read and split",
+    "model_ready": "model built and wrapped (DDP), optimizer, loaders, schedule",
+    "first_step_done": "the first training step (its warm-up: first forward, backward, optimizer)",
+    "training_done": "every other step, with each epoch's evaluation and checkpoint",
+    "outputs_written": "the last evaluation, model.pt and curves.png (results.json comes after)",
+    "workers_exited": "the workers' exit and the launcher's shutdown",
+}
+
+
+def process_start() -> float:
+    """When this process started, on the `time.monotonic` clock: Linux keeps the start time
+    (in clock ticks since boot, /proc/self/stat field 22, 10 ms steps) on CLOCK_BOOTTIME,
+    which runs beside CLOCK_MONOTONIC. Elsewhere, when ddpkit was first imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
+    return time.monotonic() - age
+
+
+@dataclass
+class Timeline:
+    """Named moments of a run, in seconds since `origin` (a `time.monotonic` reading)."""
+
+    origin: float = field(default_factory=process_start)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Record moment `name` now (or at the monotonic reading `at`); a moment is kept once."""
+        if name not in MOMENTS:
+            raise ValueError(f"unknown moment {name!r}; known: {', '.join(MOMENTS)}")
+        self.marks.setdefault(name, (time.monotonic() if at is None else at) - self.origin)
+
+    def seconds(self) -> dict[str, float]:
+        """The moments reached, in MOMENTS' order, in seconds since the origin (ms resolution)."""
+        return {name: round(self.marks[name], 4) for name in MOMENTS if name in self.marks}
+
+
+def phases(timeline: dict[str, float]) -> dict[str, float]:
+    """Each phase's own seconds (a moment minus the one before it), from a results.json
+    "timeline"; the first phase starts at the process's start."""
+    out, before = {}, 0.0
+    for name in MOMENTS:
+        if name in timeline:
+            out[name] = timeline[name] - before
+            before = timeline[name]
+    return out

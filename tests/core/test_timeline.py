@@ -1,0 +1,37 @@
+"""`timeline`: the moments of a run in seconds since the process started, and the phases
+between them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ddpkit import timeline
+from ddpkit.timeline import MOMENTS, Timeline, phases, process_start
+
+pytestmark = pytest.mark.unit
+
+
+def test_process_start_is_this_process_start_on_the_monotonic_clock():
+    start = process_start()
+    assert abs(process_start() - start) < 0.011  # read again: the same, to the 10 ms tick
+    # psutil reads the same start on the wall clock, from a boot time in whole seconds
+    psutil = pytest.importorskip("psutil")
+    age = time.monotonic() - start
+    assert age == pytest.approx(time.time() - psutil.Process().create_time(), abs=1.05)
+    assert start <= timeline._IMPORTED_AT  # before ddpkit was imported
+
+
+def test_moments_are_kept_once_in_order_and_phases_add_up():
+    t = Timeline(origin=100.0)
+    t.mark("model_ready", at=103.0)
+    t.mark("imports_done", at=101.5)
+    t.mark("imports_done", at=102.0)  # a moment is kept once: the first
+    t.mark("workers_exited", at=104.25)
+    assert list(t.seconds()) == ["imports_done", "model_ready", "workers_exited"]  # MOMENTS' order
+    assert t.seconds() == {"imports_done": 1.5, "model_ready": 3.0, "workers_exited": 4.25}
+    assert phases(t.seconds()) == {"imports_done": 1.5, "model_ready": 1.5, "workers_exited": 1.25}
+    with pytest.raises(ValueError, match="unknown moment 'nosuch'"):
+        t.mark("nosuch")
+    assert list(MOMENTS)[0] == "imports_done" and list(MOMENTS)[-1] == "workers_exited"
