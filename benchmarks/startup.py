@@ -22,7 +22,9 @@ every contender once, in an order rotated from round to round, after one untimed
 each contender's wall time, the final test accuracy each reached (the proof that they did the
 same job), and for ddpkit the run's own `wall_seconds` from results.json, so the part spent
 outside it (interpreter, imports and argument parsing before; outputs and exit after) can be
-read off.
+read off, and the median of each phase of its results.json "timeline" (imports, checks,
+workers' start, process group, data, model, first step, training, outputs, workers' exit, and
+the exit seen from outside: `ddpkit bench startup` measures the same breakdown alone).
 """
 
 from __future__ import annotations
@@ -168,9 +170,15 @@ def run_once(name: str, epochs: int, tmp: str) -> dict[str, Any]:
         raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}\n{tail}")
     run: dict[str, Any] = {"seconds": seconds}
     if name == "ddpkit":
+        from ddpkit.bench.startup import run_phases
+
         with open(os.path.join(out, "results.json")) as f:
             results = json.load(f)
-        run.update(test_accuracy=results["test_accuracy"], results_wall_seconds=results["wall_seconds"])
+        run.update(
+            test_accuracy=results["test_accuracy"],
+            results_wall_seconds=results["wall_seconds"],
+            phases=run_phases(results["timeline"], seconds),
+        )
     else:
         found = _FINAL.findall(proc.stdout)
         run["test_accuracy"] = float(found[-1]) if found else None
@@ -237,6 +245,7 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
 
 def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
     from ddpkit.bench.common import stats
+    from ddpkit.bench.startup import phase_stats
 
     accuracies = [r["test_accuracy"] for r in runs]
     cmd = command(name, "DIR", epochs)
@@ -251,6 +260,8 @@ def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, 
         # evaluation; the rest is the interpreter and imports before it, outputs and exit after.
         entry["results_wall_seconds"] = stats([r["results_wall_seconds"] for r in runs])
         entry["outside_results_wall_seconds"] = stats([r["seconds"] - r["results_wall_seconds"] for r in runs])
+        # where its time went: each phase of results.json's timeline (see `ddpkit bench startup`)
+        entry["phases"] = phase_stats(runs) if runs else {}
     return entry
 
 
@@ -304,6 +315,8 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     outside = result["contenders"]["ddpkit"].get("outside_results_wall_seconds")
     if outside:
         rows.append(("ddpkit outside results.json's wall_seconds", f"{outside['median']:.2f} s"))
+    phases = result["contenders"]["ddpkit"].get("phases") or {}
+    rows += [(f"ddpkit phase {name} (median)", f"{s['median']:.3f} s") for name, s in phases.items()]
     for name, ratio in result["speedup_vs"].items():
         rows.append((f"{name} / ddpkit", f"{ratio:.2f}x"))
     rows.append(("ddpkit fastest", "yes" if result["ddpkit_fastest"] else "no"))

@@ -29,4 +29,5 @@ BENCHES: dict[str, str] = {
     "checkpoint": "ddpkit.bench.checkpoint",
     "models": "ddpkit.bench.models",
     "fast-cifar": "ddpkit.bench.fast_cifar",
+    "startup": "ddpkit.bench.startup",
 }
