@@ -9,8 +9,11 @@ on a GPU a moment is when the host got there (the device may still be working).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 _IMPORTED_AT = time.monotonic()  # the origin off Linux: when ddpkit got this far
@@ -71,3 +74,25 @@ def phases(timeline: dict[str, float]) -> dict[str, float]:
             out[name] = timeline[name] - before
             before = timeline[name]
     return out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside; what was made inside is frozen after (left out of
+    every later collection), and collections resume.
+
+    Start-up makes hundreds of thousands of objects that live as long as the process
+    (`import torch`; the first optimizer imports torch's compiler): collecting while they
+    are made finds nothing to free, and without the freeze the first collection after the
+    pause would walk them all at once. For start-up code only: a cycle of garbage made
+    inside is never freed.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()

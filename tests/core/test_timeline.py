@@ -3,12 +3,13 @@ between them."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
 
 from ddpkit import timeline
-from ddpkit.timeline import MOMENTS, Timeline, phases, process_start
+from ddpkit.timeline import MOMENTS, Timeline, gc_paused, phases, process_start
 
 pytestmark = pytest.mark.unit
 
@@ -35,3 +36,15 @@ def test_moments_are_kept_once_in_order_and_phases_add_up():
     with pytest.raises(ValueError, match="unknown moment 'nosuch'"):
         t.mark("nosuch")
     assert list(MOMENTS)[0] == "imports_done" and list(MOMENTS)[-1] == "workers_exited"
+
+
+def test_gc_paused_freezes_what_was_made_and_restores_collections():
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+    finally:
+        gc.unfreeze()  # this test process goes on: its objects go back to the collector

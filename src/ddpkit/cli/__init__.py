@@ -9,6 +9,7 @@ Ctrl-C, 143 on SIGTERM; 141 when the reader of stdout went away.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import signal
@@ -48,7 +49,20 @@ COMMANDS: dict[str, str] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command line `argv` (None: this program's, `sys.argv`); its exit code."""
+    if argv is not None:
+        return _main(list(argv))
+    code = _main(sys.argv[1:])
+    # The program ends next. Its interpreter's teardown would garbage-collect every object
+    # torch made at import (some 200 000): 0.3-0.4 s of CPU for memory the OS takes back at
+    # once. Frozen objects are left out of that last collection; files, atexit handlers and
+    # buffered output are closed and flushed as usual. (Not for callers passing `argv`: their
+    # process goes on, and its later collections must still see those objects.)
+    gc.freeze()
+    return code
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         # Asked for, the usage is the output; a bare `ddpkit` is bad usage: stderr, exit 2.
         print(USAGE, end="", file=sys.stdout if argv else sys.stderr)

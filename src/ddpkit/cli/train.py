@@ -11,13 +11,15 @@ from .parsing import OneLineErrors
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..timeline import Timeline
+    from ..timeline import Timeline, gc_paused
 
     timeline = Timeline()  # from this process's start: the interpreter's start counts
-    from ..trainer import train
+    with gc_paused():  # imports and parsing make only objects that stay
+        from ..trainer import train
 
-    timeline.mark("imports_done")
-    train(parse(argv), timeline)
+        timeline.mark("imports_done")
+        cfg = parse(argv)
+    train(cfg, timeline)
     return 0
 
 

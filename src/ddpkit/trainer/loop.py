@@ -26,7 +26,7 @@ from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
 from ..shards import Pending
 from ..strategy import local, unwrap
-from ..timeline import Timeline
+from ..timeline import Timeline, gc_paused
 from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs
@@ -79,7 +79,8 @@ def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str,
         if rt.is_main and (restart := after_restart(cfg, plan.in_shape, plan.num_classes)):
             plan = dataclasses.replace(plan, resume=restart)
         plan = rt.broadcast_object(plan)
-        loop = Loop(rt, plan, timeline)  # rt.setup() inside gives each rank its own random stream
+        with gc_paused():  # the first optimizer imports torch's compiler: objects that stay
+            loop = Loop(rt, plan, timeline)  # rt.setup() inside gives each rank its own random stream
         rt.print(
             f"ddpkit train: {cfg.model} on {cfg.data} ({len(loop.splits.train)} train / "
             f"{len(loop.splits.test)} test), {rt.world_size} x {rt.device.type} {rt.strategy}, "
