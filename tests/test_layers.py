@@ -27,6 +27,7 @@ LAYERS = {
         "log",
         "tracking",
         "metrics",
+        "timeline",
         "plots",
         "optim",
         "models",
