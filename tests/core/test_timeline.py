@@ -4,6 +4,8 @@ between them."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,19 +13,29 @@ import pytest
 from ddpkit import timeline
 from ddpkit.timeline import MOMENTS, Timeline, gc_paused, phases, process_start
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_process_start_is_this_process_start_on_the_monotonic_clock():
     start = process_start()
     assert abs(process_start() - start) < 0.011  # read again: the same, to the 10 ms tick
-    # psutil reads the same start on the wall clock, from a boot time in whole seconds
-    psutil = pytest.importorskip("psutil")
-    age = time.monotonic() - start
-    assert age == pytest.approx(time.time() - psutil.Process().create_time(), abs=1.05)
     assert start <= timeline._IMPORTED_AT  # before ddpkit was imported
 
 
+@pytest.mark.cli
+def test_process_start_counts_what_ran_before_ddpkit_was_imported():
+    # A fresh interpreter sleeps 0.5 s before importing ddpkit: the start it reads is before
+    # the sleep, and not before the parent launched it.
+    launched = time.monotonic()
+    code = (
+        "import time; before = time.monotonic(); time.sleep(0.5); "
+        "from ddpkit.timeline import process_start; print(before - process_start())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    lead = float(out.stdout)  # from the process's start to its first line of Python
+    assert 0 <= lead < time.monotonic() - launched - 0.5 + 0.011
+
+
+@pytest.mark.unit
 def test_moments_are_kept_once_in_order_and_phases_add_up():
     t = Timeline(origin=100.0)
     t.mark("model_ready", at=103.0)
@@ -38,6 +50,7 @@ def test_moments_are_kept_once_in_order_and_phases_add_up():
     assert list(MOMENTS)[0] == "imports_done" and list(MOMENTS)[-1] == "workers_exited"
 
 
+@pytest.mark.unit
 def test_gc_paused_freezes_what_was_made_and_restores_collections():
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
