@@ -454,7 +454,7 @@ def _deterministic(device: str) -> None:
 def _timing_worker(
     work: Work, strategies: tuple[str, ...], rounds: int, device: str, threads: int
 ) -> list[dict[str, Any]]:
-    """Each strategy in turn, its two loops alternating for `rounds` rounds; every rank's record.
+    """Each strategy in turn, its two loops interleaved for `rounds` rounds; every rank's record.
     `threads`: intra-op threads for both loops (0: as the Runtime sets them)."""
     import torch
     import torch.distributed as tdist
@@ -484,7 +484,8 @@ def _timing_worker(
 
 
 def _alternate(work: Work, strategy: str, rounds: int, rt: Any) -> dict[str, Any]:
-    """`rounds` rounds of both loops, in an order swapped every round."""
+    """`rounds` rounds of both loops interleaved step by step, which one steps first swapped
+    every round."""
     import torch
 
     datasets = _datasets(work, rt.world_size, strategy)
