@@ -31,11 +31,12 @@ shared machine adds, which a comparison of separate runs cannot.
 from __future__ import annotations
 
 import gc
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from .paired import bootstrap_median
 
 TARGET_OVERHEAD_US = 2.0  # ddpkit's step minus the hand-written step, µs (median over rounds)
 DESCRIPTION = "µs per step of ddpkit's runtime over a hand-written loop on a tiny MLP, one process, alternating"
@@ -171,14 +172,6 @@ def _equal(a: Any, b: Any) -> bool:
 
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def bootstrap_median(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """A 95% percentile-bootstrap interval of the median of `values`."""
-    rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def _result(work: Work, rounds: int, times: dict[str, list[float]], equal: bool, device: str) -> dict[str, Any]:

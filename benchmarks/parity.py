@@ -1,17 +1,53 @@
-"""`python -m benchmarks parity`: does ddpkit's runtime cost anything over a hand-written DDP loop?
+"""`python -m benchmarks parity`: does ddpkit's runtime cost anything over a hand-written loop,
+measured finely enough to tell "nothing" from "1%"?
 
 The same model, data, global batch and seed are trained for the same number of steps by
 
-  (a) the loop the PyTorch DDP tutorial writes by hand: `DistributedDataParallel(model)`, a
-      `DistributedSampler`, a `DataLoader`, `torch.optim.SGD`, and plain
-      `loss.backward(); opt.step(); opt.zero_grad()`;
-  (b) ddpkit's runtime: `rt.setup`, `rt.loader`, `rt.backward`, `rt.step`,
+  (a) the loop one writes by hand from PyTorch's tutorials: a `DataLoader`, `torch.optim.SGD`,
+      plain `loss.backward(); opt.step(); opt.zero_grad()`, and per strategy the model bare
+      (`single`, shuffled by the DataLoader), in `DistributedDataParallel(model)` (`ddp`) or
+      under FSDP2's `fully_shard` on each child holding parameters and on the root (`fsdp`),
+      those two with a `DistributedSampler`;
+  (b) ddpkit's runtime: `Runtime(strategy=...)`, `rt.setup`, `rt.loader`, `rt.backward`,
+      `rt.step`,
 
-in the same worker processes, alternating: every round trains a fresh copy of the same initial
-model with (a) and with (b), the order swapped each round so that neither side always runs on
-a warmer machine. Each step is timed from one step's end to the next (data loading included;
-CUDA events on a GPU, so no per-step synchronization disturbs the loop), the first few steps of
-every phase are left out, and the ratio of the medians is reported.
+in the same worker processes, interleaved step by step: every round trains a fresh copy of the
+same initial model for one epoch with (a) and with (b), one step of each in turn (which goes
+first swaps every round), so whatever else the machine does -- another job taking a core for a
+moment -- falls on both within a step's time, not on one loop's whole epoch. Each step is timed
+on its own (data loading included; CUDA events on a GPU, read after the epoch, so no per-step
+synchronization disturbs the loop), and the process's CPU time (`time.process_time`: every
+thread of the process, gloo's and the intra-op pool's included) is read around it; the first
+few steps of every epoch are left out.
+
+Two measurements, each in one launch:
+
+- ONE process: `single`, `ddp` and `fsdp` in turn. Its process group (gloo, or NCCL on CUDA,
+  world of 1) is made by the worker, as a hand-written DDP or FSDP2 script makes its own: ddpkit
+  makes none for one process, and the hand-written DDP and fully_shard loops need one. ddpkit's
+  Runtime runs `ddp` and `fsdp` on one process as `single` (the bare model: wrapping it would
+  all-reduce or shard over one rank for nothing), so for those two the comparison is "what you
+  get from ddpkit when you ask for ddp/fsdp on one process" against the wrapped hand-written loop;
+  `runs_as` in the JSON says so. One intra-op thread by default (`--threads`): two threads on
+  one process wait for each other at every operation whenever another job holds a core.
+- `--nproc` processes (default 2 on CPU): `ddp` and `fsdp`. ddpkit's fsdp on CPU sets glibc's
+  mmap threshold for the whole process (ddpkit.allocator); it runs after ddp, and the
+  hand-written FSDP2 loop beside it runs under the same setting.
+
+Per round and side, the step time is the median over the timed steps of the job's step (its
+slowest rank's), and the CPU time per step is the timed steps' CPU seconds over their number,
+summed over the ranks. The result for each strategy is the median over rounds of the paired
+ratio ddpkit / hand-written, with a 95% percentile-bootstrap interval of that median (the rounds
+resampled; benchmarks/paired.py). Wall time measures what a user waits for, but it also counts
+the time another process held the core; CPU time counts only the work done (gloo's waits for
+the peer block in the kernel, they do not spin), so on a shared machine it is the steadier of
+the two.
+
+Verdict (per measurement, in the JSON and the summary), for the target ratio <= 1.01: 'not
+resolved' when the interval is wider than 0.01 (its width, not its half-width: a 95% interval
+of width 0.02 around 1.005 holds both 1.00 and 1.01, which is the difference the measurement is
+there to tell), or when it straddles 1.01, or with fewer than MIN_ROUNDS rounds; otherwise
+'met' (upper bound <= 1.01) or 'not met' (lower bound > 1.01).
 
 Both sides see exactly the same samples on every rank at every step, so any difference in the
 final weights can only come from the runtime itself: `DistributedSampler` interleaves ranks over
@@ -20,21 +56,23 @@ sampler gives rank r a contiguous slice of each global batch. So the ddpkit side
 same dataset laid out in the hand-written loop's per-step order -- global batch k is rank 0's
 k-th micro-batch, then rank 1's, ... -- and reads it without shuffling. The dataset size is a
 multiple of the global batch, so neither side pads or drops anything. The final weights of both
-sides of a round are then compared bitwise (`torch.equal`) on every rank.
+sides of a round are then compared bitwise (`torch.equal`, sharded weights gathered whole) on
+every rank.
 
 ddpkit reads the data its own default way (an in-memory TensorDataset stays resident on the
 device: one index gather per batch, no per-sample collate); `--loader dataloader` makes it read
 through a DataLoader like the hand-written loop, which isolates the runtime's own bookkeeping
 (setup, loader plan, backward weighting, step) from the choice of data path.
 
-Memory: the peak of a process that ran both loops cannot be split between them (and whatever
-one phase leaves behind would count against the next), so each loop also runs alone, in a launch
-of its own, after identical set-up (the same model and both dataset layouts built in both).
-Each rank reports its peak -- on CUDA `torch.cuda.max_memory_allocated` (statistics reset just
-before the loop), on CPU the peak RSS (VmHWM, reset just before the loop where Linux allows it)
--- and how much it grew during training. Two identical CPU launches differ in peak RSS by a MiB
-or two (up to ~3 MiB seen), so the full CPU run takes the median of three launches per loop and
-judges "not more memory" within CPU_MEMORY_TOLERANCE_MIB.
+Memory (ddp on `--nproc` processes, or single on one): the peak of a process that ran both loops
+cannot be split between them (and whatever one phase leaves behind would count against the
+next), so each loop also runs alone, in a launch of its own, after identical set-up (the same
+model and both dataset layouts built in both). Each rank reports its peak -- on CUDA
+`torch.cuda.max_memory_allocated` (statistics reset just before the loop), on CPU the peak RSS
+(VmHWM, reset just before the loop where Linux allows it) -- and how much it grew during
+training. Two identical CPU launches differ in peak RSS by a MiB or two (up to ~3 MiB seen), so
+the full CPU run takes the median of three launches per loop and judges "not more memory"
+within CPU_MEMORY_TOLERANCE_MIB.
 """
 
 from __future__ import annotations
@@ -42,22 +80,39 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import statistics
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddpkit.metrics import StepTimer
+from .paired import MIN_ROUNDS, NOT_RESOLVED, paired_ratio
 
-TARGET_STEP_TIME_RATIO = 1.01  # ddpkit / hand-written, median step time
+TARGET_STEP_TIME_RATIO = 1.01  # ddpkit / hand-written, median over rounds of the paired ratio
 TARGET_PEAK_MEMORY_RATIO = 1.0  # ddpkit / hand-written, peak memory of the worst rank
 # Peak RSS of two identical CPU launches differs by a MiB or two (pages touched by gloo's and the
 # allocator's threads vary), so on CPU "not more" means within this much of the median of three
 # launches. CUDA's allocator counts bytes exactly.
 CPU_MEMORY_TOLERANCE_MIB = 2.0
 
-DESCRIPTION = "ddpkit's runtime vs a hand-written DDP loop: step-time ratio, peak memory, bitwise-equal weights"
+DESCRIPTION = (
+    "ddpkit's runtime vs hand-written single/DDP/FSDP2 loops on 1 and N processes, alternating: paired "
+    "step-time ratios with 95% intervals, peak memory, bitwise-equal weights"
+)
 
 SIDES = ("hand_written", "ddpkit")
 LOADERS = ("auto", "resident", "dataloader")
+ONE_PROCESS = ("single", "ddp", "fsdp")
+PROCESSES = ("ddp", "fsdp")
+STATISTICS = {"wall": "wall time per step", "cpu": "CPU time per step"}
+HAND_WRITTEN = {
+    "single": "the bare model, DataLoader(shuffle=True), SGD",
+    "ddp": "DistributedDataParallel, DistributedSampler, DataLoader, SGD",
+    "fsdp": "fully_shard on each child holding parameters and on the root, DistributedSampler, DataLoader, SGD",
+}
+# Rounds by default: enough for a one-process interval narrower than 0.01 on the 2-core machine
+# this was written on, while the whole run stays within a few minutes (docs/speed.md).
+ROUNDS_ONE, ROUNDS_N, QUICK_ROUNDS = 40, 30, 2
 
 
 @dataclass(frozen=True)
@@ -91,7 +146,21 @@ def add_arguments(parser: Any) -> None:
         "--batch-size", type=int, default=32, help="GLOBAL batch, a multiple of the processes (default 32)"
     )
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps per phase (default 40; --quick 12)")
-    parser.add_argument("--nproc", type=int, default=0, help="processes (default: 2 on CPU, one per GPU on CUDA)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="processes of the second measurement (default: 2 on CPU, one per GPU on CUDA; 1 runs only the first)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help=f"alternating rounds on one process (default {ROUNDS_ONE}; --quick 2)"
+    )
+    parser.add_argument(
+        "--nproc-rounds",
+        type=int,
+        default=0,
+        help=f"alternating rounds on --nproc processes (default {ROUNDS_N}; --quick 2)",
+    )
     parser.add_argument(
         "--loader",
         choices=LOADERS,
@@ -99,13 +168,42 @@ def add_arguments(parser: Any) -> None:
         help="ddpkit's data path: auto (its default: the dataset resident on the device), resident, or "
         "dataloader (the same DataLoader path as the hand-written loop, to isolate the runtime)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads of the one-process measurement (default 1 on CPU, as each of 2 processes has on 2 "
+        "cores; on CUDA the Runtime's own)",
+    )
+    parser.add_argument("--note", default="", help="where it ran, in words (kept in the JSON): a shared machine, say")
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
+    from ddpkit.launcher import launch
+
+    work, nproc, rounds = _options(opts, device)
+    threads = opts.extra.get("threads") or (1 if device == "cpu" else 0)
+    one = launch(_timing_worker, work, ONE_PROCESS, rounds[0], device, threads, nproc=1, device=device)[0]
+    many = None
+    if nproc > 1:
+        many = launch(_timing_worker, work, PROCESSES, rounds[1], device, 0, nproc=nproc, device=device)[0]
+    # Memory: each loop alone in launches of its own. Peak RSS of identical CPU runs varies by a
+    # MiB or two, so on CPU the full run takes the median of three launches per loop.
+    alone: dict[str, list[Any]] = {side: [] for side in SIDES}
+    for i in range(1 if opts.quick or device == "cuda" else 3):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            alone[side].append(launch(_memory_worker, work, side, device, nproc=nproc, device=device)[0])
+    return {
+        **_result(work, nproc, rounds, one, many, _memory(alone, device), device),
+        "note": opts.extra.get("note", ""),
+    }
+
+
+def _options(opts: Any, device: str) -> tuple[Work, int, tuple[int, int]]:
+    """The work, the processes and the rounds (one process, N processes) the options ask for."""
     import torch
 
     from ddpkit.errors import UsageError
-    from ddpkit.launcher import launch
     from ddpkit.models import check
 
     extra = opts.extra
@@ -119,9 +217,15 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         loader=extra.get("loader", "auto"),
     )
     nproc = extra.get("nproc") or (torch.cuda.device_count() if device == "cuda" else 2)
+    rounds = (
+        extra.get("rounds") or opts.reps(ROUNDS_ONE, QUICK_ROUNDS),
+        extra.get("nproc_rounds") or opts.reps(ROUNDS_N, QUICK_ROUNDS),
+    )
     check(work.model, work.shape)
     if steps < 3:
         raise UsageError(f"--steps must be at least 3 (the first steps of a phase are warm-up), got {steps}")
+    if min(rounds) < 1:
+        raise UsageError(f"--rounds and --nproc-rounds must be at least 1, got {rounds[0]} and {rounds[1]}")
     if nproc < 1 or (device == "cuda" and nproc > torch.cuda.device_count()):
         raise UsageError(f"--nproc must be between 1 and the number of processes this device can hold, got {nproc}")
     if work.global_batch < 1 or work.global_batch % nproc:
@@ -129,25 +233,30 @@ def run(opts: Any, device: str) -> dict[str, Any]:
             f"--batch-size {work.global_batch} must be a multiple of the {nproc} processes: the "
             "hand-written loop's DistributedSampler splits it evenly"
         )
-    rounds = opts.reps(10, 2)
-    ranks = launch(_timing_worker, work, rounds, device, nproc=nproc, device=device)[0]
-    # Memory: each loop alone in launches of its own. Peak RSS of identical CPU runs varies by a
-    # MiB or two, so on CPU the full run takes the median of three launches per loop.
-    alone: dict[str, list[Any]] = {side: [] for side in SIDES}
-    for i in range(1 if opts.quick or device == "cuda" else 3):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            alone[side].append(launch(_memory_worker, work, side, device, nproc=nproc, device=device)[0])
-    result = _result(work, nproc, rounds, ranks, _memory(alone, device), device)
-    return result
+    return work, nproc, rounds
 
 
 # -- inside the workers ---------------------------------------------------------------------------
 
 
-def _datasets(work: Work, world: int) -> tuple[Any, Any]:
+def _hand_order(dataset: Any, work: Work, world: int, rank: int, strategy: str) -> list[int]:
+    """The sample indices the hand-written `strategy` loop's rank reads, in order."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if strategy == "single":
+        # The same DataLoader over the indices: its iterator draws a seed from the generator
+        # before the sampler draws its permutation, so the sampler alone would not say.
+        g = torch.Generator().manual_seed(work.seed)
+        batches = DataLoader(range(len(dataset)), batch_size=work.global_batch, shuffle=True, generator=g)
+        return [int(i) for batch in batches for i in batch]
+    return list(DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=work.seed))
+
+
+def _datasets(work: Work, world: int, strategy: str = "ddp") -> tuple[Any, Any]:
     """(the hand-written loop's dataset, the same samples in the order ddpkit reads them)."""
     import torch
-    from torch.utils.data import DistributedSampler, TensorDataset
+    from torch.utils.data import TensorDataset
 
     g = torch.Generator().manual_seed(work.seed)
     templates = torch.randn((work.classes, *work.shape), generator=g)
@@ -155,10 +264,8 @@ def _datasets(work: Work, world: int) -> tuple[Any, Any]:
     x = templates[y] + torch.randn((work.samples, *work.shape), generator=g)
     hand = TensorDataset(x, y)
     # What the hand-written loop's rank r reads at step k: positions [k*b, (k+1)*b) of its
-    # DistributedSampler's order. ddpkit's rank r reads positions [k*B + r*b, k*B + (r+1)*b).
-    per_rank = [
-        list(DistributedSampler(hand, num_replicas=world, rank=r, shuffle=True, seed=work.seed)) for r in range(world)
-    ]
+    # sampler's order. ddpkit's rank r reads positions [k*B + r*b, k*B + (r+1)*b).
+    per_rank = [_hand_order(hand, work, world, r, strategy) for r in range(world)]
     b = work.global_batch // world
     order = [i for k in range(work.steps) for r in range(world) for i in per_rank[r][k * b : (k + 1) * b]]
     index = torch.tensor(order)
@@ -174,38 +281,98 @@ def _initial_model(work: Work) -> Any:
     return build(work.model, work.shape, work.classes)
 
 
-def _hand_written(work: Work, model: Any, dataset: Any, device: Any) -> tuple[list[float], Any]:
-    """The tutorial's loop, written the way the tutorial writes it."""
+class _Steps:
+    """Times one loop's steps one at a time: wall seconds (CUDA events on a GPU, read at the end:
+    no synchronization per step) and this process's CPU seconds, all its threads (gloo's and
+    the intra-op pool's) included."""
+
+    def __init__(self, device: Any):
+        self.cuda = device.type == "cuda"
+        self.wall: list[tuple[Any, Any]] = []
+        self.cpu: list[float] = []
+        self.last: Any = None  # what the loop yielded last
+
+    def _stamp(self) -> Any:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def run(self, loop: Iterator[Any]) -> bool:
+        """One step of `loop` (its data loading included); False once the loop has ended."""
+        start, cpu = self._stamp(), time.process_time()
+        try:
+            self.last = next(loop)
+        except StopIteration:
+            return False
+        self.cpu.append(time.process_time() - cpu)
+        self.wall.append((start, self._stamp()))
+        return True
+
+    def timed(self, warmup: int) -> dict[str, Any]:
+        """The steps after `warmup`: their wall seconds, and CPU seconds per step."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = [a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in self.wall[warmup:]]
+        return {"wall": wall, "cpu": sum(self.cpu[warmup:]) / len(wall)}
+
+
+def _hand_loader(work: Work, strategy: str, dataset: Any, cuda: bool) -> Any:
+    """The DataLoader a hand-written `strategy` loop reads through."""
     import torch
     import torch.distributed as tdist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    world, rank = (tdist.get_world_size(), tdist.get_rank()) if tdist.is_initialized() else (1, 0)
-    cuda = device.type == "cuda"
-    model = model.to(device)
-    # One process: no process group, no DDP (what ddpkit runs there too).
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None) if world > 1 else model
+    if strategy == "single":
+        g = torch.Generator().manual_seed(work.seed)
+        return DataLoader(dataset, batch_size=work.global_batch, shuffle=True, generator=g, pin_memory=cuda)
+    world, rank = tdist.get_world_size(), tdist.get_rank()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=work.seed)
-    loader = DataLoader(dataset, batch_size=work.global_batch // world, sampler=sampler, pin_memory=cuda)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=work.lr, momentum=work.momentum)
     sampler.set_epoch(0)
-    clock = StepTimer(device)
-    clock.start()
+    return DataLoader(dataset, batch_size=work.global_batch // world, sampler=sampler, pin_memory=cuda)
+
+
+def _hand_wrap(strategy: str, model: Any, device: Any) -> Any:
+    """The model as a hand-written `strategy` loop wraps it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if strategy == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp":
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+        fully_shard(model)
+    return model
+
+
+def _hand_written(work: Work, strategy: str, model: Any, dataset: Any, device: Any) -> Iterator[None]:
+    """The tutorial's loop, written the way the tutorial writes it; yields after each step."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
+    loader = _hand_loader(work, strategy, dataset, cuda)
+    net = _hand_wrap(strategy, model.to(device), device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=work.lr, momentum=work.momentum)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(ddp_model(x), y)
+        loss = F.cross_entropy(net(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        clock.mark()
-    return clock.seconds(), _cpu_state(model)
+        yield
 
 
-def _with_ddpkit(work: Work, rt: Any, model: Any, dataset: Any) -> tuple[list[float], Any, str]:
-    """The same training through ddpkit's runtime; also says how its loader read the data:
-    'resident' (the dataset held on the device) or 'DataLoader'."""
+def _with_ddpkit(work: Work, rt: Any, model: Any, dataset: Any) -> Iterator[str]:
+    """The same training through ddpkit's runtime; yields after each step how its loader reads
+    the data: 'resident' (the dataset held on the device) or 'DataLoader'."""
     import torch
     import torch.nn.functional as F
 
@@ -213,30 +380,51 @@ def _with_ddpkit(work: Work, rt: Any, model: Any, dataset: Any) -> tuple[list[fl
     model, optimizer = rt.setup(model, optimizer)
     resident = {"auto": None, "resident": True, "dataloader": False}[work.loader]
     loader = rt.loader(dataset, batch_size=work.global_batch, shuffle=False, resident=resident)
-    clock = StepTimer(rt.device)
-    clock.start()
+    path = "resident" if getattr(loader, "resident", None) is not None else "DataLoader"
     for x, y in loader:
         rt.backward(F.cross_entropy(model(x), y))
         rt.step(optimizer)
-        clock.mark()
-    path = "resident" if getattr(loader, "resident", None) is not None else "DataLoader"
-    return clock.seconds(), _cpu_state(rt.unwrap(model)), path
+        yield path
+
+
+def _loop(side: str, strategy: str, work: Work, rt: Any, model: Any, datasets: tuple[Any, Any]) -> Iterator[Any]:
+    """One side's loop over one epoch, training `model` in place (setup and wrapping keep its
+    parameters: the caller reads the final weights from it)."""
+    if side == "hand_written":
+        return _hand_written(work, strategy, model, datasets[0], rt.device)
+    return _with_ddpkit(work, rt, model, datasets[1])
 
 
 def _cpu_state(model: Any) -> dict[str, Any]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    """The model's weights, copied to the CPU; sharded ones gathered whole (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+        for k, v in model.state_dict().items()
+    }
 
 
-def _phase(side: str, work: Work, rt: Any, initial: Any, datasets: tuple[Any, Any]) -> dict[str, Any]:
-    """Train a fresh copy of `initial` with one side: step times and final weights."""
-    gc.collect()  # the previous phase's garbage is collected here, not inside this phase's timed steps
-    model = copy.deepcopy(initial)
-    out: dict[str, Any] = {}
-    if side == "hand_written":
-        out["times"], out["state"] = _hand_written(work, model, datasets[0], rt.device)
-    else:
-        out["times"], out["state"], out["data_path"] = _with_ddpkit(work, rt, model, datasets[1])
-    return out
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _round(order: tuple[str, ...], strategy: str, work: Work, rt: Any, initial: Any, datasets: Any) -> dict[str, Any]:
+    """Both loops train a fresh copy of `initial` for an epoch, interleaved step by step in
+    `order`: whatever else the machine does weighs on both within a step's time. Per side: the
+    timed steps' wall seconds, CPU seconds per step, final weights."""
+    gc.collect()  # the previous round's garbage is collected here, not inside a timed step
+    models = {side: copy.deepcopy(initial) for side in SIDES}
+    loops = {side: _loop(side, strategy, work, rt, models[side], datasets) for side in SIDES}
+    steps = {side: _Steps(rt.device) for side in SIDES}
+    while all([steps[side].run(loops[side]) for side in order]):  # a list: every side steps
+        pass
+    return {
+        side: {**steps[side].timed(work.warmup_steps), "state": _cpu_state(models[side]), "yielded": steps[side].last}
+        for side in SIDES
+    }
 
 
 def _deterministic(device: str) -> None:
@@ -263,33 +451,64 @@ def _deterministic(device: str) -> None:
     warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
 
 
-def _timing_worker(work: Work, rounds: int, device: str) -> dict[str, Any]:
+def _timing_worker(
+    work: Work, strategies: tuple[str, ...], rounds: int, device: str, threads: int
+) -> list[dict[str, Any]]:
+    """Each strategy in turn, its two loops interleaved for `rounds` rounds; every rank's record.
+    `threads`: intra-op threads for both loops (0: as the Runtime sets them)."""
     import torch
+    import torch.distributed as tdist
 
+    from ddpkit import dist
     from ddpkit.runtime import Runtime
 
     _deterministic(device)
-    with Runtime(strategy="ddp", device=device, cudnn_benchmark=False) as rt:
-        datasets = _datasets(work, rt.world_size)
-        initial = _initial_model(work)
-        start = _cpu_state(initial)
-        local: dict[str, Any] = {
-            "times": {s: [] for s in SIDES},
-            "equal": [],
-            "changed": [],
-            "threads": torch.get_num_threads(),
-            "ddpkit_data_path": None,
-        }
-        for r in range(rounds):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
-            phases = {side: _phase(side, work, rt, initial, datasets) for side in order}
-            a, b = phases["hand_written"]["state"], phases["ddpkit"]["state"]
-            local["equal"].append(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
-            local["changed"].append(any(not torch.equal(a[k], start[k]) for k in a))
-            for side in SIDES:
-                local["times"][side].append(phases[side]["times"][work.warmup_steps :])
-            local["ddpkit_data_path"] = phases["ddpkit"]["data_path"]
-        return rt.gather_objects(local)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # The process group, made as a hand-written script makes it: DistributedDataParallel and
+    # fully_shard need one on one process too, where ddpkit makes none. Made here, it outlives
+    # the Runtimes below (one per strategy, none of which then owns it).
+    tdist.init_process_group(dist.backend_for(torch.device(device)))
+    try:
+        local: dict[str, Any] = {}
+        for strategy in strategies:
+            with Runtime(strategy=strategy, device=device, cudnn_benchmark=False) as rt:
+                if threads:
+                    # After the Runtime, which sets its own count. Two threads on one process
+                    # wait for each other at every operation whenever another job holds a core.
+                    torch.set_num_threads(threads)
+                local[strategy] = _alternate(work, strategy, rounds, rt)
+        return dist.gather_objects(local)
+    finally:
+        tdist.destroy_process_group()
+
+
+def _alternate(work: Work, strategy: str, rounds: int, rt: Any) -> dict[str, Any]:
+    """`rounds` rounds of both loops interleaved step by step, which one steps first swapped
+    every round."""
+    import torch
+
+    datasets = _datasets(work, rt.world_size, strategy)
+    initial = _initial_model(work)
+    start = _cpu_state(initial)
+    out: dict[str, Any] = {
+        "runs_as": rt.strategy,
+        "threads": torch.get_num_threads(),
+        "wall": {s: [] for s in SIDES},  # per round: the timed steps' seconds
+        "cpu": {s: [] for s in SIDES},  # per round: CPU seconds per step
+        "equal": [],
+        "changed": [],
+    }
+    for r in range(rounds):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        phases = _round(order, strategy, work, rt, initial, datasets)
+        out["equal"].append(_same(phases["hand_written"]["state"], phases["ddpkit"]["state"]))
+        out["changed"].append(not _same(phases["hand_written"]["state"], start))
+        for side in SIDES:
+            out["wall"][side].append(phases[side]["wall"])
+            out["cpu"][side].append(phases[side]["cpu"])
+        out["data_path"] = phases["ddpkit"]["yielded"]
+    return out
 
 
 def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
@@ -301,7 +520,8 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
 
     _deterministic(device)
     with Runtime(strategy="ddp", device=device, cudnn_benchmark=False) as rt:
-        datasets = _datasets(work, rt.world_size)  # both layouts on both sides: identical set-up
+        strategy = "ddp" if rt.world_size > 1 else "single"
+        datasets = _datasets(work, rt.world_size, strategy)  # both layouts on both sides: identical set-up
         initial = _initial_model(work)
         cuda = rt.device.type == "cuda"
         gc.collect()
@@ -312,7 +532,9 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
         reset = reset_peak_rss()
         before = proc_status_mib("VmRSS") or 0.0
         anon_before = proc_status_mib("RssAnon") or 0.0
-        _phase(side, work, rt, initial, datasets)
+        gc.collect()
+        for _ in _loop(side, strategy, work, rt, copy.deepcopy(initial), datasets):
+            pass
         local = {
             "peak_rss_mib": peak_rss_mib(),
             "rss_before_mib": before,
@@ -331,13 +553,71 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
 # -- assembling the result --------------------------------------------------------------------
 
 
-def _job_step_times(ranks: list[dict[str, Any]], side: str) -> tuple[list[float], list[list[float]]]:
-    """A step's time for the job is its slowest rank's; (all steps, steps per round)."""
-    rounds = [
-        [max(step) for step in zip(*(rank["times"][side][r] for rank in ranks))]
-        for r in range(len(ranks[0]["times"][side]))
+def _per_round(per: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Per statistic and side, one value per round for the job: the wall seconds of a step (the
+    median over the timed steps of the slowest rank's time) and its CPU seconds (summed over
+    the ranks)."""
+    rounds = range(len(per[0]["equal"]))
+    wall = {
+        side: [statistics.median(max(step) for step in zip(*(p["wall"][side][r] for p in per))) for r in rounds]
+        for side in SIDES
+    }
+    cpu = {side: [sum(p["cpu"][side][r] for p in per) for r in rounds] for side in SIDES}
+    return {"wall": wall, "cpu": cpu}
+
+
+def _comparison(ranks: list[dict[str, Any]], strategy: str) -> dict[str, Any]:
+    """One strategy's two loops: µs per step of each, and the paired ratios with their verdicts."""
+    from ddpkit.bench.common import stats
+
+    per = [rank[strategy] for rank in ranks]
+    values = _per_round(per)
+    equal = [all(p["equal"][r] for p in per) for r in range(len(per[0]["equal"]))]
+    return {
+        "hand_written": HAND_WRITTEN[strategy],
+        "runs_as": per[0]["runs_as"],  # the strategy ddpkit's Runtime ran ('single' for ddp/fsdp on one process)
+        "threads_per_process": per[0]["threads"],
+        "ddpkit_data_path": per[0]["data_path"],
+        "us_per_step": {side: stats([v * 1e6 for v in values["wall"][side]]) for side in SIDES},
+        "cpu_us_per_step": {side: stats([v * 1e6 for v in values["cpu"][side]]) for side in SIDES},
+        **{
+            stat: paired_ratio(values[stat]["hand_written"], values[stat]["ddpkit"], TARGET_STEP_TIME_RATIO)
+            for stat in STATISTICS
+        },
+        "weights_equal": all(equal),
+        "weights_equal_per_round": equal,
+        "weights_changed_by_training": all(all(p["changed"]) for p in per),
+    }
+
+
+def _part(ranks: list[dict[str, Any]], strategies: tuple[str, ...], rounds: int) -> dict[str, Any]:
+    """One launch's comparisons, and which statistic resolved every strategy's ratio."""
+    found = {s: _comparison(ranks, s) for s in strategies}
+    return {
+        "processes": len(ranks),
+        "rounds": rounds,
+        "strategies": found,
+        "resolved_by": [stat for stat in STATISTICS if all(c[stat]["status"] != NOT_RESOLVED for c in found.values())],
+    }
+
+
+def _verdicts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every measurement's interval, target and status, flat, for the summary and the plot."""
+    return [
+        {
+            "processes": part["processes"],
+            "strategy": strategy,
+            "runs_as": c["runs_as"],
+            "statistic": stat,
+            "ratio": c[stat]["ratio"],
+            "interval95": c[stat]["interval95"],
+            "target": TARGET_STEP_TIME_RATIO,
+            "status": c[stat]["status"],
+        }
+        for part in parts
+        for strategy, c in part["strategies"].items()
+        for stat in STATISTICS
     ]
-    return [t for steps in rounds for t in steps], rounds
 
 
 def _memory(alone: dict[str, list[list[dict[str, Any]]]], device: str) -> dict[str, Any]:
@@ -388,25 +668,21 @@ def _memory(alone: dict[str, list[list[dict[str, Any]]]], device: str) -> dict[s
 
 
 def _result(
-    work: Work, nproc: int, rounds: int, ranks: list[dict[str, Any]], memory: dict[str, Any], device: str
+    work: Work,
+    nproc: int,
+    rounds: tuple[int, int],
+    one: list[dict[str, Any]],
+    many: list[dict[str, Any]] | None,
+    memory: dict[str, Any],
+    device: str,
 ) -> dict[str, Any]:
-    import statistics
-
-    from ddpkit.bench.common import stats
-
-    steps, per_round = {}, {}
-    for side in SIDES:
-        steps[side], per_round[side] = _job_step_times(ranks, side)
-    time_ratio = statistics.median(steps["ddpkit"]) / statistics.median(steps["hand_written"])
-    round_ratios = [
-        statistics.median(k) / statistics.median(h) for k, h in zip(per_round["ddpkit"], per_round["hand_written"])
-    ]
+    parts = [_part(one, ONE_PROCESS, rounds[0])] + ([_part(many, PROCESSES, rounds[1])] if many else [])
     memory_ratio = max(k / h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"]))
     memory_excess = max(k - h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"]))
     tolerance = CPU_MEMORY_TOLERANCE_MIB if device == "cpu" else 0.0
-    weights_equal = all(all(rank["equal"]) for rank in ranks)
+    weights_equal = all(c["weights_equal"] for part in parts for c in part["strategies"].values())
     data_mib = work.samples * (3 * work.image_size**2 * 4 + 8) / 2**20
-    if device == "cuda" and ranks[0]["ddpkit_data_path"] == "resident":
+    if device == "cuda" and parts[0]["strategies"]["single"]["ddpkit_data_path"] == "resident":
         # ddpkit keeps an in-memory dataset whole on the GPU (no per-step host copies); the
         # hand-written loop keeps it in host memory. Say how much of the gap that is.
         memory["resident_dataset_mib"] = data_mib
@@ -414,54 +690,96 @@ def _result(
             (k - data_mib) / h for k, h in zip(memory["peak_mib"]["ddpkit"], memory["peak_mib"]["hand_written"])
         )
     return {
-        "method": (
-            f"{nproc} processes ({device}); every round trains a fresh copy of the same initial model for "
-            f"{work.steps} steps with a hand-written DDP loop (DistributedDataParallel, DistributedSampler, "
-            "DataLoader, SGD, loss.backward/opt.step/opt.zero_grad) and with ddpkit's runtime (rt.setup, rt.loader, "
-            "rt.backward, rt.step), in alternating order. A step is timed from the end of one to the end of the next "
-            f"(data loading included; CUDA events on GPU), the first {work.warmup_steps} steps of each phase left out; "
-            "a step's time is its slowest rank's. Both sides read exactly the same samples per rank per step: the "
-            "ddpkit side's dataset is the hand-written DistributedSampler's per-rank order laid out so ddpkit's "
-            "global-batch sampler (shuffle=False, rank r takes a contiguous slice of each global batch) hands every "
-            "rank the same micro-batch; the dataset is a whole number of global batches (no padding, no drop). So "
-            "any difference in the final weights (compared bitwise with torch.equal on every rank) comes from the "
-            "runtime itself."
-            + (
-                " On CUDA both sides run deterministic cuDNN/cuBLAS kernels (cudnn.benchmark off)."
-                if device == "cuda"
-                else ""
-            )
-        ),
+        "method": _method(work, nproc, device),
         "work": {**asdict(work), "samples": work.samples, "dataset_mib": data_mib},
         "nproc": nproc,
-        "rounds": rounds,
-        "threads_per_process": ranks[0]["threads"],
-        "ddpkit_data_path": ranks[0]["ddpkit_data_path"],
-        "step_time_ratio": time_ratio,
-        "step_time_ratio_per_round": round_ratios,
-        "step_seconds": {side: stats(steps[side]) for side in SIDES},
-        "step_seconds_all": steps,
+        "one_process": parts[0],
+        "n_processes": parts[1] if many else None,
+        "verdicts": _verdicts(parts),
         "peak_memory_ratio": memory_ratio,
         "peak_memory_excess_mib": memory_excess,
         "memory": memory,
         "weights_equal": weights_equal,
-        "weights_equal_per_round": [all(rank["equal"][r] for rank in ranks) for r in range(rounds)],
-        "weights_changed_by_training": all(all(rank["changed"]) for rank in ranks),
         "target": {
             "step_time_ratio": TARGET_STEP_TIME_RATIO,
+            "resolution": TARGET_STEP_TIME_RATIO - 1.0,
+            "min_rounds": MIN_ROUNDS,
+            "status": (
+                "'not resolved' when the 95% interval of the median paired ratio is wider than the resolution, "
+                f"straddles the target, or rests on fewer than {MIN_ROUNDS} rounds; else 'met' (upper bound <= "
+                "target) or 'not met' (lower bound > target)"
+            ),
             "peak_memory_ratio": TARGET_PEAK_MEMORY_RATIO,
             "peak_memory_tolerance_mib": tolerance,
             "weights_equal": True,
         },
         "meets_target": {
-            "step_time_ratio": time_ratio <= TARGET_STEP_TIME_RATIO,
             "peak_memory_ratio": memory_ratio <= TARGET_PEAK_MEMORY_RATIO or memory_excess <= tolerance,
             "weights_equal": weights_equal,
         },
     }
 
 
+def _method(work: Work, nproc: int, device: str) -> str:
+    return (
+        f"Two launches ({device}): one process (single, ddp, fsdp; ddpkit's Runtime runs ddp and fsdp on one process "
+        f"as single, the hand-written loops wrap the model in a process group of 1 made by the worker), then {nproc} "
+        "processes (ddp, fsdp). Per strategy, every round trains a fresh copy of the same initial model for "
+        f"{work.steps} steps with the hand-written loop and with ddpkit's runtime (rt.setup, rt.loader, rt.backward, "
+        "rt.step), in an order swapped every round. A step is timed from the end of one to the end of the next (data "
+        f"loading included; CUDA events on GPU), the first {work.warmup_steps} steps of each phase left out. Per round "
+        "and side: wall = the median over the timed steps of the slowest rank's step time; cpu = the timed steps' "
+        "CPU seconds (time.process_time, all threads) per step, summed over the ranks. ratio = the median over rounds "
+        "of the paired ratio ddpkit / hand-written, interval95 = its 95% percentile-bootstrap interval (4000 "
+        "resamples of the rounds). Both sides read exactly the same samples per rank per step (the ddpkit side's "
+        "dataset is the hand-written sampler's per-rank order laid out for ddpkit's global-batch sampler, "
+        "shuffle=False); the final weights are compared bitwise (torch.equal, sharded ones gathered whole) on every "
+        "rank, so any difference comes from the runtime itself."
+        + (
+            " On CUDA both sides run deterministic cuDNN/cuBLAS kernels (cudnn.benchmark off)."
+            if device == "cuda"
+            else ""
+        )
+    )
+
+
 # -- report ----------------------------------------------------------------------------------
+
+
+def _label(v: dict[str, Any]) -> str:
+    runs = f" (runs as {v['runs_as']})" if v["runs_as"] != v["strategy"] else ""
+    return f"{v['processes']} process{'es' if v['processes'] > 1 else ''}, {v['strategy']}{runs}"
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for part in (result["one_process"], result["n_processes"]):
+        if part is None:
+            continue
+        for strategy, c in part["strategies"].items():
+            hand, kit = (c["us_per_step"][side]["median"] for side in SIDES)
+            ratios = "; ".join(
+                f"{stat} {c[stat]['ratio']:.3f} [{c[stat]['interval95'][0]:.3f}, {c[stat]['interval95'][1]:.3f}] "
+                f"{c[stat]['status']}"
+                for stat in STATISTICS
+            )
+            label = _label({"processes": part["processes"], "strategy": strategy, "runs_as": c["runs_as"]})
+            rows.append((f"{label}: ddpkit / hand-written per step", f"{ratios} ({hand:,.0f} / {kit:,.0f} µs wall)"))
+        resolved = " and ".join(part["resolved_by"]) or "neither wall nor cpu time"
+        rows.append((f"{part['processes']} process(es): 1% resolved by", f"{resolved} ({part['rounds']} rounds)"))
+    ok = result["meets_target"]
+    rows.append(
+        (
+            "peak memory ddpkit / hand-written (worst rank)",
+            (
+                f"{result['peak_memory_ratio']:.3f}, {result['peak_memory_excess_mib']:+.1f} MiB (target <= "
+                f"{TARGET_PEAK_MEMORY_RATIO}, within {result['target']['peak_memory_tolerance_mib']:g} MiB: "
+                f"{'met' if ok['peak_memory_ratio'] else 'not met'})"
+            ),
+        )
+    )
+    rows.append(("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"))
+    return rows
 
 
 def plot(record: dict[str, Any], path: str) -> None:
@@ -469,51 +787,37 @@ def plot(record: dict[str, Any], path: str) -> None:
 
     plt = pyplot()
     r = record["result"]
-    labels = ["hand-written", "ddpkit"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    data = [[t * 1e3 for t in r["step_seconds_all"][side]] for side in SIDES]
-    left.boxplot(data, showfliers=True)
-    left.set_xticks([1, 2], labels)
-    left.set_ylabel("step time (ms)")
-    left.set_title(f"step time: ddpkit / hand-written = {r['step_time_ratio']:.3f} (median)")
-    peaks, growth = r["memory"]["peak_mib"], r["memory"]["growth_mib"]
-    n = len(peaks["hand_written"])
-    width = 0.38
-    for i, (side, label) in enumerate(zip(SIDES, labels)):
-        xs = [k + (i - 0.5) * width for k in range(n)]
-        below = [p - g for p, g in zip(peaks[side], growth[side])]
-        right.bar(xs, below, width, color=f"C{i}", alpha=0.35)
-        right.bar(xs, growth[side], width, bottom=below, color=f"C{i}", label=f"{label} (dark: growth in training)")
-        for x, p in zip(xs, peaks[side]):
-            right.annotate(f"{p:.1f}", (x, p), ha="center", va="bottom", fontsize=8)
-    right.set_xticks(range(n), [f"rank {k}" for k in range(n)])
-    right.set_ylabel("peak allocated (MiB)" if record.get("device") == "cuda" else "peak RSS (MiB)")
-    right.set_title(f"peak memory ratio {r['peak_memory_ratio']:.3f}; weights equal: {r['weights_equal']}")
-    right.legend(loc="lower right")
-    fig.suptitle(
-        f"parity on {r['nproc']} {record.get('device', '')} processes, {r['work']['model']}, "
-        f"global batch {r['work']['global_batch']}",
-        fontsize=10,
-    )
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    verdicts = r["verdicts"]
+    for i, v in enumerate(verdicts):
+        low, high = v["interval95"]
+        color = {"met": "C2", "not met": "C3"}.get(v["status"], "C7")
+        left.errorbar(v["ratio"], i, xerr=[[v["ratio"] - low], [high - v["ratio"]]], fmt="o", color=color, capsize=3)
+    left.set_yticks(range(len(verdicts)), [f"{_label(v)}, {v['statistic']}" for v in verdicts], fontsize=8)
+    left.invert_yaxis()
+    left.axvline(1.0, color="k", linewidth=0.8)
+    left.axvline(TARGET_STEP_TIME_RATIO, color="C3", linestyle="--", label=f"target {TARGET_STEP_TIME_RATIO}")
+    left.set_xlabel("ddpkit / hand-written per step: median paired ratio, 95% interval")
+    left.set_title("green: met, red: not met, grey: not resolved", fontsize=9)
+    left.legend(fontsize=8)
+    _plot_memory(right, r, record.get("device"))
+    fig.suptitle(f"parity, {r['work']['model']}, global batch {r['work']['global_batch']}", fontsize=10)
+    fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
 
-def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    ok = result["meets_target"]
-    hand, kit = result["step_seconds"]["hand_written"]["median"], result["step_seconds"]["ddpkit"]["median"]
-    return [
-        (
-            "step time ddpkit / hand-written (median)",
-            f"{result['step_time_ratio']:.3f} (target <= {TARGET_STEP_TIME_RATIO}: {'met' if ok['step_time_ratio'] else 'missed'})",
-        ),
-        ("step time hand-written / ddpkit", f"{hand * 1e3:.2f} ms / {kit * 1e3:.2f} ms"),
-        (
-            "peak memory ddpkit / hand-written (worst rank)",
-            (
-                f"{result['peak_memory_ratio']:.3f}, {result['peak_memory_excess_mib']:+.1f} MiB (target <= "
-                f"{TARGET_PEAK_MEMORY_RATIO}, within {result['target']['peak_memory_tolerance_mib']:g} MiB: "
-                f"{'met' if ok['peak_memory_ratio'] else 'missed'})"
-            ),
-        ),
-        ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
-    ]
+def _plot_memory(ax: Any, r: dict[str, Any], device: str | None) -> None:
+    peaks, growth = r["memory"]["peak_mib"], r["memory"]["growth_mib"]
+    n = len(peaks["hand_written"])
+    width = 0.38
+    for i, (side, label) in enumerate(zip(SIDES, ("hand-written", "ddpkit"))):
+        xs = [k + (i - 0.5) * width for k in range(n)]
+        below = [p - g for p, g in zip(peaks[side], growth[side])]
+        ax.bar(xs, below, width, color=f"C{i}", alpha=0.35)
+        ax.bar(xs, growth[side], width, bottom=below, color=f"C{i}", label=f"{label} (dark: growth in training)")
+        for x, p in zip(xs, peaks[side]):
+            ax.annotate(f"{p:.1f}", (x, p), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(n), [f"rank {k}" for k in range(n)])
+    ax.set_ylabel("peak allocated (MiB)" if device == "cuda" else "peak RSS (MiB)")
+    ax.set_title(f"peak memory ratio {r['peak_memory_ratio']:.3f}; weights equal: {r['weights_equal']}", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
