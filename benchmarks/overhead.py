@@ -291,6 +291,9 @@ def plot(record: dict[str, Any], path: str) -> None:
     right.axvline(r["overhead_us"], color="k", label=f"median {r['overhead_us']:+.2f} µs")
     right.axvspan(low, high, color="k", alpha=0.15, label=f"95% interval [{low:+.2f}, {high:+.2f}]")
     right.axvline(TARGET_OVERHEAD_US, color="C3", linestyle="--", label=f"target {TARGET_OVERHEAD_US:g} µs")
+    if r.get("overhead_us_per_layout"):  # records made before --layouts have none
+        per_layout = r["overhead_us_per_layout"]
+        right.plot(per_layout, [0] * len(per_layout), "|", color="C1", markersize=18, label="median per layout")
     right.set_xlabel("ddpkit - hand-written, µs per step, per round")
     right.legend(fontsize=8)
     fig.suptitle(f"runtime overhead per step, tiny MLP, one process ({r['rounds']} rounds)", fontsize=10)
