@@ -25,13 +25,14 @@ models built after a spacer allocation of a random (seeded) size that is kept un
 ends: so the run averages over several places in memory instead of the one a process happens
 to give, which moved whole runs by about a µs.
 
-Each round runs a few epochs of each side, in an order swapped every round; every epoch is one
-block timed with `time.perf_counter` (the permutation included on both sides). A round's value
-per side is the median µs/step of its blocks; the result is the median over all rounds of the
-paired difference ddpkit - hand-written, with a 95% bootstrap interval of that median that
-resamples the layouts, then the rounds within each (so it is as wide as the layouts differ, not
-only as the rounds do). Paired rounds cancel most of the drift a shared machine adds, which a
-comparison of separate runs cannot. No round is left out.
+Each round runs a few epochs of each side, interleaved one by one (which side goes first swapped
+every epoch and every round); every epoch is one block timed with `time.perf_counter` (the
+permutation included on both sides). A round's value per side is the median µs/step of its
+blocks; the result is the median over all rounds of the paired difference ddpkit - hand-written,
+with a 95% bootstrap interval of that median that resamples the layouts, then the rounds within
+each (so it is as wide as the layouts differ, not only as the rounds do). Paired, interleaved
+blocks cancel most of the drift a shared machine adds, which a comparison of separate runs
+cannot. No round is left out.
 """
 
 from __future__ import annotations
@@ -125,14 +126,17 @@ def _shares(rounds: int, layouts: int) -> list[int]:
 
 
 def _round(work: Work, loops: dict[str, Any], pairs: list[Any], r: int, times: dict[str, list[float]]) -> None:
-    """Round `r` of a layout: each loop's epochs, in an order swapped every round, each loop on
-    the model of the pair that is its turn (swapped every other round, so that neither loop
-    keeps the one that happens to sit better in memory)."""
+    """Round `r` of a layout: the two loops' epochs interleaved one by one (which goes first
+    swapped every epoch and every round), each loop on the model of the pair that is its turn
+    (swapped every other round, so that neither loop keeps the one that happens to sit better
+    in memory)."""
     gc.collect()
-    for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-        pair = pairs[(SIDES.index(side) + r // 2) % 2]
-        blocks = [loops[side](*pair) for _ in range(work.epochs_per_round)]
-        times[side].append(statistics.median(blocks) / work.steps_per_epoch * 1e6)
+    blocks: dict[str, list[float]] = {s: [] for s in SIDES}
+    for e in range(work.epochs_per_round):
+        for side in SIDES if (r + e) % 2 == 0 else SIDES[::-1]:
+            blocks[side].append(loops[side](*pairs[(SIDES.index(side) + r // 2) % 2]))
+    for side in SIDES:
+        times[side].append(statistics.median(blocks[side]) / work.steps_per_epoch * 1e6)
 
 
 def _pair(work: Work, rt: Any) -> tuple[Any, Any]:
@@ -236,12 +240,13 @@ def _result(
         "method": (
             f"one process ({device}, 1 thread); {rounds} rounds over {len(layouts)} layouts (a fresh pair of models "
             "each, placed after a spacer allocation of a random size), each round running "
-            f"{work.epochs_per_round} epochs of {work.steps_per_epoch} steps with each loop, in an order swapped "
-            "every round, the two models of the pair swapped between the loops every other round. An epoch is one "
-            "block timed with time.perf_counter (the epoch's permutation included on both sides); a round's value "
-            "per loop is the median µs/step of its blocks. overhead_us: the median over all rounds of the paired "
-            "difference ddpkit - hand-written, with a 95% two-level percentile-bootstrap interval (4000 resamples: "
-            "the layouts, then the rounds within each). No round is left out."
+            f"{work.epochs_per_round} epochs of {work.steps_per_epoch} steps with each loop, interleaved one by one "
+            "(which goes first swapped every epoch and every round), the two models of the pair swapped between the "
+            "loops every other round. An epoch is one block timed with time.perf_counter (the epoch's permutation "
+            "included on both sides); a round's value per loop is the median µs/step of its blocks. overhead_us: the "
+            "median over all rounds of the paired difference ddpkit - hand-written, with a 95% two-level "
+            "percentile-bootstrap interval (4000 resamples: the layouts, then the rounds within each). No round is "
+            "left out."
         ),
         "work": {**asdict(work), "samples": work.samples, "model": "MLP 32-64-10 (Linear, ReLU, Linear), SGD"},
         "rounds": rounds,
