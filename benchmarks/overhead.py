@@ -18,19 +18,27 @@ written that way), which is no cost of the runtime.
 Both read the same samples in the same order (ddpkit's global order for epoch e is
 `randperm(n, seed + e)`, which (a) draws too). Two models, built alike, take turns with each loop
 (which loop trains which model swaps every other round), each going through the same epochs:
-so a model's place in memory, which moves a step by a few µs in either direction and differs
-from process to process, favours neither loop; and the two models end bitwise equal only if
-the two loops make bitwise the same updates, which is checked at the end. Each round runs a few epochs of each side, in an order swapped every
-round; every epoch is one block timed with `time.perf_counter` (the permutation included on
-both sides). A round's value per side is the median µs/step of its blocks; the result is the
-median over rounds of the paired difference ddpkit - hand-written, with a bootstrap 95%
-interval of that median (the rounds resampled). Paired rounds cancel most of the drift a
-shared machine adds, which a comparison of separate runs cannot.
+so a model's place in memory, which moves a step by a µs or more in either direction, favours
+neither loop; and the two models end bitwise equal only if the two loops make bitwise the same
+updates, which is checked. The rounds are cut into `layouts` groups, each with a fresh pair of
+models built after a spacer allocation of a random (seeded) size that is kept until the group
+ends: so the run averages over several places in memory instead of the one a process happens
+to give, which moved whole runs by about a µs.
+
+Each round runs a few epochs of each side, interleaved one by one (which side goes first swapped
+every epoch and every round); every epoch is one block timed with `time.perf_counter` (the
+permutation included on both sides). A round's value per side is the median µs/step of its
+blocks; the result is the median over all rounds of the paired difference ddpkit - hand-written,
+with a 95% bootstrap interval of that median that resamples the layouts, then the rounds within
+each (so it is as wide as the layouts differ, not only as the rounds do). Paired, interleaved
+blocks cancel most of the drift a shared machine adds, which a comparison of separate runs
+cannot. No round is left out.
 """
 
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -62,7 +70,10 @@ class Work:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 200; --quick 6)")
+    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 320; --quick 6)")
+    parser.add_argument(
+        "--layouts", type=int, default=8, help="fresh model pairs the rounds are shared over (default 8)"
+    )
     parser.add_argument("--steps", type=int, default=64, help="steps per timed block, one epoch (default 64)")
     parser.add_argument("--note", default="", help="where it ran, in words (kept in the JSON): a shared machine, say")
 
@@ -73,37 +84,61 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     from ddpkit.errors import UsageError
 
     extra = opts.extra
-    rounds = extra.get("rounds") or opts.reps(200, 6)
+    rounds = extra.get("rounds") or opts.reps(320, 6)
+    layouts = min(extra.get("layouts", 8), rounds // 2)
     work = Work(steps_per_epoch=extra.get("steps", 64))
-    if rounds < 2 or work.steps_per_epoch < 1:
-        raise UsageError("--rounds must be at least 2 and --steps at least 1")
+    if rounds < 2 or work.steps_per_epoch < 1 or layouts < 1:
+        raise UsageError("--rounds must be at least 2, --steps and --layouts at least 1")
     threads = torch.get_num_threads()
     try:
-        return {**_measure(work, rounds, device), "note": extra.get("note", "")}
+        return {**_measure(work, rounds, layouts, device), "note": extra.get("note", "")}
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(work: Work, rounds: int, device: str) -> dict[str, Any]:
+def _measure(work: Work, rounds: int, layouts: int, device: str) -> dict[str, Any]:
     import torch
 
     from ddpkit.runtime import Runtime
 
     with Runtime(strategy="ddp", device=device, seed=work.seed, cudnn_benchmark=False) as rt:
         torch.set_num_threads(1)  # after the Runtime, which sets its own thread count
-        loops, pairs = _loops(work, rt), [_pair(work, rt), _pair(work, rt)]
-        for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
-            loops[side](*pairs[SIDES.index(side)])
+        loops, spacers = _loops(work, rt), random.Random(work.seed)
         times: dict[str, list[float]] = {s: [] for s in SIDES}
-        for r in range(rounds):
-            gc.collect()
-            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                # The two models take turns with each loop, so neither loop keeps the one that
-                # happens to sit better in memory (a bias of a few µs that changes per process).
-                pair = pairs[(SIDES.index(side) + r // 2) % 2]
-                blocks = [loops[side](*pair) for _ in range(work.epochs_per_round)]
-                times[side].append(statistics.median(blocks) / work.steps_per_epoch * 1e6)
-        return _result(work, rounds, times, _equal(*(model for model, _ in pairs)), device)
+        layout_of, equal = [], True
+        for layout, count in enumerate(_shares(rounds, layouts)):
+            # Where the new pair lands in memory: after a spacer of a random size, held until
+            # the pair is done with (freed at once, the pair would take its place).
+            spacer = torch.empty(spacers.randrange(1, 1 << 15), dtype=torch.uint8, device=device)
+            pairs = [_pair(work, rt), _pair(work, rt)]
+            for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
+                loops[side](*pairs[SIDES.index(side)])
+            for r in range(count):
+                _round(work, loops, pairs, r, times)
+            layout_of += [layout] * count
+            equal = equal and _equal(*(model for model, _ in pairs))
+            del spacer, pairs
+        return _result(work, rounds, times, layout_of, equal, device)
+
+
+def _shares(rounds: int, layouts: int) -> list[int]:
+    """`rounds` cut into `layouts` shares, as even as can be."""
+    base, extra = divmod(rounds, layouts)
+    return [base + (i < extra) for i in range(layouts)]
+
+
+def _round(work: Work, loops: dict[str, Any], pairs: list[Any], r: int, times: dict[str, list[float]]) -> None:
+    """Round `r` of a layout: the two loops' epochs interleaved one by one (which goes first
+    swapped every epoch and every round), each loop on the model of the pair that is its turn
+    (swapped every other round, so that neither loop keeps the one that happens to sit better
+    in memory)."""
+    gc.collect()
+    blocks: dict[str, list[float]] = {s: [] for s in SIDES}
+    for e in range(work.epochs_per_round):
+        for side in SIDES if (r + e) % 2 == 0 else SIDES[::-1]:
+            blocks[side].append(loops[side](*pairs[(SIDES.index(side) + r // 2) % 2]))
+    for side in SIDES:
+        times[side].append(statistics.median(blocks[side]) / work.steps_per_epoch * 1e6)
 
 
 def _pair(work: Work, rt: Any) -> tuple[Any, Any]:
@@ -174,19 +209,27 @@ def _equal(a: Any, b: Any) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def _result(work: Work, rounds: int, times: dict[str, list[float]], equal: bool, device: str) -> dict[str, Any]:
+def _result(
+    work: Work, rounds: int, times: dict[str, list[float]], layout_of: list[int], equal: bool, device: str
+) -> dict[str, Any]:
     from ddpkit.bench.common import stats
 
     diffs = [k - h for h, k in zip(times["hand_written"], times["ddpkit"])]
-    low, high = bootstrap_median(diffs)
+    low, high = bootstrap_median(diffs, groups=layout_of)
     overhead = statistics.median(diffs)
+    layouts = sorted(set(layout_of))
+    per_layout = [statistics.median(d for d, g in zip(diffs, layout_of) if g == k) for k in layouts]
     return {
         "method": (
-            f"one process ({device}, 1 thread); {rounds} rounds, each running {work.epochs_per_round} epochs of "
-            f"{work.steps_per_epoch} steps with each loop, in an order swapped every round. An epoch is one block "
-            "timed with time.perf_counter (the epoch's permutation included on both sides); a round's value per loop "
-            "is the median µs/step of its blocks. overhead_us: the median over rounds of the paired difference "
-            "ddpkit - hand-written, with a 95% percentile-bootstrap interval (4000 resamples of the rounds)."
+            f"one process ({device}, 1 thread); {rounds} rounds over {len(layouts)} layouts (a fresh pair of models "
+            "each, placed after a spacer allocation of a random size), each round running "
+            f"{work.epochs_per_round} epochs of {work.steps_per_epoch} steps with each loop, interleaved one by one "
+            "(which goes first swapped every epoch and every round), the two models of the pair swapped between the "
+            "loops every other round. An epoch is one block timed with time.perf_counter (the epoch's permutation "
+            "included on both sides); a round's value per loop is the median µs/step of its blocks. overhead_us: the "
+            "median over all rounds of the paired difference ddpkit - hand-written, with a 95% two-level "
+            "percentile-bootstrap interval (4000 resamples: the layouts, then the rounds within each). No round is "
+            "left out."
         ),
         "work": {**asdict(work), "samples": work.samples, "model": "MLP 32-64-10 (Linear, ReLU, Linear), SGD"},
         "rounds": rounds,
@@ -195,6 +238,9 @@ def _result(work: Work, rounds: int, times: dict[str, list[float]], equal: bool,
         "overhead_us": overhead,
         "overhead_us_interval95": [low, high],
         "overhead_us_per_round": stats(diffs),
+        "layouts": len(layouts),
+        "layout_per_round": layout_of,
+        "overhead_us_per_layout": per_layout,
         "weights_equal": equal,
         "target_overhead_us": TARGET_OVERHEAD_US,
         "meets_target": high <= TARGET_OVERHEAD_US,
@@ -233,6 +279,9 @@ def plot(record: dict[str, Any], path: str) -> None:
     right.axvline(r["overhead_us"], color="k", label=f"median {r['overhead_us']:+.2f} µs")
     right.axvspan(low, high, color="k", alpha=0.15, label=f"95% interval [{low:+.2f}, {high:+.2f}]")
     right.axvline(TARGET_OVERHEAD_US, color="C3", linestyle="--", label=f"target {TARGET_OVERHEAD_US:g} µs")
+    if r.get("overhead_us_per_layout"):  # records made before --layouts have none
+        per_layout = r["overhead_us_per_layout"]
+        right.plot(per_layout, [0] * len(per_layout), "|", color="C1", markersize=18, label="median per layout")
     right.set_xlabel("ddpkit - hand-written, µs per step, per round")
     right.legend(fontsize=8)
     fig.suptitle(f"runtime overhead per step, tiny MLP, one process ({r['rounds']} rounds)", fontsize=10)

@@ -19,11 +19,22 @@ STATUSES = (MET, NOT_MET, NOT_RESOLVED)
 MIN_ROUNDS = 10
 
 
-def bootstrap_median(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """A 95% percentile-bootstrap interval of the median of `values`."""
+def bootstrap_median(
+    values: list[float], resamples: int = 4000, seed: int = 0, groups: list[int] | None = None
+) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of `values`. With `groups` (one label
+    per value), a two-level bootstrap: the groups resampled, then the values within each."""
     rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    by_group: dict[int, list[float]] = {}
+    for value, group in zip(values, groups or [0] * len(values)):
+        by_group.setdefault(group, []).append(value)
+    members = list(by_group.values())
+
+    def resample() -> list[float]:
+        chosen = rng.choices(members, k=len(members)) if len(members) > 1 else members
+        return [v for m in chosen for v in rng.choices(m, k=len(m))]
+
+    medians = sorted(statistics.median(resample()) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 

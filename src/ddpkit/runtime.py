@@ -130,6 +130,7 @@ class Runtime:
         self._logged = False  # rt.log was called: too late for load_state to say where the log goes on
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
+        self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -164,6 +165,7 @@ class Runtime:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
         self._acc = Accumulation(self.world_size)
+        self._replan()
         if seed is not None:
             seed_everything(seed)
 
@@ -257,6 +259,7 @@ class Runtime:
         loss is computed in full precision.
         """
         self._check_compiled = bool(self.compile)
+        self._replan()
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._strategy.adopt(optimizers)
         self._model = wrapped
@@ -328,9 +331,28 @@ class Runtime:
         True. Between micro-batches of one global batch it does nothing and returns False, so
         `if rt.step(opt): scheduler.step()` keeps a per-step schedule right under accumulation.
         With `max_grad_norm`, gradients are unscaled and clipped first."""
-        micro = self._acc.micro
+        acc = self._acc
+        micro = acc.micro
         if micro is not None and not micro.last:  # not step_ready (read here: step() runs every step)
             return False
+        if self._plain and max_grad_norm is None and not acc.weighted:
+            optimizer.step()  # the hand-written loop's step exactly
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self._step(optimizer, max_grad_norm)
+        if not self._counted:  # a second optimizer stepped on the same backward is the same step
+            self._steps, self._counted = self._steps + 1, True
+        return True
+
+    def _replan(self) -> None:
+        """Whether step() may be the optimizer's step and zero_grad alone, when no weighted
+        backward and no clipping asks for more: worked out once from what changes only here
+        (the strategy, the scaler, setup()'s compile check), so step() reads one flag."""
+        checks = self._strategy.checks_optimizers or self.precision.scaler is not None
+        self._plain = not (checks or self._check_compiled)
+
+    def _step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
+        """step()'s work when it is more than the optimizer's step and zero_grad."""
         if self._strategy.checks_optimizers:
             self._strategy.check_optimizer(optimizer)
         if self._acc.weighted:  # only then: listing the parameters costs time on every step
@@ -338,16 +360,10 @@ class Runtime:
         if max_grad_norm is not None:
             self.precision.unscale(optimizer)
             self._strategy.clip_grad_norm(optimizer, max_grad_norm)
-        if self.precision.scaler is None:
-            optimizer.step()  # what precision.step does without a scaler, one call less per step
-        else:
-            self.precision.step(optimizer)
+        self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        if not self._counted:  # a second optimizer stepped on the same backward is the same step
-            self._steps, self._counted = self._steps + 1, True
         if self._check_compiled:
             self._warn_if_nothing_compiled()
-        return True
 
     def _parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """Every parameter a step may update: of every model and optimizer given to setup() and
@@ -361,6 +377,7 @@ class Runtime:
         graph at all (the model then runs as it would uncompiled, plus dynamo's overhead). Not
         a count of this model's graphs: a model like one compiled before reuses its graph."""
         self._check_compiled = False
+        self._replan()
         if strategies.compiled_graphs() == 0:
             print0(
                 "ddpkit: warning: torch.compile produced no graph in the first step: the model runs "
@@ -425,6 +442,7 @@ class Runtime:
                 dataloader=src.options,
             )
         loader.on_batch = self._acc.on_batch  # weighting and the gradient-sync switch follow it
+        loader.accumulation = self._acc
         self._loaders.append(loader)
         return loader
 

@@ -1,4 +1,5 @@
-"""`python -m benchmarks overhead` as a real command (two short rounds), and its interval."""
+"""`python -m benchmarks overhead` as a real command (two short rounds), and its interval (over
+the rounds, or over the layouts and then the rounds)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def test_overhead(tmp_path):
     low, high = r["overhead_us_interval95"]
     assert low <= r["overhead_us"] <= high
     assert isinstance(r["meets_target"], bool) and r["target_overhead_us"] == 2.0
+
+
+@pytest.mark.unit
+def test_a_two_level_interval_is_as_wide_as_the_groups_differ():
+    # Four layouts whose rounds agree within each but not across: resampling the rounds alone
+    # would claim a narrow interval; resampling the layouts too says how far apart they are.
+    values = [layout + 0.01 * i for layout in range(4) for i in range(20)]
+    groups = [layout for layout in range(4) for _ in range(20)]
+    low, high = overhead.bootstrap_median(values)
+    low_g, high_g = overhead.bootstrap_median(values, groups=groups)
+    assert low_g <= low <= high <= high_g and high_g - low_g > 2 * (high - low)
+    same = overhead.bootstrap_median(values, groups=[0] * len(values))
+    assert same == (low, high)  # one group: the rounds alone, as before

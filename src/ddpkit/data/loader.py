@@ -72,15 +72,23 @@ class Resident:
         if isinstance(dataset, TensorDataset):
             self.tensors = tuple(t.to(device) for t in dataset.tensors)
         self.device = device
-        if self.tensors and not channels_last:  # nothing but the gather: skip batch()'s checks, every step
-            self.batch = self._gather  # type: ignore[method-assign]
 
     @staticmethod
     def supports(dataset: Any) -> bool:
         return isinstance(dataset, (ImageSet, TextSet, TensorDataset))
 
-    def _gather(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> list[torch.Tensor]:
-        return [t[indices] for t in self.tensors]
+    def cutter(self, order: torch.Tensor, seed: int, epoch: int) -> Callable[[int, int], Any]:
+        """The function a training pass calls once per micro-batch: the batch of positions
+        [start, stop) of the epoch's `order` (augmented with keys from `seed` and `epoch`)."""
+        if self.tensors and not self.channels_last:  # nothing but the gather: no checks per step
+            return tensor_cut(self.tensors, order)
+        augment = self.images is not None and self.images.augment is not None
+
+        def cut(start: int, stop: int) -> Any:
+            keys = augment_keys(seed, epoch, torch.arange(start, stop, device=self.device)) if augment else None
+            return self.batch(order[start:stop], keys)
+
+        return cut
 
     def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> Any:
         if self.images is not None:
@@ -131,6 +139,9 @@ class DistributedLoader:
         self._ended_by_state = False  # loaded at an epoch's last step (see __iter__)
         self.current: MicroBatch | None = None
         self.on_batch: Any = None  # set by the Runtime: told of every training micro-batch
+        # The Runtime's Accumulation, whose `on_batch` that is: what it holds (`micro`) lets the
+        # resident pass skip telling it a micro-batch it holds already (see _resident_pass).
+        self.accumulation: Any = None
 
     @property
     def sampler(self) -> Any:
@@ -193,21 +204,20 @@ class DistributedLoader:
         saves is time the hand-written loop does not spend (`python -m benchmarks overhead`)."""
         if not self._begin_pass():
             return
-        sampler, on_batch, batch = self.sampler, self.on_batch, self.resident.batch
+        sampler, on_batch, acc = self.sampler, self.on_batch, self.accumulation
         try:
             # One permutation per epoch on the device; each micro-batch is a slice of it.
-            order = sampler.order().to(self.device)
-            augment = self.resident.images is not None and self.resident.images.augment is not None
+            cut = self.resident.cutter(sampler.order().to(self.device), sampler.seed, sampler.epoch)
             for start, stop, info in sampler.spans():
                 self.current = info
                 if info.last:
                     self.position += 1
-                if on_batch is not None:
+                # Full global batches share one MicroBatch: a step's last one that the runtime's
+                # accumulation holds already (this loader told it last step, and nobody told it
+                # anything since) would be told again to no effect, so it is not.
+                if on_batch is not None and (acc is None or info is not acc.micro or not info.last):
                     on_batch(self)
-                keys = None
-                if augment:
-                    keys = augment_keys(sampler.seed, sampler.epoch, torch.arange(start, stop, device=self.device))
-                yield batch(order[start:stop], keys)
+                yield cut(start, stop)
             self.epoch, self.position = self.epoch + 1, 0
         finally:
             self._end_pass()
@@ -233,6 +243,32 @@ class DistributedLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state.get("position", 0))
         self._ended_by_state = self.position >= self.steps_per_epoch
+
+
+def tensor_cut(tensors: tuple[torch.Tensor, ...], order: torch.Tensor) -> Callable[[int, int], list[torch.Tensor]]:
+    """`[t[order[start:stop]] for t in tensors]` as a function of (start, stop), written out
+    for one and two tensors (features, labels): a comprehension is a function call of its own,
+    once per step (`python -m benchmarks overhead`)."""
+    if len(tensors) == 2:
+        a, b = tensors
+
+        def cut(start: int, stop: int) -> list[torch.Tensor]:
+            i = order[start:stop]
+            return [a[i], b[i]]
+
+    elif len(tensors) == 1:
+        (a,) = tensors
+
+        def cut(start: int, stop: int) -> list[torch.Tensor]:
+            return [a[order[start:stop]]]
+
+    else:
+
+        def cut(start: int, stop: int) -> list[torch.Tensor]:
+            i = order[start:stop]
+            return [t[i] for t in tensors]
+
+    return cut
 
 
 def hand_out(loader: Any, batches: Iterator[tuple[Any, MicroBatch]]) -> Iterator[Any]:
