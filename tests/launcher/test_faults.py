@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,11 +31,13 @@ pytestmark = [pytest.mark.cli, pytest.mark.slow]
 RUN = ("train", "--epochs", "2", "--device", "cpu", "--checkpoint-every", "4", "--nproc", "2")
 
 
-def _start(out: Path, *extra: str, run: tuple[str, ...] = RUN) -> subprocess.Popen:
+def _start(
+    out: Path, *extra: str, run: tuple[str, ...] = RUN, stdout: Any = None, stderr: Any = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ddpkit", *run, *extra, "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=stdout or subprocess.PIPE,
+        stderr=stderr or subprocess.PIPE,
         text=True,
         env=clean_env(),
         start_new_session=True,  # its own process group: what a terminal's Ctrl-C reaches
@@ -58,7 +61,7 @@ def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, time
     while not ready():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"never saw {what}: {proc.communicate()[1][-2000:]}")
+            raise AssertionError(f"never saw {what}: {(proc.communicate()[1] or '')[-2000:]}")
         time.sleep(0.01)
 
 
@@ -110,19 +113,26 @@ def killed_at_every_moment(tmp_path_factory):
     attempt that restarted after the kill before. Returns the out directory, the victims' pids in
     order, and the launcher's exit code, stdout and stderr."""
     out = tmp_path_factory.mktemp("killed") / "run"
-    proc = _start(out, "--max-restarts", str(len(MOMENTS)))
+    logs = out.parent / "stdout.txt", out.parent / "stderr.txt"
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        proc = _start(out, "--max-restarts", str(len(MOMENTS)), stdout=stdout, stderr=stderr)
+    said = lambda note: note in logs[0].read_text() + logs[1].read_text()  # noqa: E731
     victims: list[int] = []
     earlier: set[int] = set()
-    for moment, ready, delay, which in MOMENTS:
+    for k, (moment, ready, delay, which) in enumerate(MOMENTS):
         _wait_for(proc, lambda: _new_pair(proc, earlier), "two workers")
+        # A restarted attempt says why before it trains: a kill before that (its moment's file
+        # may be an earlier attempt's, when a loaded machine let that one run on) would end the
+        # attempt unannounced.
+        _wait_for(proc, lambda k=k: k == 0 or said(f"restart {k} of {len(MOMENTS)}"), f"restart {k}'s note")
         _wait_for(proc, lambda ready=ready: ready(out), moment)
         time.sleep(delay)
         workers = _workers(proc)
         earlier.update(workers)
         victims.append(workers[which])
         os.kill(victims[-1], signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=300)
-    return out, victims, proc.returncode, stdout, stderr
+    proc.wait(timeout=300)
+    return out, victims, proc.returncode, logs[0].read_text(), logs[1].read_text()
 
 
 @pytest.mark.parametrize("kill", range(len(MOMENTS)), ids=[m[0] for m in MOMENTS])
