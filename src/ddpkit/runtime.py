@@ -15,7 +15,6 @@ The same code runs as one process, under `ddpkit.launch`, `ddpkit run`, torchrun
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import re
@@ -32,7 +31,7 @@ from . import allocator, checkpoint, dist, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
-from .data.adopt import Adopted, adopt
+from .data.adopt import Adopted, source
 from .device import DEVICES, cpu_count
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
@@ -417,7 +416,7 @@ class Runtime:
         step k is its samples [k*B, (k+1)*B) on any world size, batched by `collate_fn` (default:
         default_collate); `shuffle` must not be True for it, nor `seed`, `num_workers > 0` or
         `resident=True`."""
-        src = self._source(data, batch_size, shuffle, drop_last, collate_fn)
+        src = source(data, batch_size, shuffle, drop_last, collate_fn)
         if isinstance(src.dataset, IterableDataset):  # one stream, read whole by every rank
             workers = num_workers if num_workers is not None else src.options.get("num_workers")
             return self._stream(src, micro_batch_size, seed=seed, num_workers=workers or None, resident=resident)
@@ -480,7 +479,7 @@ class Runtime:
         collate_fn and workers are kept) for evaluation: every sample on exactly one rank.
         `batch_size` is the global evaluation batch (default: a DataLoader's, else 512)."""
         default = None if isinstance(data, DataLoader) else 512
-        src = self._source(data, default if batch_size is None else batch_size, False, False, collate_fn)
+        src = source(data, default if batch_size is None else batch_size, False, False, collate_fn)
         if isinstance(src.dataset, IterableDataset):
             raise UsageError(
                 "evaluation reads a map-style test set (each sample once, split over the ranks by index); "
@@ -500,30 +499,6 @@ class Runtime:
                 collate_fn=src.collate_fn,
                 dataloader=src.options,
             )
-
-    @staticmethod
-    def _source(
-        data: Any, batch_size: int | None, shuffle: bool | None, drop_last: bool | None, collate: Any
-    ) -> Adopted:
-        """The dataset and batch settings to build a loader from: a DataLoader's, read by
-        `adopt`, with the arguments given here winning; or a Dataset's with the defaults."""
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise UsageError(f"batch_size must be a whole number of samples >= 1, got {batch_size!r}")
-        if collate is not None and not callable(collate):
-            raise UsageError(f"collate_fn must be a function of a list of samples, not {type(collate).__name__}")
-        if isinstance(data, DataLoader):
-            src = adopt(data, batch_size)
-            overrides = {"shuffle": shuffle, "drop_last": drop_last, "collate_fn": collate}
-            return dataclasses.replace(src, **{k: v for k, v in overrides.items() if v is not None})
-        if not isinstance(data, IterableDataset) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-            raise UsageError(
-                f"a loader reads a Dataset (len() and [i]), an IterableDataset or a DataLoader, not {type(data).__name__}"
-            )
-        if batch_size is None:
-            raise UsageError("rt.loader(dataset): give batch_size=, the GLOBAL batch (or pass a DataLoader)")
-        return Adopted(data, batch_size, shuffle, bool(drop_last), collate)
 
     def evaluate(
         self,

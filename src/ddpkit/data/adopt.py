@@ -21,7 +21,7 @@ What is read, and how:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.utils.data import (
@@ -49,6 +49,27 @@ class Adopted:
     drop_last: bool
     collate_fn: Any = None  # None: default_collate
     options: dict[str, Any] = field(default_factory=dict)  # the DataLoader's other settings
+
+
+def source(data: Any, batch_size: int | None, shuffle: bool | None, drop_last: bool | None, collate: Any) -> Adopted:
+    """What `rt.loader` / `rt.eval_loader` build a loader from: a DataLoader's dataset and
+    settings, read by `adopt`, with the arguments given (not None) winning; or a Dataset's or
+    an IterableDataset's, with the defaults. Bad arguments are a UsageError."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise UsageError(f"batch_size must be a whole number of samples >= 1, got {batch_size!r}")
+    if collate is not None and not callable(collate):
+        raise UsageError(f"collate_fn must be a function of a list of samples, not {type(collate).__name__}")
+    if isinstance(data, DataLoader):
+        src = adopt(data, batch_size)
+        overrides = {"shuffle": shuffle, "drop_last": drop_last, "collate_fn": collate}
+        return replace(src, **{k: v for k, v in overrides.items() if v is not None})
+    if not isinstance(data, IterableDataset) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise UsageError(
+            f"a loader reads a Dataset (len() and [i]), an IterableDataset or a DataLoader, not {type(data).__name__}"
+        )
+    if batch_size is None:
+        raise UsageError("rt.loader(dataset): give batch_size=, the GLOBAL batch (or pass a DataLoader)")
+    return Adopted(data, batch_size, shuffle, bool(drop_last), collate)
 
 
 def adopt(loader: DataLoader, batch_size: int | None = None) -> Adopted:
