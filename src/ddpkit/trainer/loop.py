@@ -223,6 +223,7 @@ class Loop:
         self.mark_training(started)
         self.check_finite()
         self.wait_for_checkpoint()
+        out.draw_curves(self.run.history)  # the records are final: drawn while the run ends
         ev = self.task.evaluate(self.rt, self.model, self.test_loader)
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
