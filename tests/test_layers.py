@@ -29,6 +29,7 @@ LAYERS = {
         "metrics",
         "timeline",
         "plots",
+        "plotter",
         "optim",
         "models",
         "env",

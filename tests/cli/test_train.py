@@ -142,12 +142,19 @@ def test_run1_model_pt_is_a_plain_state_dict_of_the_bare_model(run1):
     assert abs(acc - _results(out)["test_accuracy"]) <= 1e-6
 
 
-def test_run1_curves_png(run1):
+def test_run1_curves_png(run1, tmp_path):
     out, proc = run1
     ok(proc)
     png = (out / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(png) > 1000
+    # Drawn by the command's helper process (ddpkit.plotter): the same bytes as drawn here
+    # from metrics.jsonl's epoch records.
+    from ddpkit.plots import plot_curves
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plot_curves([r for r in records if r["type"] == "epoch"], str(tmp_path / "here.png"), "cnn on digits")
+    assert (tmp_path / "here.png").read_bytes() == png
 
 
 def test_run1_config_yaml(run1):

@@ -44,6 +44,9 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     assert sum(s["median"] for s in ddp["phases"].values()) == pytest.approx(ddp["wall_seconds"]["median"])
     assert "ddpkit phase model_ready (median)" in proc.stdout
     assert set(r["speedup_vs"]) == {"torchrun"} and isinstance(r["ddpkit_fastest"], bool)
+    assert r["best_peer"] == "torchrun" and r["target_ratio"] == 0.7
+    assert r["ddpkit_over_best_peer"] == pytest.approx(1 / r["speedup_vs"]["torchrun"])
+    assert "ddpkit / best peer (torchrun)" in proc.stdout
     assert r["job"]["epochs"] == 10 and r["job"]["processes"] == 2
     assert png.stat().st_size > 0
     assert "ddpkit fastest" in proc.stdout
@@ -68,3 +71,18 @@ def test_bench_startup_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
     assert "lightning is not installed" in startup._missing("fabric") and "ddpkit[bench]" in startup._missing("fabric")
     assert startup._missing("torchrun") is None
+
+
+@pytest.mark.unit
+def test_bench_startup_target_is_ddpkit_over_the_best_peer():
+    from benchmarks.startup import versus_best_peer
+
+    def of(**medians):
+        return {n: {"wall_seconds": {"median": m}} for n, m in medians.items()}
+
+    v = versus_best_peer(of(ddpkit=5.6, torchrun=8.0, accelerate=7.0, fabric=11.0))
+    assert v["best_peer"] == "accelerate" and v["ddpkit_over_best_peer"] == pytest.approx(0.8)
+    assert v["target_met"] is False and v["target_ratio"] == 0.7
+    assert versus_best_peer(of(ddpkit=4.2, torchrun=7.0))["target_met"] is True
+    alone = versus_best_peer(of(ddpkit=5.0))
+    assert alone["best_peer"] is None and alone["ddpkit_over_best_peer"] is None and alone["target_met"] is None

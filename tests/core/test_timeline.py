@@ -11,6 +11,7 @@ import time
 import pytest
 
 from ddpkit import timeline
+from ddpkit.launcher.workers import gc_frozen
 from ddpkit.timeline import MOMENTS, Timeline, gc_paused, phases, process_start
 
 
@@ -59,5 +60,10 @@ def test_gc_paused_freezes_what_was_made_and_restores_collections():
             assert not gc.isenabled()
             kept = [[i] for i in range(1000)]
         assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+        assert timeline.froze_objects()  # what gc_frozen asks before each launch
+        with gc_frozen():  # the caller froze objects: they stay frozen after the launch
+            pass
+        assert gc.get_freeze_count() >= frozen + len(kept)
     finally:
         gc.unfreeze()  # this test process goes on: its objects go back to the collector
+        timeline._froze = False

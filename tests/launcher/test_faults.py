@@ -46,8 +46,21 @@ def _start(
 
 def _workers(proc: subprocess.Popen) -> list[int]:
     """The launcher's worker processes (forked on CPU), oldest first."""
+    return sorted((p for p in _children(proc) if not _is_curves_helper(p)), key=_start_time)
+
+
+def _curves_helper(proc: subprocess.Popen) -> list[int]:
+    """The launcher's other child: the process that draws curves.png (ddpkit.plotter)."""
+    return [p for p in _children(proc) if _is_curves_helper(p)]
+
+
+def _children(proc: subprocess.Popen) -> list[int]:
     listed = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    return sorted((int(p) for p in listed), key=_start_time)
+    return [int(p) for p in listed]
+
+
+def _is_curves_helper(pid: int) -> bool:
+    return b"ddpkit.plotter" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def _start_time(pid: int) -> int:
@@ -159,7 +172,8 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_no_worker_left(tmp_pa
     out = tmp_path / "run"
     proc = _start(out)
     _wait_for(proc, lambda: _checkpoint(4)(out), "a checkpoint")
-    workers = _workers(proc)
+    workers = _workers(proc) + _curves_helper(proc)
+    assert len(workers) == 3  # and the helper that would draw curves.png: left behind neither
     (os.killpg if to_group else os.kill)(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole group
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr[-3000:]
@@ -197,7 +211,8 @@ def test_after_a_sigkilled_launcher_the_next_run_takes_its_folder_over_and_resum
     out = tmp_path / "run"
     proc = _start(out)
     _wait_for(proc, lambda: _checkpoint(8)(out), "a checkpoint")
-    workers = _workers(proc)
+    workers = _workers(proc) + _curves_helper(proc)  # the helper ends once no one holds its pipe
+    assert len(workers) == 3
     os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: no agent is left to stop the workers
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 10

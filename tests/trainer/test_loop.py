@@ -66,6 +66,19 @@ def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
     assert [r["step"] for r in skips] == [3]
 
 
+@pytest.mark.distributed
+def test_finiteness_is_decided_alike_on_every_rank_from_every_ranks_facts(tmp_path):
+    import ddpkit
+    from tests.trainer.workers_finite import check_finite_facts
+
+    said = ddpkit.launch(check_finite_facts, str(tmp_path), nproc=2)
+    assert said[0] == said[1]  # every rank stops alike
+    fine, loss, weights = said[0]
+    assert fine == ""
+    assert "non-finite training loss at step 7 on rank 1 " in loss
+    assert "the weights hold NaN or inf after step 0" in weights
+
+
 @pytest.mark.cli
 def test_non_finite_loss_stops_the_run_naming_step_and_rank(tmp_path):
     out = tmp_path / "out"

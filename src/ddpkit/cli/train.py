@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from . import _a_launchers_worker
 from .parsing import OneLineErrors
 
 
@@ -14,13 +17,26 @@ def main(argv: Sequence[str]) -> int:
     from ..timeline import Timeline, gc_paused
 
     timeline = Timeline()  # from this process's start: the interpreter's start counts
-    with gc_paused():  # imports and parsing make only objects that stay
-        from ..trainer import train
+    with _curves_helper(argv):
+        with gc_paused():  # imports and parsing make only objects that stay
+            from ..trainer import train
 
-        timeline.mark("imports_done")
-        cfg = parse(argv)
-    train(cfg, timeline)
+            timeline.mark("imports_done")
+            cfg = parse(argv)
+        train(cfg, timeline)
     return 0
+
+
+def _curves_helper(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
+    """The process that imports matplotlib on an idle core while this one imports torch, and
+    draws curves.png at the end (`ddpkit.plotter`); started first, before anything slow. Not
+    for --help, nor for a process that torchrun or srun started as one of several ranks:
+    it has no ddpkit parent that forks its workers, and every rank would start one."""
+    from ..plotter import helper
+
+    if any(a in ("-h", "--help") for a in argv) or _a_launchers_worker() or "RANK" in os.environ:
+        return contextlib.nullcontext()
+    return helper()
 
 
 def parse(argv: Sequence[str]) -> Any:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..timeline import froze_objects
 from . import records
 from .failures import restart_note
 
@@ -133,7 +134,7 @@ def gc_frozen() -> Iterator[None]:
     the first optimizer does) runs about 0.3 s faster. The parent's objects thaw afterwards
     (unless the caller froze some itself: those stay as they were).
     """
-    if gc.get_freeze_count():
+    if froze_objects() or gc.get_freeze_count():
         yield
         return
     gc.freeze()

@@ -223,6 +223,7 @@ class Loop:
         self.mark_training(started)
         self.check_finite()
         self.wait_for_checkpoint()
+        out.draw_curves(self.run.history)  # the records are final: drawn while the run ends
         ev = self.task.evaluate(self.rt, self.model, self.test_loader)
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
@@ -356,15 +357,20 @@ class Loop:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
         first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
         steps and before anything is saved, so no file ever holds weights trained on NaN."""
-        firsts = [int(t) for t in self.rt.all_gather(self.first_bad.view(1))]
+        # Every rank's two facts in one all-reduce: its first bad step (+1, at its own place;
+        # 0: none) and whether its weights (its shards, under fsdp) are all finite.
+        n = self.rt.world_size
+        facts = torch.zeros(n + 1, dtype=torch.long, device=self.rt.device)
+        facts[self.rt.rank] = self.first_bad + 1
+        facts[n] = torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all()
+        counts = self.rt.all_reduce(facts).tolist()
+        firsts, finite_ranks = [c - 1 for c in counts[:n]], counts[n]
         seen = [f for f in firsts if f >= 0]
-        if not seen:
-            params_ok = torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all()
-            if self.rt.all_reduce(params_ok.double(), op="min").item() < 1:
-                raise FloatingPointError(
-                    f"the weights hold NaN or inf after step {self.run.step}; stopped before "
-                    f"saving them. Try a lower --lr or --warmup-epochs"
-                )
+        if not seen and finite_ranks < n:
+            raise FloatingPointError(
+                f"the weights hold NaN or inf after step {self.run.step}; stopped before "
+                f"saving them. Try a lower --lr or --warmup-epochs"
+            )
         if seen:
             step = min(seen)
             ranks = ", ".join(str(r) for r, f in enumerate(firsts) if f == step)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import tracking
+from .. import plotter, tracking
 from ..checkpoint import save_file, state_of
 from ..ema import EMA
 from ..errors import RunError
@@ -35,6 +35,7 @@ class Outputs:
         self.csv_fields = ("epoch", "step", *self.task.csv_fields, *ema, "epoch_seconds", "lr")
         self._steps: list[dict[str, Any]] = []  # step and loss of metrics.jsonl's step records, for the plot
         self._sinks: tracking.Tracking | None = None
+        self._curves: Callable[[], bool] | None = None  # waits until curves.png is written
         if not is_main:
             return
         try:
@@ -105,6 +106,14 @@ class Outputs:
         for name in checkpoint_names(folder)[: -self.cfg.keep_checkpoints]:
             remove(os.path.join(folder, name))
 
+    def draw_curves(self, history: list[dict[str, Any]]) -> None:
+        """Rank 0 starts drawing curves.png from the finished run's records, in a helper
+        process if the command started one (see `ddpkit.plotter`); `finish` waits for it."""
+        if self.is_main and self._curves is None:
+            name, args = self.task.curves(self._steps, history)
+            path, title = os.path.join(self.dir, "curves.png"), f"{self.cfg.model} on {self.cfg.data}"
+            self._curves = plotter.draw_later(name, args, path, title)
+
     def finish(
         self,
         results: dict[str, Any],
@@ -123,8 +132,8 @@ class Outputs:
             save_file(os.path.join(self.dir, "model.pt"), weights)
             if ema_weights is not None:
                 save_file(os.path.join(self.dir, "model_ema.pt"), ema_weights)
-            title = f"{self.cfg.model} on {self.cfg.data}"
-            self.task.plot(self._steps, history, os.path.join(self.dir, "curves.png"), title)
+            self.draw_curves(history)  # (started already by the built-in loop)
+            self._curves()
         if timeline is not None:
             timeline.mark("outputs_written")
             results["timeline"] = timeline.seconds()

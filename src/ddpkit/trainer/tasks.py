@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from .. import models
 from ..data import IGNORE, DistributedLoader
 from ..evaluation import evaluate_tokens, perplexity
-from ..plots import plot_curves, plot_token_curves
 from ..runtime import Runtime
 from .config import TrainConfig
 
@@ -68,9 +67,9 @@ class Classification:
     def result_fields(self, ev: dict[str, Any], last: dict[str, Any], basis: dict[str, Any]) -> dict[str, Any]:
         return {"test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_samples": ev["samples"]}
 
-    def plot(self, steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str) -> None:
-        """curves.png: loss and accuracy per epoch."""
-        plot_curves(history, path, title)
+    def curves(self, steps: list[dict[str, Any]], history: list[dict[str, Any]]) -> tuple[str, list[Any]]:
+        """curves.png: loss and accuracy per epoch (`ddpkit.plots` function, its data)."""
+        return "plot_curves", [history]
 
     def headline(self, r: dict[str, Any]) -> str:
         """The start of the `done:` line (scripts parse it)."""
@@ -167,9 +166,9 @@ class LanguageModel:
             "tokens_per_second": basis.get("tokens", 0) / max(basis["train_seconds"], 1e-9),
         }
 
-    def plot(self, steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str) -> None:
+    def curves(self, steps: list[dict[str, Any]], history: list[dict[str, Any]]) -> tuple[str, list[Any]]:
         """curves.png: loss per token and perplexity by step (one epoch is a whole run here)."""
-        plot_token_curves(steps, history, path, title)
+        return "plot_token_curves", [steps, history]
 
     def headline(self, r: dict[str, Any]) -> str:
         return f"test perplexity {r['test_perplexity']:.3f} (loss {r['test_loss']:.4f} per token) on {r['test_tokens']:,} tokens"

@@ -1,0 +1,167 @@
+"""curves.png drawn by a helper process, off the critical path of a small run.
+
+Drawing the curves costs about 0.65 s: matplotlib's import (about 0.4 s) and the drawing. A
+`ddpkit train` command starts this helper first (`helper()`), before it imports torch: on a
+machine of two cores the second one is idle then, and the helper imports matplotlib there,
+then waits on its stdin without using the CPU. When training ends, rank 0 (a worker forked
+from that command, which inherits the helper's pipes, or the command itself with one
+process) hands it the curves (`draw_later`), goes on with the last evaluation and model.pt,
+and waits for its answer only before results.json, which stays the last file written.
+
+The figure is the same: the same function of `ddpkit.plots` draws it from the same records
+(JSON carries floats exactly). Wherever there is no helper (a spawned worker, a run under
+torchrun or srun, `ddpkit.launch`), or it is gone or fails, rank 0 draws in its own process,
+as it always did. The helper never outlives the command: it ends when the command closes
+its stdin, or is killed when the command fails or is interrupted; were the command killed
+outright, the closed pipe ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+PLOTS = ("plot_curves", "plot_token_curves")  # what a helper draws: ddpkit.plots' functions
+ANSWER_TIMEOUT_S = 60.0  # then rank 0 draws the figure itself
+EXIT_TIMEOUT_S = 10.0
+
+_helper: subprocess.Popen | None = None  # this process's helper; forked workers inherit it
+_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def helper() -> Iterator[subprocess.Popen | None]:
+    """A helper process for the block (None if it could not start). On leaving normally, its
+    stdin is closed and its exit awaited; on an error or an interrupt it is killed."""
+    global _helper
+    proc = _start()
+    _helper = proc
+    try:
+        yield proc
+    except BaseException:
+        _stop(proc, kill=True)
+        raise
+    finally:
+        _helper = None
+    _stop(proc, kill=False)
+
+
+def _start() -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # whatever happens there, the run draws the figure itself
+        )
+    except OSError:
+        return None
+
+
+def _stop(proc: subprocess.Popen | None, kill: bool) -> None:
+    if proc is None:
+        return
+    with contextlib.suppress(OSError):
+        if kill:
+            proc.kill()
+        proc.stdin.close()
+    try:
+        proc.wait(EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+def draw_later(name: str, args: list[Any], path: str, title: str) -> Callable[[], bool]:
+    """Start drawing `ddpkit.plots.<name>(*args, path, title)`; the returned function waits
+    until the file is written, drawing it in this process if the helper cannot, and says
+    whether the helper drew it."""
+    if name not in PLOTS:
+        raise ValueError(f"unknown plot {name!r}; known: {', '.join(PLOTS)}")
+    proc, request = _helper, f"{os.getpid()}-{next(_ids)}"
+    where = os.path.abspath(path)  # (the helper's working directory is the command's)
+    sent = proc is not None and _send(proc, {"id": request, "plot": name, "args": [*args, where, title]})
+
+    def done() -> bool:
+        if sent and _answered(proc, request):
+            return True
+        from . import plots
+
+        getattr(plots, name)(*args, path, title)
+        return False
+
+    return done
+
+
+def _send(proc: subprocess.Popen, request: dict[str, Any]) -> bool:
+    try:
+        proc.stdin.write((json.dumps(request) + "\n").encode())
+        proc.stdin.flush()
+    except (OSError, ValueError, TypeError):  # the helper is gone, or a record is not JSON
+        return False
+    return True
+
+
+def _answered(proc: subprocess.Popen, request: str) -> bool:
+    """True once the helper says it wrote the file for `request`; False if it failed, left
+    or did not answer in time. (An answer to another request, one a worker that was since
+    restarted sent, is skipped.)"""
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    fd = proc.stdout.fileno()
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            return False
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        answer = json.loads(line)
+        if answer.get("id") == request:
+            return answer.get("ok") is True
+    return False
+
+
+def serve() -> None:
+    """The helper: import matplotlib, then draw each request read from stdin, answering on
+    stdout, until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command, which ends this
+    from . import plots
+
+    _warm_up(plots)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["plot"] not in PLOTS:
+                raise ValueError(request["plot"])
+            getattr(plots, request["plot"])(*request["args"])
+            ok = True
+        except Exception:  # noqa: BLE001 - the run draws it itself, and says what failed there
+            ok = False
+        sys.stdout.write(json.dumps({"id": request["id"], "ok": ok}) + "\n")
+        sys.stdout.flush()
+    # Nothing left to do: skip the interpreter's teardown (matplotlib's objects).
+    os._exit(0)
+
+
+def _warm_up(plots: Any) -> None:
+    """matplotlib's import, and one figure drawn and thrown away: a first figure costs about
+    0.15 s more than the next ones (fonts, caches), which would be paid on the critical path.
+    The figures drawn after it are the same to the byte."""
+    import tempfile
+
+    epoch = {"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "train_accuracy": 0.5, "test_accuracy": 0.5}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-plotter-") as tmp:
+        plots.plot_curves([epoch], os.path.join(tmp, "warm-up.png"), "warm-up")
+
+
+if __name__ == "__main__":
+    serve()
