@@ -2,9 +2,11 @@
 (hardware, versions, date, median and spread of every timing) and, where a picture says it
 better, a PNG plot.
 
-The comparisons with hand-written loops and other frameworks (`parity`, `startup`) are not part
-of the installed package: they live in the repository's benchmarks/ folder and run with
-`python -m benchmarks NAME` from its root, through the same runner.
+The comparisons with hand-written loops and other frameworks (`parity`, `overhead`, and the
+`startup` comparison with other launchers) are not part of the installed package: they live in
+the repository's benchmarks/ folder and run with `python -m benchmarks NAME` from its root,
+through the same runner. `ddpkit bench startup` measures ddpkit's own start-up phases; its files
+are startup-phases-DEVICE.*, beside the comparison's startup-DEVICE.*.
 
 Every benchmark module defines:
 
@@ -13,6 +15,7 @@ Every benchmark module defines:
     run(opts, device) -> dict                measure on device 'cpu' or 'cuda'; returns the result payload
     plot(record, path) -> None               optional: draw the PNG (record['result'] is run's payload)
     summary(result) -> list[tuple[str, str]] (label, value) rows for the `bench all` table
+    RESULT_NAME: str                         optional: the stem of its default files, when not its name
 
 Modules are imported only when their benchmark runs, so `ddpkit --help` stays fast.
 """

@@ -7,6 +7,7 @@ defines). `ddpkit bench` runs `ddpkit.bench.BENCHES`; the repository's compariso
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 
 from .. import device as devices
 from ..files import write_text
-from .common import RESULTS_DIR, BenchOptions, load_average, write
+from .common import RESULTS_DIR, BenchOptions, default_paths, load_average, write
 
 
 def module(name: str, registry: dict[str, str]) -> ModuleType:
@@ -28,6 +29,8 @@ def run(opts: BenchOptions, registry: dict[str, str]) -> dict[str, Any]:
     """Run one benchmark, write its JSON (and plot); returns the written record."""
     mod = module(opts.name, registry)
     device = devices.device_type(opts.device)
+    if opts.json_path is None and hasattr(mod, "RESULT_NAME"):  # its files named apart from a namesake's
+        opts = dataclasses.replace(opts, json_path=default_paths(mod.RESULT_NAME, device)[0])
     before = load_average()
     result = mod.run(opts, device)
     return write(opts, device, result, getattr(mod, "plot", None), load_before=before)

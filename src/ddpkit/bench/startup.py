@@ -27,6 +27,9 @@ import time
 from typing import Any
 
 DESCRIPTION = "start-up to exit of `ddpkit train --nproc 2` on digits: the time of each phase, median and spread"
+# Its files are startup-phases-DEVICE.*: `python -m benchmarks startup`, the comparison with the
+# other launchers, writes startup-DEVICE.* in the same folder.
+RESULT_NAME = "startup-phases"
 
 NPROC = 2
 RUN_TIMEOUT_S = 600
