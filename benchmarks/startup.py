@@ -311,6 +311,12 @@ def plot(record: dict[str, Any], path: str) -> None:
             va="center",
             fontsize=9,
         )
+    target = versus_best_peer(r["contenders"])
+    if target["best_peer"] is not None:  # where ddpkit's median must be: 0.7x the best peer's
+        at = target["target_ratio"] * r["contenders"][target["best_peer"]]["wall_seconds"]["median"]
+        label = f"target: {target['target_ratio']}x {target['best_peer']}'s median"
+        ax.axvline(at, color="tab:red", linestyle="--", linewidth=1, label=label)
+        ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("whole command, seconds (median; whiskers min-max)")
     ax.set_xlim(0, max(w["max"] for w in walls) * 1.45)
     job = r["job"]
