@@ -78,6 +78,7 @@ within CPU_MEMORY_TOLERANCE_MIB.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import os
 import statistics
@@ -287,19 +288,13 @@ class _Steps:
     the intra-op pool's) included."""
 
     def __init__(self, device: Any):
+        from ddpkit.metrics import stamp
+
         self.cuda = device.type == "cuda"
+        self._stamp = functools.partial(stamp, self.cuda)  # a CUDA event or perf_counter()
         self.wall: list[tuple[Any, Any]] = []
         self.cpu: list[float] = []
         self.last: Any = None  # what the loop yielded last
-
-    def _stamp(self) -> Any:
-        import torch
-
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
 
     def run(self, loop: Iterator[Any]) -> bool:
         """One step of `loop` (its data loading included); False once the loop has ended."""

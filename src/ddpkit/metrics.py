@@ -51,6 +51,16 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
     return None
 
 
+def stamp(cuda: bool) -> Any:
+    """A moment of a step: a recorded CUDA event on a GPU (read later, no sync now), else
+    `time.perf_counter()` (seconds)."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
 class StepTimer:
     """Seconds per optimizer step, without a device sync per step.
 
@@ -72,11 +82,7 @@ class StepTimer:
         self._start: Any = None
 
     def _stamp(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return stamp(self.cuda)
 
     def start(self) -> None:
         """Before the first step of a pass (time between passes is not a step)."""
@@ -96,10 +102,10 @@ class StepTimer:
         if self.cuda:
             self._pending[-1][0].synchronize()
         prev = self._start
-        for stamp, warm in self._pending:
-            seconds = prev.elapsed_time(stamp) / 1000.0 if self.cuda else stamp - prev
+        for moment, warm in self._pending:
+            seconds = prev.elapsed_time(moment) / 1000.0 if self.cuda else moment - prev
             (self.warmup if warm else self.steady).append(seconds)
-            prev = stamp
+            prev = moment
         self._start, self._pending = prev, []
 
     def seconds(self) -> list[float]:
