@@ -190,21 +190,15 @@ def stream_loader(
     dataset: Iterable[Any],
     global_batch: int,
     *,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-    drop_last: bool = False,
-    micro_batch_size: int | None = None,
-    lockstep: bool = False,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    channels_last: bool = False,
     shuffle: bool | None = None,
     seed: int | None = None,
     num_workers: int | None = None,
     resident: bool | None = None,
+    **options: Any,
 ) -> StreamLoader:
-    """A StreamLoader; refuses the map-style options a stream cannot honour (given, they would
-    promise an order, workers or a device copy that it does not make)."""
+    """A StreamLoader of `options` (StreamLoader's own arguments); refuses the map-style
+    options a stream cannot honour (given, they would promise an order, workers or a device
+    copy that it does not make)."""
     refused = {
         "shuffle=True": shuffle,
         "seed": seed is not None,
@@ -217,7 +211,4 @@ def stream_loader(
                 f"{option} does not apply to a stream ({type(dataset).__name__} is an IterableDataset): it is read "
                 "in its own order, in this process; shuffle in the dataset, seeded by its set_epoch(epoch)"
             )
-    return StreamLoader(
-        dataset, global_batch, world_size, rank, device, drop_last=drop_last, micro_batch_size=micro_batch_size,
-        lockstep=lockstep, collate_fn=collate_fn, channels_last=channels_last,
-    )  # fmt: skip
+    return StreamLoader(dataset, global_batch, **options)  # world_size, rank, device and the rest
