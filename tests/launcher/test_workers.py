@@ -1,6 +1,7 @@
 """`workers`: CPU workers are forked (and behave as spawned ones would: their own signal handlers,
 threads and random streams), name the failing rank and restart after a SIGKILL; spawn on
-request, and always on CUDA."""
+request, and always on CUDA. Forked workers inherit torch's compiler, imported by the
+launching process while the rendezvous waits; a fork never sees such an import half done."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 
 import ddpkit
 from ddpkit.errors import WorkerFailed
-from ddpkit.launcher.workers import choose_start_method
+from ddpkit.launcher.workers import choose_start_method, preloaded
 from tests import workers
+from tests.launcher.helpers import run_python
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 
@@ -108,3 +110,45 @@ def test_spawn_on_request(monkeypatch, marked_parent):
 @pytest.mark.unit
 def test_cuda_workers_are_spawned():
     assert choose_start_method("cuda") == "spawn"
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_fork_waits_for_the_preload_and_a_failing_import_is_left_alone(tmp_path, monkeypatch):
+    # A module that takes 0.4 s to import and says when it is done; a fork made at once
+    # inside the block must see it whole.
+    (tmp_path / "slow_preload_mod.py").write_text("import time\ntime.sleep(0.4)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_preload_mod", raising=False)
+    with preloaded(["no_such_module_for_ddpkit", "slow_preload_mod"]):  # the first fails, quietly
+        pid = os.fork()
+        if pid == 0:
+            mod = sys.modules.get("slow_preload_mod")
+            os._exit(0 if mod is not None and getattr(mod, "DONE", False) else 3)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert "no_such_module_for_ddpkit" not in sys.modules
+    assert not [t for t in threading.enumerate() if t.name == "ddpkit-preload"]  # joined by the block's end
+
+
+@pytest.mark.distributed
+@linux_only
+def test_forked_workers_start_with_torchs_compiler_imported():
+    # A fresh interpreter, where nothing imported torch._dynamo before the launch: forked
+    # workers find it imported (by the launching process, while the rendezvous waited);
+    # spawned ones start without it, as any new interpreter.
+    program = """
+        import os, sys, ddpkit
+
+        def first_thing():
+            return "torch._dynamo" in sys.modules
+
+        print("before", "torch._dynamo" in sys.modules)
+        print("forked", ddpkit.launch(first_thing, nproc=2, device="cpu"))
+        os.environ["DDPKIT_START_METHOD"] = "spawn"
+        print("spawned", ddpkit.launch(first_thing, nproc=2, device="cpu"))
+    """
+    proc = run_python(program)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "before False" in proc.stdout
+    assert "forked {0: True, 1: True}" in proc.stdout
+    assert "spawned {0: False, 1: False}" in proc.stdout

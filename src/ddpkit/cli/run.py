@@ -36,7 +36,7 @@ torchrun's options are all accepted, with dashes or underscores: --nproc-per-nod
 per 4 cores; torchrun's default is 1 and its auto one per core), --nnodes 1.
 Accepted and ignored, as they change nothing a run computes: --run-path (SCRIPT runs by its
 path anyway), -r/--redirects and -t/--tee (output is shown as without them; --log-dir keeps
-it), --monitor-interval (ddpkit checks every 0.1 s), --start-method (a script is always a new
+it), --monitor-interval (ddpkit checks every 0.02 s), --start-method (a script is always a new
 process), --role, --event-log-handler, --logs-specs, --numa-binding, --signals-to-handle,
 --shutdown-timeout, --virtual-local-rank (LOCAL_RANK stays the local rank and every GPU stays
 visible), --duplicate-stdout-filters, --duplicate-stderr-filters.

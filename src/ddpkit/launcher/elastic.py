@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import cloudpickle
@@ -34,7 +34,12 @@ from ..errors import Interrupted, UsageError
 from . import records
 from .failures import as_worker_failed
 from .topology import Nodes, Topology, local
-from .workers import choose_start_method, entrypoint, gc_frozen, main_hidden
+from .workers import WORKER_IMPORTS, choose_start_method, entrypoint, gc_frozen, main_hidden, preloaded
+
+# How often the agent looks at its workers: how soon it sees that they finished (or one
+# failed). A look costs the launching process a few syscalls: 50 a second cost no CPU time
+# that two runs of 10 epochs on 2 cores could tell apart from 10 a second.
+MONITOR_INTERVAL_S = 0.02
 
 
 def launch(
@@ -74,15 +79,26 @@ def launch(
 
 
 def run_function(
-    topo: Topology, fn: Callable[..., Any], *args: Any, announce_restarts: bool = True, **kwargs: Any
+    topo: Topology,
+    fn: Callable[..., Any],
+    *args: Any,
+    announce_restarts: bool = True,
+    preload: Sequence[str] = WORKER_IMPORTS,
+    **kwargs: Any,
 ) -> dict[int, Any]:
     """`fn(*args, **kwargs)` on the workers of a resolved `Topology`; {rank: return value}.
     After a restart, rank 0 prints why, unless `announce_restarts` is False (`fn` says it
-    itself, with `failures.restart_note`)."""
+    itself, with `failures.restart_note`). Forked workers inherit the modules of `preload`,
+    imported here while the rendezvous waits (see `workers.preloaded`)."""
     payload = cloudpickle.dumps((fn, args, kwargs))
     method = choose_start_method(topo.device_type)
     results = _elastic(
-        topo, entrypoint, (payload, method == "fork", announce_restarts), output="inherit", start_method=method
+        topo,
+        entrypoint,
+        (payload, method == "fork", announce_restarts),
+        output="inherit",
+        start_method=method,
+        preload=preload if method == "fork" else (),
     )
     return dict(sorted(results.items()))  # the agent lists them in the order workers finished
 
@@ -127,6 +143,7 @@ def _elastic(
     start_method: str = "spawn",
     log_dir: str | None = None,
     show_ranks: set[int] | None = None,
+    preload: Sequence[str] = (),
 ) -> Any:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -138,7 +155,7 @@ def _elastic(
     logs = tempfile.mkdtemp(prefix="ddpkit-launch-", dir=log_dir)
     config = _launch_config(topo, logs, output, start_method, show_ranks)
     try:
-        with _launching(topo.nproc, logs, output, start_method):
+        with _launching(topo.nproc, logs, output, start_method), preloaded(preload):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         raise as_worker_failed(err, logs, _last_attempt(logs)) from None
@@ -161,7 +178,7 @@ def _launch_config(topo: Topology, logs: str, output: str, start_method: str, sh
         nproc_per_node=topo.nproc,
         rdzv_backend="c10d",
         max_restarts=topo.max_restarts,
-        monitor_interval=0.1,
+        monitor_interval=MONITOR_INTERVAL_S,
         start_method=start_method,  # workers given as a function; a script is always a new process
         log_line_prefix_template="[rank${rank}]: " if output == "prefixed" else None,
         **topo.rendezvous,

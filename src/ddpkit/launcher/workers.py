@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..timeline import froze_objects
@@ -142,6 +143,64 @@ def gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+# What a forked worker would import first thing, each time: torch's compiler, which every
+# torch.optim optimizer imports when it is made (0.7-0.9 s, some 800 modules with SymPy).
+WORKER_IMPORTS: tuple[str, ...] = ("torch._dynamo",)
+
+_preload: threading.Thread | None = None  # importing while the agent starts; forks wait for it
+_hooked = False
+
+
+@contextlib.contextmanager
+def preloaded(modules: Sequence[str]) -> Iterator[None]:
+    """Import `modules` in a thread while the agent starts the workers; a fork waits for it.
+
+    Between the launch and the fork of the workers the launching process mostly waits: the
+    c10d rendezvous sleeps a random 0-0.3 s on its first round, and on several machines it
+    waits for the other nodes. Imports done in that time are inherited by every forked worker
+    instead of being done there, after the fork (in every worker at once, on every core). The
+    thread is joined before any fork of this process (`os.register_at_fork`), so no worker
+    starts with an import half done, and at the latest when the block ends. An import that
+    fails here is left to the worker, which meets the same error where it would have anyway.
+    """
+    global _preload, _hooked
+    if not modules:
+        yield
+        return
+    if not _hooked:
+        os.register_at_fork(before=_join_preload)
+        _hooked = True
+    _preload = threading.Thread(target=_import_all, args=(tuple(modules),), name="ddpkit-preload", daemon=True)
+    _preload.start()
+    try:
+        yield
+    finally:
+        _join_preload()
+
+
+def _import_all(modules: tuple[str, ...]) -> None:
+    enabled = gc.isenabled()
+    gc.disable()  # what is imported stays; collections would walk it for nothing
+    try:
+        for name in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _join_preload() -> None:
+    """Wait for the preload thread (before a fork, and when the launch ends). The imported
+    objects are frozen: the forked workers' collections leave them alone, as they leave the
+    rest of the launching process's objects (see gc_frozen)."""
+    global _preload
+    thread, _preload = _preload, None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+        gc.freeze()
 
 
 @contextlib.contextmanager
