@@ -1,6 +1,7 @@
 """`loop`: out of memory names the batch and what to try; a non-finite loss is skipped on every
 rank when asked, and otherwise stops the run naming step and rank; `--max-steps` on an epoch's
-end completes that epoch."""
+end completes that epoch; the final test results are the final weights' (the last epoch's
+evaluation when no step came after it, a new one otherwise)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,29 @@ def test_max_steps_on_an_epoch_end_completes_that_epoch(one_process):
     r = one_process  # --epochs 2 --nproc 1 --max-steps 46: the whole 2-epoch run (tests/trainer/conftest.py)
     assert r["results"]["epochs_completed"] == 2 and not r["results"]["stopped_early"]
     assert r["results"]["final_train_loss"] is not None
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("stop_at", [23, 30], ids=["epoch-end", "mid-epoch"])
+def test_the_final_test_results_are_those_of_the_final_weights(stopped, stop_at):
+    import torch.nn.functional as F
+
+    from ddpkit import data, models
+
+    out, run = stopped(stop_at)  # --nproc 2 --max-steps STOP_AT (tests/trainer/conftest.py)
+    model = models.build("cnn", (1, 8, 8), 10)
+    model.load_state_dict(run["weights"])
+    model.eval()
+    x, y = data.digits().test.tensors
+    with torch.no_grad():
+        logits = model(x)
+    r = run["results"]
+    assert r["test_accuracy"] == pytest.approx((logits.argmax(1) == y).double().mean().item(), abs=1e-12)
+    assert r["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    if stop_at == 23:  # epoch 1 ended at step 23 and nothing trained after: the same numbers
+        assert last["type"] == "epoch" and last["step"] == 23
+        assert (r["test_accuracy"], r["test_loss"]) == (last["test_accuracy"], last["test_loss"])
 
 
 @pytest.mark.cli

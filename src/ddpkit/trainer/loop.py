@@ -158,6 +158,8 @@ class Loop:
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
         self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
+        # The last epoch end's step, test results and (with --ema) the EMA weights' test results.
+        self.last_eval: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.timeline.mark("model_ready")
 
     def flops_on_meta(self) -> float | None:
@@ -224,16 +226,24 @@ class Loop:
         self.check_finite()
         self.wait_for_checkpoint()
         out.draw_curves(self.run.history)  # the records are final: drawn while the run ends
-        ev = self.task.evaluate(self.rt, self.model, self.test_loader)
+        ev, ema = self.final_evaluation()
         basis = self.throughput()
         rate = basis["samples"] / max(basis["train_seconds"], 1e-9)
-        results = {**self.results(ev, rate, time.time() - t0, basis), **self.evaluate_ema()}
+        results = {**self.results(ev, rate, time.time() - t0, basis), **ema}
         results["samples_per_second_basis"] = basis
         # How long training stood still for checkpoints (fsdp writes them in the background).
         results["checkpoint_seconds"] = round(self.checkpoint_seconds, 4)
         results.update(self.performance(rate))
         out.finish(results, self.model, self.run.history, self.ema, self.timeline)
         return results
+
+    def final_evaluation(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The final weights' test results, and the EMA weights' ({} without --ema): those of
+        the last epoch's end when no step came after it (the same weights: evaluating them
+        changes nothing), else new evaluations. Collective."""
+        if self.last_eval is not None and self.last_eval[0] == self.run.step:
+            return self.last_eval[1], self.last_eval[2]
+        return self.task.evaluate(self.rt, self.model, self.test_loader), self.evaluate_ema()
 
     def mark_training(self, started: float) -> None:
         """The timeline's first step (its end from the step timer: no clock read in the loop;
@@ -385,13 +395,14 @@ class Loop:
         loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
         run.sums.zero_()
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
-        ev = self.task.evaluate(rt, self.model, self.test_loader)
+        ev, ema = self.task.evaluate(rt, self.model, self.test_loader), self.evaluate_ema()
+        self.last_eval = (run.step, ev, ema)
         record = {
             "type": "epoch",
             "epoch": run.epoch + 1,
             "step": run.step,
             **self.task.epoch_fields(loss, correct, count, ev),
-            **self.evaluate_ema(),
+            **ema,
             "epoch_seconds": seconds,
             "lr": self.sched.get_last_lr()[0],
         }
