@@ -5,8 +5,10 @@ Drawing the curves costs about 0.65 s: matplotlib's import (about 0.4 s) and the
 machine of two cores the second one is idle then, and the helper imports matplotlib there,
 then waits on its stdin without using the CPU. When training ends, rank 0 (a worker forked
 from that command, which inherits the helper's pipes, or the command itself with one
-process) hands it the curves (`draw_later`), goes on with the last evaluation and model.pt,
-and waits for its answer only before results.json, which stays the last file written.
+process) hands it the curves (`draw_later`) and goes on with the run's last steps and
+model.pt. Whoever writes results.json, which stays the last file written, waits for the
+helper's answer first: the command itself, after its workers have ended (a forked rank 0
+hands the `Drawing` back with its results), or rank 0 when it is the command.
 
 The figure is the same: the same function of `ddpkit.plots` draws it from the same records
 (JSON carries floats exactly). Wherever there is no helper (a spawned worker, a run under
@@ -27,7 +29,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 PLOTS = ("plot_curves", "plot_token_curves")  # what a helper draws: ddpkit.plots' functions
@@ -35,6 +38,7 @@ ANSWER_TIMEOUT_S = 60.0  # then rank 0 draws the figure itself
 EXIT_TIMEOUT_S = 10.0
 
 _helper: subprocess.Popen | None = None  # this process's helper; forked workers inherit it
+_owner = 0  # the pid of the process that started the helper: the one that reads its answers
 _ids = itertools.count()
 
 
@@ -42,9 +46,9 @@ _ids = itertools.count()
 def helper() -> Iterator[subprocess.Popen | None]:
     """A helper process for the block (None if it could not start). On leaving normally, its
     stdin is closed and its exit awaited; on an error or an interrupt it is killed."""
-    global _helper
+    global _helper, _owner
     proc = _start()
-    _helper = proc
+    _helper, _owner = proc, os.getpid()
     try:
         yield proc
     except BaseException:
@@ -82,25 +86,47 @@ def _stop(proc: subprocess.Popen | None, kill: bool) -> None:
     proc.stdout.close()
 
 
-def draw_later(name: str, args: list[Any], path: str, title: str) -> Callable[[], bool]:
-    """Start drawing `ddpkit.plots.<name>(*args, path, title)`; the returned function waits
-    until the file is written, drawing it in this process if the helper cannot, and says
-    whether the helper drew it."""
-    if name not in PLOTS:
-        raise ValueError(f"unknown plot {name!r}; known: {', '.join(PLOTS)}")
-    proc, request = _helper, f"{os.getpid()}-{next(_ids)}"
-    where = os.path.abspath(path)  # (the helper's working directory is the command's)
-    sent = proc is not None and _send(proc, {"id": request, "plot": name, "args": [*args, where, title]})
+@dataclass
+class Drawing:
+    """A figure on its way to `path`: `ddpkit.plots.<name>(*args, path, title)`, asked of the
+    helper as `request` (None: no helper took it). Plain data, so a forked worker can hand
+    it to the process that started the helper, which alone reads the helper's answers."""
 
-    def done() -> bool:
-        if sent and _answered(proc, request):
+    name: str
+    args: list[Any]
+    path: str
+    title: str
+    request: str | None = None
+    owner: int = 0  # the process that reads the helper's answer (see `waited_elsewhere`)
+
+    @property
+    def waited_elsewhere(self) -> bool:
+        """True in a worker forked from the process that started the helper: that process
+        waits for the figure (after its workers ended), not this one."""
+        return self.request is not None and self.owner != os.getpid()
+
+    def wait(self) -> bool:
+        """Until the file is written, drawing it in this process if the helper cannot; True
+        if the helper drew it."""
+        if self.request is not None and _helper is not None and _answered(_helper, self.request):
             return True
         from . import plots
 
-        getattr(plots, name)(*args, path, title)
+        getattr(plots, self.name)(*self.args, self.path, self.title)
         return False
 
-    return done
+
+def draw_later(name: str, args: list[Any], path: str, title: str) -> Drawing:
+    """Start drawing `ddpkit.plots.<name>(*args, path, title)`; `wait()` on the result
+    before the file is needed."""
+    if name not in PLOTS:
+        raise ValueError(f"unknown plot {name!r}; known: {', '.join(PLOTS)}")
+    # (the helper's working directory is the command's; a worker's may have changed since)
+    drawing = Drawing(name, list(args), os.path.abspath(path), title, owner=_owner)
+    request = f"{os.getpid()}-{next(_ids)}"
+    if _helper is not None and _send(_helper, {"id": request, "plot": name, "args": [*args, drawing.path, title]}):
+        drawing.request = request
+    return drawing
 
 
 def _send(proc: subprocess.Popen, request: dict[str, Any]) -> bool:

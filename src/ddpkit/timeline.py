@@ -32,6 +32,7 @@ MOMENTS: dict[str, str] = {
     "training_done": "every other step, with each epoch's evaluation and checkpoint",
     "outputs_written": "the last evaluation, model.pt and curves.png (results.json comes after)",
     "workers_exited": "the workers' exit and the launcher's shutdown",
+    "curves_drawn": "the rest of curves.png, drawn by the command's helper while the workers ended",
 }
 
 
@@ -59,7 +60,11 @@ class Timeline:
         """Record moment `name` now (or at the monotonic reading `at`); a moment is kept once."""
         if name not in MOMENTS:
             raise ValueError(f"unknown moment {name!r}; known: {', '.join(MOMENTS)}")
-        self.marks.setdefault(name, (time.monotonic() if at is None else at) - self.origin)
+        self.marks.setdefault(name, self.now() if at is None else at - self.origin)
+
+    def now(self) -> float:
+        """Seconds since the origin."""
+        return time.monotonic() - self.origin
 
     def seconds(self) -> dict[str, float]:
         """The moments reached, in MOMENTS' order, in seconds since the origin (ms resolution)."""

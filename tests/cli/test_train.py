@@ -99,6 +99,10 @@ def test_run1_timeline_runs_from_the_process_start_to_the_workers_exit(run1):
     r = _results(out)
     timeline = r["timeline"]
     assert list(timeline) == list(MOMENTS)  # every moment of a 2-process run, in order
+    # rank 0 left curves.png to the command's helper; the command waited for it after the
+    # workers ended, then wrote results.json (without the hand-over)
+    assert timeline["workers_exited"] <= timeline["curves_drawn"]
+    assert not [k for k in r if k.startswith("_")]
     seconds = list(timeline.values())
     assert seconds[0] > 0 and seconds == sorted(seconds)
     # results.json's wall_seconds starts after the imports and ends before the outputs

@@ -4,6 +4,9 @@ killed when the block fails."""
 
 from __future__ import annotations
 
+import os
+import pickle
+
 import pytest
 
 from ddpkit import plots, plotter
@@ -31,8 +34,9 @@ def _drawn_here(tmp_path) -> bytes:
 def test_the_helper_draws_the_same_png_and_ends_with_its_block(tmp_path):
     with plotter.helper() as proc:
         assert proc is not None and plotter._helper is proc
-        wait = plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "curves.png"), "cnn on digits")
-        assert wait() is True  # drawn by the helper
+        drawing = plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "curves.png"), "cnn on digits")
+        assert not drawing.waited_elsewhere  # this process started the helper: it reads the answer
+        assert drawing.wait() is True  # drawn by the helper
         assert proc.poll() is None  # which still waits for more
         token = plotter.draw_later(
             "plot_token_curves",
@@ -40,19 +44,43 @@ def test_the_helper_draws_the_same_png_and_ends_with_its_block(tmp_path):
             str(tmp_path / "t.png"),
             "",
         )
-        assert token() is True
+        assert token.wait() is True
     assert proc.returncode == 0 and plotter._helper is None
     assert (tmp_path / "curves.png").read_bytes() == _drawn_here(tmp_path)
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.cli
+def test_a_forked_worker_leaves_the_wait_to_the_process_that_started_the_helper(tmp_path):
+    # As a forked rank 0 does: it asks the inherited helper, hands the Drawing back with its
+    # results, and the command reads the helper's answer.
+    with plotter.helper():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                drawing = plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "curves.png"), "cnn on digits")
+                os.write(write, pickle.dumps(drawing))
+                code = 0 if drawing.waited_elsewhere and drawing.request else 3
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            drawing = pickle.loads(f.read())
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert not drawing.waited_elsewhere  # here, in the helper's owner
+        assert drawing.wait() is True  # the helper drew it
+    assert (tmp_path / "curves.png").read_bytes() == _drawn_here(tmp_path)
+
+
+@pytest.mark.cli
 def test_without_a_helper_or_with_one_gone_the_curves_are_drawn_here(tmp_path):
-    assert plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "none.png"), "cnn on digits")() is False
+    assert plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "none.png"), "cnn on digits").wait() is False
     with plotter.helper() as proc:
         proc.kill()
         proc.wait()
-        assert plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "gone.png"), "cnn on digits")() is False
+        assert plotter.draw_later("plot_curves", [HISTORY], str(tmp_path / "gone.png"), "cnn on digits").wait() is False
     expected = _drawn_here(tmp_path)
     assert (tmp_path / "none.png").read_bytes() == expected
     assert (tmp_path / "gone.png").read_bytes() == expected

@@ -8,7 +8,6 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
 from typing import Any
@@ -19,7 +18,6 @@ from .. import checkpoint, data, dist
 from ..early_stopping import EarlyStopping
 from ..ema import EMA
 from ..errors import Interrupted
-from ..files import write_json
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
 from ..optim import build_optimizer, warmup_cosine
@@ -29,7 +27,7 @@ from ..strategy import local, unwrap
 from ..timeline import Timeline, gc_paused
 from ..version import __version__
 from .config import TrainConfig
-from .outputs import Outputs
+from .outputs import Outputs, complete
 from .plan import RunPlan, build_model, make_plan
 from .resume import RunState, after_restart, last_checkpoint
 from .tasks import task_of
@@ -50,9 +48,8 @@ def train(cfg: TrainConfig, timeline: Timeline | None = None) -> dict[str, Any]:
         results = run_function(plan.topology, fit, plan, t0, timeline, announce_restarts=False)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: say where --resume auto would carry on
         raise Interrupted(getattr(err, "signum", signal.SIGINT), last_checkpoint(plan.out)) from None
-    if 0 in results:  # this machine holds rank 0, which wrote results.json: add the workers' exit
-        results[0]["timeline"]["workers_exited"] = round(time.monotonic() - timeline.origin, 4)
-        write_json(os.path.join(plan.out, "results.json"), results[0])
+    if 0 in results:  # this machine holds rank 0: curves.png and results.json are finished here
+        complete(plan.out, results[0], timeline)
     return next(iter(results.values()))  # every rank returns the same results (but its timeline)
 
 

@@ -24,6 +24,21 @@ from .config import TrainConfig
 from .resume import checkpoint_names, newest_checkpoint
 from .tasks import task_of
 
+# Where a forked rank 0's results carry curves.png still being drawn (see Outputs.finish)
+DRAWING = "_curves_drawing"
+
+
+def complete(out: str, results: dict[str, Any], timeline: Timeline) -> None:
+    """The command's last word on rank 0's `results` once the workers have ended: wait for
+    curves.png if rank 0 left it drawing, then write results.json (again, if rank 0 wrote it:
+    the timeline has grown by the workers' exit)."""
+    results["timeline"]["workers_exited"] = round(timeline.now(), 4)
+    drawing = results.pop(DRAWING, None)
+    if drawing is not None:
+        drawing.wait()
+        results["timeline"]["curves_drawn"] = round(timeline.now(), 4)
+    write_json(os.path.join(out, "results.json"), results)
+
 
 class Outputs:
     """Everything `ddpkit train --out DIR` leaves; written by rank 0 only."""
@@ -35,7 +50,7 @@ class Outputs:
         self.csv_fields = ("epoch", "step", *self.task.csv_fields, *ema, "epoch_seconds", "lr")
         self._steps: list[dict[str, Any]] = []  # step and loss of metrics.jsonl's step records, for the plot
         self._sinks: tracking.Tracking | None = None
-        self._curves: Callable[[], bool] | None = None  # waits until curves.png is written
+        self._curves: plotter.Drawing | None = None  # curves.png on its way
         if not is_main:
             return
         try:
@@ -108,7 +123,8 @@ class Outputs:
 
     def draw_curves(self, history: list[dict[str, Any]]) -> None:
         """Rank 0 starts drawing curves.png from the finished run's records, in a helper
-        process if the command started one (see `ddpkit.plotter`); `finish` waits for it."""
+        process if the command started one (see `ddpkit.plotter`); `finish` waits for it, or
+        leaves it to the command (see `finish`)."""
         if self.is_main and self._curves is None:
             name, args = self.task.curves(self._steps, history)
             path, title = os.path.join(self.dir, "curves.png"), f"{self.cfg.model} on {self.cfg.data}"
@@ -125,19 +141,28 @@ class Outputs:
         """Rank 0 writes model.pt (and with --ema model_ema.pt), the plot, and results.json
         last (with `timeline`'s moments, "outputs_written" included, under "timeline"): once
         it exists, the run's files are complete. Collective: every rank calls it (an fsdp
-        model is gathered whole for model.pt)."""
+        model is gathered whole for model.pt).
+
+        A rank 0 forked from the command whose helper draws the plot waits for neither: it
+        hands the drawing back under `results[DRAWING]`, and the command waits for it while
+        its workers end, then writes results.json (see `complete`)."""
         weights = state_of(model)  # the bare model's state_dict
         ema_weights = _ema_weights(model, ema) if ema is not None else None
+        handed = False
         if self.is_main:
             save_file(os.path.join(self.dir, "model.pt"), weights)
             if ema_weights is not None:
                 save_file(os.path.join(self.dir, "model_ema.pt"), ema_weights)
             self.draw_curves(history)  # (started already by the built-in loop)
-            self._curves()
+            handed = self._curves.waited_elsewhere
+            if handed:
+                results[DRAWING] = self._curves
+            else:
+                self._curves.wait()
         if timeline is not None:
             timeline.mark("outputs_written")
             results["timeline"] = timeline.seconds()
-        if self.is_main:
+        if self.is_main and not handed:
             write_json(os.path.join(self.dir, "results.json"), results)
 
     def summary(self, r: dict[str, Any]) -> str:
