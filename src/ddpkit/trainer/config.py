@@ -7,8 +7,9 @@ value types are checked here (and `--device`, where a recipe has a GPU part): th
 (`trainer.plan.resolve`) checks and derives every setting, once.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: simple-parsing reads every field's type with
+# typing.get_type_hints over the whole class, which for string annotations compiles every one
+# of them again for each field (some 4 000 compilations, 60 ms of each `ddpkit train`).
 import dataclasses
 import typing
 from dataclasses import dataclass
