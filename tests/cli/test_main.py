@@ -1,11 +1,18 @@
-"""`ddpkit` itself: `--version`."""
+"""`ddpkit` itself: `--version`; the program's end, which skips the interpreter's teardown
+but not what the teardown would do that matters: atexit handlers, buffered output (and a
+reader that left: 141), the wait for a thread still running."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 import ddpkit
 from tests.cli.helpers import ok
+from tests.conftest import SRC, clean_env
 
 pytestmark = pytest.mark.cli
 
@@ -14,3 +21,60 @@ def test_version(cli, tmp_path):
     proc = cli("--version", cwd=str(tmp_path))
     ok(proc)
     assert ddpkit.__version__ in proc.stdout
+
+
+def _program(body: str, tmp_path, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONUNBUFFERED"}  # stdout stays buffered
+    env["PYTHONPATH"] = SRC
+    head = "import atexit, sys, threading, time\nfrom ddpkit.cli import end_program\n"
+    return subprocess.run(
+        [sys.executable, "-c", head + textwrap.dedent(body), str(tmp_path)], env=env, timeout=60, **kw
+    )
+
+
+def test_the_program_end_runs_atexit_and_flushes_what_is_buffered(tmp_path):
+    proc = _program(
+        """
+        atexit.register(lambda: open(sys.argv[1] + "/atexit", "w").write("ran"))
+        sys.stdout.write("buffered, no newline")
+        end_program(7)
+        print("not reached")
+        """,
+        tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == "buffered, no newline"
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_a_running_thread_leaves_the_end_to_the_interpreter(tmp_path):
+    proc = _program(
+        """
+        def late():
+            time.sleep(0.3)
+            open(sys.argv[1] + "/thread", "w").write("done")
+        threading.Thread(target=late).start()
+        end_program(5)
+        print("the interpreter ends it")
+        sys.exit(5)
+        """,
+        tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 5, proc.stderr
+    assert "the interpreter ends it" in proc.stdout
+    assert (tmp_path / "thread").read_text() == "done"  # waited for, as without ddpkit
+
+
+def test_a_reader_gone_at_the_end_is_exit_141(tmp_path):
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    proc.stdout.close()  # the reader leaves before the output, still buffered, is flushed
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Exception ignored" not in err and "Traceback" not in err
