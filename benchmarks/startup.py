@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from ddpkit.dist import environ_outside_job
+from ddpkit.bench.startup import command_environ
 
 DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit train vs torchrun, Accelerate, Fabric"
 
@@ -141,9 +141,9 @@ def command(name: str, out: str, epochs: int) -> list[str]:
 
 
 def _env(tmp: str, epochs: int) -> dict[str, str]:
-    # A run started from inside another job must not inherit its launcher's variables;
-    # OMP_NUM_THREADS goes too, so that each launcher applies its own default.
-    env = environ_outside_job()
+    # As `ddpkit bench startup` runs it (see command_environ), for every contender alike;
+    # OMP_NUM_THREADS goes too (a launcher's variable), so each launcher applies its own default.
+    env = command_environ()
     env["DIGITS_EPOCHS"] = str(epochs)  # read by the baselines' digits_job.py
     env["HF_HOME"] = os.path.join(tmp, "hf")  # no saved `accelerate config` changes what is measured
     env["PYTHONUNBUFFERED"] = "1"
