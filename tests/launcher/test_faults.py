@@ -101,7 +101,9 @@ def _epoch_logged(out: Path) -> bool:
 
 # (moment, the condition that marks it, extra delay, which worker: 0 the first started, -1 the last)
 MOMENTS = [
-    ("while starting up", lambda out: True, 0.5, -1),
+    # (the workers start after the launching process imported torch's compiler for them: they
+    # are building their process group, data and model for about 0.05 s, then train)
+    ("while starting up", lambda out: True, 0.03, -1),
     ("right after the first checkpoint", _checkpoint(4), 0.0, 0),
     ("in the middle of an epoch", _checkpoint(8), 0.15, -1),
     ("at the end of the first epoch", _epoch_logged, 0.0, 0),
