@@ -93,7 +93,41 @@ def gather_rng_states(device: torch.device, generators: list[torch.Generator | N
     """Every rank's random streams (`rng_state`, plus each of `generators`' state), in rank
     order, on every rank. Collective."""
     state = {**rng_state(device), "generators": [g.get_state() if g is not None else None for g in generators]}
-    return dist.gather_objects(state)
+    return gather_states(state)
+
+
+def gather_states(state: Any) -> list[Any]:
+    """Every rank's `state` (containers of numbers, strings and CPU tensors: random streams), in
+    rank order, on every rank. Collective. The tensors travel as their bytes: a tensor pickles
+    through torch.save and unpickles through torch.load, which made the gather of every
+    rank's streams take twice as long (2 ms on 2 gloo processes, measured)."""
+    return [_from_bytes(s) for s in dist.gather_objects(_to_bytes(state))]
+
+
+class _Raw(tuple):
+    """A CPU tensor as (dtype name, shape, bytes)."""
+
+
+def _to_bytes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return _Raw((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes()))
+    if isinstance(value, dict):
+        return {k: _to_bytes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_bytes(v) for v in value)
+    return value
+
+
+def _from_bytes(value: Any) -> Any:
+    if isinstance(value, _Raw):
+        dtype, shape, data = value
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+    if isinstance(value, dict):
+        return {k: _from_bytes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_bytes(v) for v in value)
+    return value
 
 
 def restore_rng_states(

@@ -19,3 +19,30 @@ def test_each_rank_draws_its_own_random_stream_after_setup():
     assert out[0]["numpy"] != out[1]["numpy"] and out[0]["python"] != out[1]["python"]
     again = ddpkit.launch(workers.rank_streams, nproc=2)  # and reproducibly so
     assert all(torch.equal(again[r]["torch"], out[r]["torch"]) and again[r]["numpy"] == out[r]["numpy"] for r in (0, 1))
+
+
+def _gathered_both_ways() -> tuple[list, list]:
+    from ddpkit import dist, seed
+
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        seed.seed_rank(0, rt.rank)
+        state = seed.rng_state(rt.device, torch.Generator().manual_seed(100 + rt.rank))
+        return seed.gather_states(state), dist.gather_objects(state)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_every_ranks_streams_gathered_as_bytes_come_back_as_they_were():
+    out = ddpkit.launch(_gathered_both_ways, nproc=2)
+    fast, plain = out[0]
+    assert _same(fast, plain) and _same(out[1][0], plain)  # the same tensors, tuples and numbers
+    assert not _same(fast[0], fast[1])  # each rank's own streams, in rank order
+    assert fast[1]["loader"].dtype == torch.uint8 and isinstance(fast[0]["python"], tuple)
