@@ -7,9 +7,11 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -153,10 +155,11 @@ class Loop:
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
-        self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
+        self.pending: Pending | None = None  # a checkpoint still being written
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
         # The last epoch end's step, test results and (with --ema) the EMA weights' test results.
         self.last_eval: tuple[int, dict[str, Any], dict[str, Any]] | None = None
+        self.checked_at: int | None = None  # the step check_finite last passed at
         self.timeline.mark("model_ready")
 
     def flops_on_meta(self) -> float | None:
@@ -211,16 +214,18 @@ class Loop:
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
         started = time.monotonic()
-        while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
-            self.epoch_t0 = t_epoch = time.perf_counter()
-            done = self.train_epoch(out)
-            self.train_seconds += time.perf_counter() - t_epoch
-            self.epoch_t0 = None
-            if done:
-                self.end_epoch(out, time.perf_counter() - t_epoch)
-            self.save(out)
+        with self.checkpoint_settled():
+            while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
+                self.epoch_t0 = t_epoch = time.perf_counter()
+                done = self.train_epoch(out)
+                self.train_seconds += time.perf_counter() - t_epoch
+                self.epoch_t0 = None
+                if done:
+                    self.end_epoch(out, time.perf_counter() - t_epoch)
+                self.save(out)
         self.mark_training(started)
-        self.check_finite()
+        if self.checked_at != self.run.step:  # (the last checkpoint checked these weights)
+            self.check_finite()
         self.wait_for_checkpoint()
         out.draw_curves(self.run.history)  # the records are final: drawn while the run ends
         ev, ema = self.final_evaluation()
@@ -304,9 +309,9 @@ class Loop:
             self.samples += self.train_loader.current.step_size
             self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
-                self.check_finite()
+                (summed,) = self.check_finite(also=step_loss)
                 now = time.perf_counter()
-                value = rt.all_reduce(step_loss).item() / self.train_loader.current.step_count
+                value = summed / self.train_loader.current.step_count
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
                 t_log = now
                 out.log(
@@ -360,18 +365,24 @@ class Loop:
             f"or use --precision bf16"
         )
 
-    def check_finite(self) -> None:
+    def check_finite(self, also: torch.Tensor | None = None) -> list[float]:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
         first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
-        steps and before anything is saved, so no file ever holds weights trained on NaN."""
-        # Every rank's two facts in one all-reduce: its first bad step (+1, at its own place;
-        # 0: none) and whether its weights (its shards, under fsdp) are all finite.
+        steps and before anything is saved, so no file ever holds weights trained on NaN.
+        `also`: float64 sums to add up over the ranks in the same all-reduce (a log step's
+        loss, a checkpoint's epoch sums); returned added up, as floats."""
+        # Every rank's two facts in one all-reduce (float64: a step count is exact to 2**53):
+        # its first bad step (+1, at its own place; 0: none) and whether its weights (its shards,
+        # under fsdp) are all finite; then the sums of `also`.
         n = self.rt.world_size
-        facts = torch.zeros(n + 1, dtype=torch.long, device=self.rt.device)
+        extra = also.reshape(-1) if also is not None else None
+        facts = torch.zeros(n + 1 + (0 if extra is None else len(extra)), dtype=torch.float64, device=self.rt.device)
         facts[self.rt.rank] = self.first_bad + 1
         facts[n] = torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all()
-        counts = self.rt.all_reduce(facts).tolist()
-        firsts, finite_ranks = [c - 1 for c in counts[:n]], counts[n]
+        if extra is not None:
+            facts[n + 1 :] = extra
+        values = self.rt.all_reduce(facts).tolist()
+        firsts, finite_ranks = [int(c) - 1 for c in values[:n]], int(values[n])
         seen = [f for f in firsts if f >= 0]
         if not seen and finite_ranks < n:
             raise FloatingPointError(
@@ -386,6 +397,8 @@ class Loop:
                 f"non-finite training loss at step {step} on rank {ranks} (peak lr "
                 f"{self.plan.peak_lr:g}); stopped before saving it. Try {hint}"
             )
+        self.checked_at = self.run.step
+        return values[n + 1 :]
 
     def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
@@ -420,20 +433,33 @@ class Loop:
     def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
         Collective: every rank calls it at the same step. Never saves weights trained on NaN.
-        Under fsdp every rank writes its own shards in the background while training goes
-        on; the next save (and the end of the run) waits for it first."""
-        self.check_finite()
+        It is written in the background while training goes on (rank 0 writes a copy of a
+        replicated model's state; under fsdp every rank writes its own shards); the next save
+        (and the end of the run) waits for it first."""
+        sums = self.check_finite(also=self.run.sums)  # the epoch's sums so far, over all ranks
         self.wait_for_checkpoint()
         t0 = time.perf_counter()
-        run_state = {**self.run.state_dict(self.rt), "throughput": self.figures()}
+        run_state = {**self.run.state_dict(self.rt, sums), "throughput": self.figures()}
         sharded = self.rt.strategy == "fsdp"
         self.pending = checkpoint.save(
             out.checkpoint_path(self.run.step, sharded),
             {**self.checkpointed(), "run": run_state},
-            background=sharded,
+            background=True,
             on_complete=out.prune_checkpoints,
         )
         self.checkpoint_seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def checkpoint_settled(self) -> Iterator[None]:
+        """Training that ends in an error or an interrupt first lets the checkpoint being
+        written in the background complete (or fail: the error that ends the run comes first),
+        so the newest checkpoint the run names, and `--resume auto` finds, is whole."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.wait_for_checkpoint()
+            raise
 
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint being written in the background (if any) is complete."""

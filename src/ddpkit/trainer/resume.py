@@ -30,7 +30,7 @@ from ..early_stopping import EarlyStopping
 from ..errors import IncompatibleCheckpoint, UsageError
 from ..launcher.records import current_attempt
 from ..optim import build_optimizer
-from ..seed import rng_state, seed_rank, set_rng_state
+from ..seed import gather_states, rng_state, seed_rank, set_rng_state
 from . import rundir
 from .config import TrainConfig, model_options
 
@@ -333,8 +333,10 @@ class RunState:
         # This epoch so far, on the device (no sync per step): loss * n, correct, n.
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
 
-    def state_dict(self, rt: Runtime) -> dict[str, Any]:
-        """Collective (all-reduces the sums, gathers the random states); rank 0 keeps the result."""
+    def state_dict(self, rt: Runtime, sums: list[float] | None = None) -> dict[str, Any]:
+        """Collective (all-reduces the sums, unless `sums` holds them summed over the ranks
+        already; gathers the random states); rank 0 keeps the result."""
+        summed = rt.all_reduce(self.sums.clone()).cpu() if sums is None else torch.tensor(sums, dtype=torch.float64)
         return {
             "epoch": self.epoch,
             "step": self.step,
@@ -342,9 +344,9 @@ class RunState:
             "skipped": self.skipped,
             **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {}),
             **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
-            "sums": rt.all_reduce(self.sums.clone()).cpu(),
+            "sums": summed,
             "world_size": rt.world_size,
-            "rng": rt.gather_objects(rng_state(rt.device, self.loader_generator)),
+            "rng": gather_states(rng_state(rt.device, self.loader_generator)),
         }
 
     def restore(self, checkpoint: dict[str, Any], rt: Runtime) -> None:
