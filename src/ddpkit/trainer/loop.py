@@ -160,6 +160,7 @@ class Loop:
         # The last epoch end's step, test results and (with --ema) the EMA weights' test results.
         self.last_eval: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.checked_at: int | None = None  # the step check_finite last passed at
+        self.closed_at: int | None = None  # the step the last epoch ended at (its sums then zeroed)
         self.timeline.mark("model_ready")
 
     def flops_on_meta(self) -> float | None:
@@ -402,8 +403,9 @@ class Loop:
 
     def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
-        loss, correct, count = rt.all_reduce(run.sums.clone()).tolist()
+        loss, correct, count = self.check_finite(also=run.sums)  # the epoch's sums, in the check's all-reduce
         run.sums.zero_()
+        self.closed_at = run.step
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
         ev, ema = self.task.evaluate(rt, self.model, self.test_loader), self.evaluate_ema()
         self.last_eval = (run.step, ev, ema)
@@ -436,7 +438,10 @@ class Loop:
         It is written in the background while training goes on (rank 0 writes a copy of a
         replicated model's state; under fsdp every rank writes its own shards); the next save
         (and the end of the run) waits for it first."""
-        sums = self.check_finite(also=self.run.sums)  # the epoch's sums so far, over all ranks
+        if self.checked_at == self.run.step and self.closed_at == self.run.step:
+            sums = [0.0] * len(self.run.sums)  # checked as the epoch ended: its sums start again at 0
+        else:
+            sums = self.check_finite(also=self.run.sums)  # the epoch's sums so far, over all ranks
         self.wait_for_checkpoint()
         t0 = time.perf_counter()
         run_state = {**self.run.state_dict(self.rt, sums), "throughput": self.figures()}
