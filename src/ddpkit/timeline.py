@@ -24,13 +24,13 @@ _froze = False  # gc_paused froze objects in this process (see froze_objects)
 MOMENTS: dict[str, str] = {
     "imports_done": "interpreter start, `import torch` and ddpkit's modules",
     "checks_done": "flags parsed, every setting checked, the plan made",
-    "workers_started": "the launcher's agent, its rendezvous and the workers' start (fork)",
+    "workers_started": "the launcher's agent, its rendezvous and the workers' start (fork), torch's compiler imported meanwhile",
     "process_group_ready": "the process group (gloo/NCCL) joined, the runtime made",
     "data_loaded": "the dataset read and split",
     "model_ready": "model built and wrapped (DDP), optimizer, loaders, schedule",
     "first_step_done": "the first training step (its warm-up: first forward, backward, optimizer)",
     "training_done": "every other step, with each epoch's evaluation and checkpoint",
-    "outputs_written": "the last evaluation, model.pt and curves.png (results.json comes after)",
+    "outputs_written": "the final results, model.pt (and curves.png where rank 0 waits for it; results.json comes after)",
     "workers_exited": "the workers' exit and the launcher's shutdown",
     "curves_drawn": "the rest of curves.png, drawn by the command's helper while the workers ended",
 }
