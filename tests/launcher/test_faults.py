@@ -188,6 +188,32 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_no_worker_left(tmp_pa
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("after", [0.0, 0.6], ids=["in the rendezvous", "while the fork waits for the import"])
+def test_a_signal_while_the_workers_are_started_stops_the_job(tmp_path, sig, code, after):
+    # The launcher imports torch's compiler for its workers while its agent starts them (a
+    # thread; the fork waits for it): a signal in that time stops the job as at any other
+    # time, and no worker is left waiting for an import that will never finish.
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", *RUN, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**clean_env(), "TMPDIR": str(tmp)},  # where the launch makes its folder, as it begins
+        start_new_session=True,
+    )
+    launching = lambda: any(tmp.glob("ddpkit-launch-*")) and not _workers(proc)  # noqa: E731
+    _wait_for(proc, launching, "the launch, before any worker")
+    time.sleep(after)  # the rendezvous sleeps 0-0.3 s; the import takes 0.7-0.9 s
+    os.kill(proc.pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines() == ["ddpkit train: interrupted; no checkpoint was written yet"], stderr
+
+
 def test_sigterm_to_a_one_process_run_without_out_names_its_default_folder(tmp_path):
     args = [*RUN[:-1], "1"]  # --nproc 1: the run is in this very process
     proc = subprocess.Popen(

@@ -130,6 +130,37 @@ def test_a_fork_waits_for_the_preload_and_a_failing_import_is_left_alone(tmp_pat
     assert not [t for t in threading.enumerate() if t.name == "ddpkit-preload"]  # joined by the block's end
 
 
+@pytest.mark.unit
+@linux_only
+def test_a_signal_while_a_fork_waits_for_the_preload_is_handled_after_the_fork(tmp_path, monkeypatch):
+    # Ctrl-C or a scheduler's SIGTERM can come while a fork waits for the preload: the wait goes
+    # on (a worker forked mid-import would hang on its lock), and the signal is not lost (an
+    # exception raised in a fork hook would be): its handler runs once the fork is done.
+    (tmp_path / "slow_preload_mod2.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_preload_mod2", raising=False)
+    handled: list[float] = []
+    previous = signal.signal(signal.SIGHUP, lambda *_: handled.append(time.monotonic()))
+    try:
+        with preloaded(["slow_preload_mod2"]):
+            sender = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGHUP))
+            sender.start()
+            pid = os.fork()
+            if pid == 0:
+                mod = sys.modules.get("slow_preload_mod2")
+                os._exit(0 if mod is not None and getattr(mod, "DONE", False) else 3)
+            forked = time.monotonic()
+            assert not handled  # held while the fork waited
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0  # the worker got the import whole
+            deadline = time.monotonic() + 5
+            while not handled and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(handled) == 1 and handled[0] >= forked  # delivered once, after the fork
+    finally:
+        sender.join()
+        signal.signal(signal.SIGHUP, previous)
+
+
 @pytest.mark.distributed
 @linux_only
 def test_forked_workers_start_with_torchs_compiler_imported():

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -151,6 +152,9 @@ WORKER_IMPORTS: tuple[str, ...] = ("torch._dynamo",)
 
 _preload: threading.Thread | None = None  # importing while the agent starts; forks wait for it
 _hooked = False
+_held: list[int] = []  # signals that arrived while a fork waited for the preload (see _join_for_fork)
+# The signals torch's agent turns into its SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_AGENT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
 
 
 @contextlib.contextmanager
@@ -170,14 +174,18 @@ def preloaded(modules: Sequence[str]) -> Iterator[None]:
         yield
         return
     if not _hooked:
-        os.register_at_fork(before=_join_preload)
+        os.register_at_fork(before=_join_for_fork, after_in_parent=_deliver_held)
         _hooked = True
     _preload = threading.Thread(target=_import_all, args=(tuple(modules),), name="ddpkit-preload", daemon=True)
     _preload.start()
     try:
         yield
     finally:
-        _join_preload()
+        thread = _preload
+        if thread is not None:  # no fork came: nothing can inherit a half-done import now
+            thread.join()
+            _preload = None
+            gc.freeze()
 
 
 def _import_all(modules: tuple[str, ...]) -> None:
@@ -192,15 +200,51 @@ def _import_all(modules: tuple[str, ...]) -> None:
             gc.enable()
 
 
-def _join_preload() -> None:
-    """Wait for the preload thread (before a fork, and when the launch ends). The imported
-    objects are frozen: the forked workers' collections leave them alone, as they leave the
-    rest of the launching process's objects (see gc_frozen)."""
+def _join_for_fork() -> None:
+    """Before a fork: wait until the preload thread has ended. The imported objects are then
+    frozen: the forked workers' collections leave them alone, as they leave the rest of the
+    launching process's objects (see gc_frozen).
+
+    A signal that arrives meanwhile (Ctrl-C, a scheduler's SIGTERM) must neither end the wait
+    (a worker forked in the middle of an import would wait for its lock forever) nor be lost
+    (an exception raised in a fork hook is printed and dropped): while waiting, the agent's
+    signals are only noted, and `_deliver_held` sends them again once the fork is done."""
     global _preload
-    thread, _preload = _preload, None
-    if thread is not None and thread is not threading.current_thread():
+    thread = _preload
+    if thread is None or thread is threading.current_thread():
+        return
+    if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+        saved = [(sig, signal.signal(sig, _hold)) for sig in _AGENT_SIGNALS]
+        try:
+            thread.join()
+        finally:
+            for sig, handler in saved:
+                signal.signal(sig, handler)
+    else:
         thread.join()
-        gc.freeze()
+    _preload = None
+    gc.freeze()
+
+
+def _hold(signum: int, frame: Any) -> None:
+    _held.append(signum)
+
+
+def _deliver_held() -> None:
+    """After a fork, in the parent: the signals held while it waited, sent again a moment later
+    from a thread, so that their handlers run in the launching process's own code (the agent
+    then stops the workers it started, as for a signal at any other time), not in this hook."""
+    if not _held:
+        return
+    signums, _held[:] = list(_held), []
+    pid = os.getpid()
+
+    def send() -> None:
+        time.sleep(0.05)
+        for signum in signums:
+            os.kill(pid, signum)
+
+    threading.Thread(target=send, name="ddpkit-held-signals", daemon=True).start()
 
 
 @contextlib.contextmanager
