@@ -630,12 +630,10 @@ class Runtime:
         all ranks wait for it, and the wait does not count against `timeout_s` (see
         dist.wait_for_main). A model sharded by fsdp: `path` becomes a directory in which every
         rank writes its own shards through torch's Distributed Checkpoint, renamed into place
-        once complete. With `background=True` the state is copied to memory (by rank 0; under
-        fsdp each rank its shards) and written from a thread while training goes on; the
-        returned handle's `wait()` blocks until the checkpoint is complete, raising what went
-        wrong (call it before the next save; a replicated model's other ranks get None: they
-        have nothing to wait for). Either form loads with `load()` into any strategy on any
-        number of processes."""
+        once complete; with `background=True` the shards are copied to memory and written from
+        a thread while training goes on, and the returned handle's `wait()` blocks until the
+        checkpoint is complete (call it before the next save). Either form loads with `load()`
+        into any strategy on any number of processes."""
         self._check_writable("rt.save", path)
         return checkpoint.save(path, state, background=background)
 

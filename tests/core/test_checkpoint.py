@@ -1,7 +1,5 @@
 """`checkpoint`: files written atomically and read without running code, a failed write that
-keeps the previous file, and a checkpoint saved under DDP that loads into a bare model and back;
-in the background, a copy of the state as it was at the call, with a failure raised by the
-wait as the write raised it."""
+keeps the previous file, and a checkpoint saved under DDP that loads into a bare model and back."""
 
 from __future__ import annotations
 
@@ -93,47 +91,3 @@ def test_a_full_disk_is_an_oserror_naming_the_file_and_the_old_file_stays(tmp_pa
         assert info.value.errno == errno.ENOSPC and info.value.filename == path
         assert torch.equal(load_file(path)["v"], torch.ones(8))
         assert os.listdir(disk) == ["c.pt"]  # the temp file is gone
-
-
-def _save_in_background_then_change(path: str) -> dict:
-    """rt.save(background=True) on a DDP model, then the weights change before the write is
-    waited for: the file must hold them as they were at the call."""
-    import torch.nn.functional as F
-
-    with ddpkit.Runtime(device="cpu", seed=0) as rt:
-        model, opt = rt.setup(workers.toy_model(), None)
-        before = {k: v.clone() for k, v in rt.unwrap(model).state_dict().items()}
-        pending = rt.save(path, background=True, model=model)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)  # training goes on
-        F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
-        if pending is not None:
-            pending.wait()
-        rt.barrier()
-        saved = load_file(path)["model"]
-        return {"pending": pending is not None, "as_saved": all(torch.equal(saved[k], before[k]) for k in before)}
-
-
-@pytest.mark.distributed
-def test_a_background_save_writes_the_state_as_it_was_and_only_rank_0_waits(tmp_path):
-    out = ddpkit.launch(_save_in_background_then_change, str(tmp_path / "c.pt"), nproc=2)
-    assert out[0] == {"pending": True, "as_saved": True}
-    assert out[1] == {"pending": False, "as_saved": True}  # nothing to wait for on the others
-    assert sorted(os.listdir(tmp_path)) == ["c.pt"]
-
-
-@pytest.mark.unit
-def test_a_background_write_on_a_full_disk_raises_the_oserror_naming_the_file(tmp_path):
-    import errno
-
-    from ddpkit.checkpoint import save
-    from tests.core.small_disk import small_disk
-
-    with small_disk(tmp_path / "disk", "1m") as disk:
-        path = os.path.join(disk, "c.pt")
-        pending = save(path, {"v": torch.ones(1 << 19)}, background=True)  # 2 MB on 1 MB
-        with pytest.raises(OSError) as info:
-            pending.wait()
-        assert info.value.errno == errno.ENOSPC and info.value.filename == path
-        assert os.listdir(disk) == []  # no temp file left
