@@ -13,12 +13,9 @@ sharded model whole when one file is wanted (model.pt).
 
 from __future__ import annotations
 
-import copy
 import os
 import pickle
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -109,51 +106,21 @@ def save(
 ) -> shards.Pending | None:
     """Rank 0 writes `state` (see `state_of`) to one file; every rank waits until the file is
     complete. The wait does not count against a short collective timeout (see
-    dist.wait_for_main). With `background`, rank 0 copies the state in memory and writes it
-    from a thread instead, and no rank waits: rank 0's returned `Pending` says when the file
-    is complete (the other ranks get None). With an fsdp model, `path` becomes a checkpoint
-    directory of every rank's shards instead (see `shards.save`; with `background` it is
-    written from a thread, and every rank's `Pending` says when it is complete). Rank 0 calls
-    `on_complete` once the checkpoint is in place. Collective."""
+    dist.wait_for_main). With an fsdp model, `path` becomes a checkpoint directory of every
+    rank's shards instead (see `shards.save`; with `background` it is written from a thread,
+    and the returned `Pending` says when it is complete). Rank 0 calls `on_complete` once the
+    checkpoint is in place. Collective."""
     sharded = sharded_model(state)
     if sharded is not None:
         entries = {key: _bare(value) for key, value in state.items() if shards.in_shards(value)}
         rest = {key: state_of(value) for key, value in state.items() if not shards.in_shards(value)}
         return shards.save(path, entries, sharded, rest, background=background, on_complete=on_complete)
-    if not dist.is_main():
-        if not background:
-            dist.wait_for_main()
-        return None
-    saved = {key: state_of(value) for key, value in state.items()}
-    if background:  # a copy: training goes on changing the weights and the optimizer's state
-        return _write_later(os.fspath(path), copy.deepcopy(saved), on_complete)
-    _write(os.fspath(path), saved, on_complete)
+    if dist.is_main():
+        save_file(path, {key: state_of(value) for key, value in state.items()})
+        if on_complete is not None:
+            on_complete()
     dist.wait_for_main()
     return None
-
-
-def _write(path: str, saved: dict[str, Any], on_complete: Callable[[], None] | None) -> None:
-    save_file(path, saved)
-    if on_complete is not None:
-        on_complete()
-
-
-def _write_later(path: str, saved: dict[str, Any], on_complete: Callable[[], None] | None) -> shards.Pending:
-    """`_write` from a thread of its own; a failure (a full disk: the OSError naming the
-    file) is raised by the returned Pending's wait(). Not a daemon thread: the interpreter
-    waits for the write before it exits."""
-    future: Future = Future()
-
-    def write() -> None:
-        try:
-            _write(path, saved, on_complete)
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-            future.set_exception(err)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=write, name="ddpkit-checkpoint", daemon=False).start()
-    return shards.Pending(future, path)
 
 
 def _bare(value: Any) -> Any:

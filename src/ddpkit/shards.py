@@ -201,8 +201,6 @@ class Pending:
     def wait(self) -> None:
         try:
             self.future.result()
-        except OSError:  # a full disk or a file's error: it names the file already
-            raise
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(err)}") from None
 
