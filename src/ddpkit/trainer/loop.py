@@ -7,11 +7,9 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -155,7 +153,7 @@ class Loop:
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
         self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
-        self.pending: Pending | None = None  # a checkpoint still being written
+        self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
         # The last epoch end's step, test results and (with --ema) the EMA weights' test results.
         self.last_eval: tuple[int, dict[str, Any], dict[str, Any]] | None = None
@@ -215,15 +213,14 @@ class Loop:
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
         started = time.monotonic()
-        with self.checkpoint_settled():
-            while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
-                self.epoch_t0 = t_epoch = time.perf_counter()
-                done = self.train_epoch(out)
-                self.train_seconds += time.perf_counter() - t_epoch
-                self.epoch_t0 = None
-                if done:
-                    self.end_epoch(out, time.perf_counter() - t_epoch)
-                self.save(out)
+        while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
+            self.epoch_t0 = t_epoch = time.perf_counter()
+            done = self.train_epoch(out)
+            self.train_seconds += time.perf_counter() - t_epoch
+            self.epoch_t0 = None
+            if done:
+                self.end_epoch(out, time.perf_counter() - t_epoch)
+            self.save(out)
         self.mark_training(started)
         if self.checked_at != self.run.step:  # (the last checkpoint checked these weights)
             self.check_finite()
@@ -435,9 +432,8 @@ class Loop:
     def save(self, out: Outputs) -> None:
         """A checkpoint of everything the run needs to continue, on any number of processes.
         Collective: every rank calls it at the same step. Never saves weights trained on NaN.
-        It is written in the background while training goes on (rank 0 writes a copy of a
-        replicated model's state; under fsdp every rank writes its own shards); the next save
-        (and the end of the run) waits for it first."""
+        Under fsdp every rank writes its own shards in the background while training goes
+        on; the next save (and the end of the run) waits for it first."""
         if self.checked_at == self.run.step and self.closed_at == self.run.step:
             sums = [0.0] * len(self.run.sums)  # checked as the epoch ended: its sums start again at 0
         else:
@@ -449,22 +445,10 @@ class Loop:
         self.pending = checkpoint.save(
             out.checkpoint_path(self.run.step, sharded),
             {**self.checkpointed(), "run": run_state},
-            background=True,
+            background=sharded,
             on_complete=out.prune_checkpoints,
         )
         self.checkpoint_seconds += time.perf_counter() - t0
-
-    @contextlib.contextmanager
-    def checkpoint_settled(self) -> Iterator[None]:
-        """Training that ends in an error or an interrupt first lets the checkpoint being
-        written in the background complete (or fail: the error that ends the run comes first),
-        so the newest checkpoint the run names, and `--resume auto` finds, is whole."""
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.wait_for_checkpoint()
-            raise
 
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint being written in the background (if any) is complete."""
