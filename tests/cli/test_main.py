@@ -69,6 +69,16 @@ def test_a_running_thread_leaves_the_end_to_the_interpreter(tmp_path):
     assert (tmp_path / "thread").read_text() == "done"  # waited for, as without ddpkit
 
 
+def test_output_lost_at_the_end_is_not_a_success(tmp_path):
+    # stdout on a full disk: the last of the output cannot be written. Exit 120, as Python's own
+    # teardown would; a failure's own code is kept.
+    with open("/dev/full", "w") as full:
+        lost = _program('sys.stdout.write("x" * 10)\nend_program(0)\n', tmp_path, stdout=full, stderr=subprocess.PIPE)
+        failed = _program('sys.stdout.write("x")\nend_program(1)\n', tmp_path, stdout=full, stderr=subprocess.PIPE)
+    assert lost.returncode == 120 and b"could not write the last of its output" in lost.stderr
+    assert failed.returncode == 1
+
+
 def test_a_reader_gone_at_the_end_is_exit_141(tmp_path):
     env = {k: v for k, v in clean_env().items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen(

@@ -68,20 +68,27 @@ def end_program(code: int) -> None:
     libraries: about 0.1 s of a small job's command, for memory the OS takes back at once.
     What the teardown does that matters is done first, in its order: the atexit handlers
     (logging's flush, temporary directories' cleanup, multiprocessing's children, the
-    trackers' own), then Python's and C's buffered output. When a non-daemon thread is still
-    running (the interpreter would wait for it) the interpreter ends the program as usual,
-    with the objects frozen so that its last collection skips them.
+    trackers' own), then Python's and C's buffered output. Output that cannot be written
+    then is exit code 141 (the reader went away) or 120 (as the interpreter's), where `code`
+    said success. When a non-daemon thread is still running (the interpreter would wait for
+    it) the interpreter ends the program as usual, with the objects frozen so that its last
+    collection skips them.
     """
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         gc.freeze()
         return
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    streams = {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if s is not None}
+    for stream in streams.values():
         try:
             stream.flush()
         except BrokenPipeError:  # the reader of stdout went away at the very end
-            code = 141
-        except (OSError, ValueError, AttributeError):  # closed, or replaced by something odd
+            code = code or 141
+        except OSError as err:  # output lost (a full disk): not a success, as the interpreter says
+            code = code or 120
+            with contextlib.suppress(OSError, ValueError):
+                os.write(2, f"ddpkit: could not write the last of its output: {err}\n".encode())
+        except (ValueError, AttributeError):  # closed, or replaced by something odd
             pass
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).fflush(None)  # C's stdio buffers (torch's C++ prints), as exit() would
