@@ -46,10 +46,10 @@ def train(cfg: TrainConfig, timeline: Timeline | None = None) -> dict[str, Any]:
             return fit(plan, t0, timeline)
         # fit says why a restart happened itself, with where it resumes
         results = run_function(plan.topology, fit, plan, t0, timeline, announce_restarts=False)
+        if 0 in results:  # this machine holds rank 0: curves.png and results.json are finished here
+            complete(plan.out, results[0], timeline)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: say where --resume auto would carry on
         raise Interrupted(getattr(err, "signum", signal.SIGINT), last_checkpoint(plan.out)) from None
-    if 0 in results:  # this machine holds rank 0: curves.png and results.json are finished here
-        complete(plan.out, results[0], timeline)
     return next(iter(results.values()))  # every rank returns the same results (but its timeline)
 
 
