@@ -3,6 +3,8 @@ stream after setup, reproducibly."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ import ddpkit
 from tests import workers
 
 pytestmark = pytest.mark.distributed
+
+Pair = collections.namedtuple("Pair", "a b")  # (pickled by reference: defined at the top)
 
 
 def test_each_rank_draws_its_own_random_stream_after_setup():
@@ -46,3 +50,20 @@ def test_every_ranks_streams_gathered_as_bytes_come_back_as_they_were():
     assert _same(fast, plain) and _same(out[1][0], plain)  # the same tensors, tuples and numbers
     assert not _same(fast[0], fast[1])  # each rank's own streams, in rank order
     assert fast[1]["loader"].dtype == torch.uint8 and isinstance(fast[0]["python"], tuple)
+
+
+def test_states_as_bytes_come_back_as_they_were_whatever_their_tensors():
+    import pickle
+
+    from ddpkit.seed import _from_bytes, _to_bytes
+
+    state = {
+        "empty": torch.empty(0, 3),
+        "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "scalar": torch.tensor(3),
+        "named": Pair(torch.ones(2, 3), None),
+        "plain": (1, 2.5, "x", None),
+        "list": [torch.zeros(2, dtype=torch.bool)],
+    }
+    back = _from_bytes(pickle.loads(pickle.dumps(_to_bytes(state))))  # as gather_objects carries it
+    assert _same(back, state) and type(back["named"]) is Pair
