@@ -30,6 +30,7 @@ from .config import TrainConfig
 from .outputs import Outputs, complete
 from .plan import RunPlan, build_model, make_plan
 from .resume import RunState, after_restart, last_checkpoint
+from .tally import Tally, all_finite
 from .tasks import task_of
 
 
@@ -148,11 +149,11 @@ class Loop:
         self.train_seconds = 0.0  # this attempt's time in finished train_epoch calls
         self.epoch_t0: float | None = None  # when the train_epoch under way started
         self.carried: dict[str, Any] | None = None  # a checkpoint's throughput figures (see throughput)
-        # First step whose loss was not finite, on this rank (-1: none). Kept on the device and
-        # compared there, so watching for NaN costs no synchronization per step.
+        # What each micro-batch adds to the epoch's sums, read at the next check (see tally).
+        self.tally = Tally(rt.device)
+        # First step whose loss was not finite, on this rank (-1: none; not watched with
+        # --on-nonfinite skip). On the device, filled from the tally: no synchronization per step.
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
-        self.step_t = torch.zeros((), dtype=torch.long, device=rt.device)
-        self.bad_now = torch.zeros((), dtype=torch.bool, device=rt.device)  # this step, --on-nonfinite skip
         self.pending: Pending | None = None  # a checkpoint still being written (fsdp)
         self.checkpoint_seconds = 0.0  # training's time waiting on checkpoints, this attempt
         # The last epoch end's step, test results and (with --ema) the EMA weights' test results.
@@ -180,7 +181,6 @@ class Loop:
         state = self.rt.load(path, **self.checkpointed())
         self.run.restore(state, self.rt)
         self.carried = state["run"].get("throughput")
-        self.step_t.fill_(self.run.step)
         why = f"ddpkit train: {restart}; " if restart else ""
         self.rt.print(f"{why}resumed from {path} at step {self.run.step} ({self.position()})")
 
@@ -273,7 +273,7 @@ class Loop:
         loss and accuracy sums stay on the device, summed per sample; one all-reduce at its end."""
         rt, cfg, run = self.rt, self.cfg, self.run
         self.model.train()
-        step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
+        tally, skip = self.tally, cfg.on_nonfinite == "skip"
         batches = out.progress(self.train_loader, run.epoch)
         t_log = time.perf_counter()
         self.timer.start()
@@ -284,17 +284,10 @@ class Loop:
                 loss = self.task.loss(logits, y)
             except torch.cuda.OutOfMemoryError:
                 raise torch.cuda.OutOfMemoryError(self._oom_advice(len(x))) from None
-            if n:
-                bad = ~torch.isfinite(loss.detach())
-                if cfg.on_nonfinite == "skip":
-                    self.bad_now |= bad
-                else:
-                    self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_t + 1, self.first_bad)
             rt.backward(loss)
             if n:
-                self._count(loss.detach(), logits.detach(), y, n)
-                step_loss += loss.detach().double() * n
-            if cfg.on_nonfinite == "skip" and rt.step_ready and self._skip_step(out):
+                tally.add(loss.detach(), self.task.correct(logits.detach(), y), n, run.step + 1)
+            if skip and rt.step_ready and self._skip_step(out):
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
             elif not rt.step(self.opt, max_grad_norm=cfg.max_grad_norm):
                 continue  # more micro-batches of this global batch to come
@@ -303,11 +296,10 @@ class Loop:
             self.sched.step()
             self.timer.mark(tuple(x.shape))
             run.step += 1
-            self.step_t += 1
             self.samples += self.train_loader.current.step_size
             self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
-                (summed,) = self.check_finite(also=step_loss)
+                (summed,) = self.check_finite(also=tally.step_loss(run.step))
                 now = time.perf_counter()
                 value = summed / self.train_loader.current.step_count
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
@@ -324,28 +316,16 @@ class Loop:
                 )
                 if hasattr(batches, "set_postfix"):
                     batches.set_postfix_str(progress_label(value, rate))
-            step_loss.zero_()
             if self.stopped() and self.train_loader.position < self.train_loader.steps_per_epoch:
                 return False  # stopped inside the epoch; at its last step the loop ends it as usual
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
 
-    def _count(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, n: int) -> None:
-        """Add a micro-batch to the epoch's sums, per sample or per token (`n` of them). One
-        with a non-finite loss (only with --on-nonfinite skip does the run go on) counts in none
-        of them: its correct predictions would otherwise raise the accuracy above 1 over the
-        samples left."""
-        finite = torch.isfinite(loss)
-        self.run.sums[0] += torch.where(finite, loss.double() * n, 0.0)
-        self.run.sums[1] += torch.where(finite, self.task.correct(logits, y), 0)
-        self.run.sums[2] += finite * n
-
     def _skip_step(self, out: Outputs) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
         Collective: one scalar all-reduce per step, paid only with --on-nonfinite skip."""
-        bad = self.rt.all_reduce(self.bad_now.double(), op="max").item() > 0
-        self.bad_now.zero_()
+        bad = self.rt.all_reduce(self.tally.bad_in(self.run.step + 1).double(), op="max").item() > 0
         if bad:
             self.opt.zero_grad(set_to_none=True)
             self.run.skipped += 1
@@ -368,15 +348,17 @@ class Loop:
         first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
         steps and before anything is saved, so no file ever holds weights trained on NaN.
         `also`: float64 sums to add up over the ranks in the same all-reduce (a log step's
-        loss, a checkpoint's epoch sums); returned added up, as floats."""
+        loss, a checkpoint's epoch sums); returned added up, as floats. The tally's rows are
+        added to the epoch's sums first."""
         # Every rank's two facts in one all-reduce (float64: a step count is exact to 2**53):
         # its first bad step (+1, at its own place; 0: none) and whether its weights (its shards,
         # under fsdp) are all finite; then the sums of `also`.
+        self.tally.fold(self.run.sums, None if self.cfg.on_nonfinite == "skip" else self.first_bad)
         n = self.rt.world_size
         extra = also.reshape(-1) if also is not None else None
         facts = torch.zeros(n + 1 + (0 if extra is None else len(extra)), dtype=torch.float64, device=self.rt.device)
         facts[self.rt.rank] = self.first_bad + 1
-        facts[n] = torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all()
+        facts[n] = all_finite([local(p) for p in self.model.parameters()])
         if extra is not None:
             facts[n + 1 :] = extra
         values = self.rt.all_reduce(facts).tolist()

@@ -1,0 +1,96 @@
+"""The loop's per-micro-batch rows and the weights' finiteness check (trainer.tally)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpkit.trainer.tally import Tally, all_finite
+
+pytestmark = pytest.mark.unit
+
+NAN, INF = float("nan"), float("inf")
+
+
+def filled(rows: list[tuple[float, int, int, int]], capacity: int = 256) -> Tally:
+    tally = Tally(torch.device("cpu"), capacity=capacity)
+    for loss, correct, n, step in rows:
+        tally.add(torch.tensor(loss, dtype=torch.float32), torch.tensor(correct), n, step)
+    return tally
+
+
+def folded(tally: Tally, first_bad: int = -1, watch: bool = True) -> tuple[list[float], int]:
+    sums = torch.zeros(3, dtype=torch.float64)
+    bad = torch.tensor(first_bad)
+    tally.fold(sums, bad if watch else None)
+    return sums.tolist(), int(bad)
+
+
+def test_the_sums_count_finite_rows_only_and_the_first_bad_step_is_found():
+    rows = [(1.5, 3, 4, 1), (2.25, 2, 2, 1), (NAN, 5, 4, 2), (0.5, 1, 4, 3), (INF, 4, 4, 4)]
+    tally = filled(rows)
+    sums, bad = folded(tally)
+    assert sums == [1.5 * 4 + 2.25 * 2 + 0.5 * 4, 3 + 2 + 1, 4 + 2 + 4]
+    assert bad == 2
+    assert len(tally) == 0  # folded rows are forgotten
+    assert folded(tally) == ([0.0, 0.0, 0.0], -1)
+
+
+def test_a_first_bad_step_already_found_is_kept_and_none_is_not_watched():
+    assert folded(filled([(NAN, 1, 2, 7)]), first_bad=3)[1] == 3
+    assert folded(filled([(NAN, 1, 2, 7), (1.0, 1, 2, 8)]), watch=False) == ([2.0, 1.0, 2.0], -1)
+
+
+def test_the_step_loss_is_the_last_steps_rows_summed_over_samples_non_finite_included():
+    tally = filled([(1.0, 0, 4, 1), (2.0, 0, 4, 2), (3.0, 0, 2, 2)])
+    assert tally.step_loss(2).item() == 2.0 * 4 + 3.0 * 2
+    assert tally.step_loss(3).item() == 0.0  # a step with no rows on this rank (no samples)
+    assert not tally.bad_in(2)
+    tally.add(torch.tensor(INF), torch.tensor(0), 2, 3)
+    assert tally.step_loss(3).item() == INF
+    assert tally.bad_in(3) and not tally.bad_in(4)
+
+
+def test_rows_beyond_the_capacity_are_all_kept():
+    rows = [(float(i), i % 3, 2, i // 2 + 1) for i in range(11)]
+    sums, bad = folded(filled(rows, capacity=2))
+    assert sums == [sum(2.0 * i for i in range(11)), sum(i % 3 for i in range(11)), 22.0]
+    assert bad == -1
+
+
+def test_a_bf16_loss_is_kept_as_it_was():
+    tally = Tally(torch.device("cpu"))
+    loss = torch.tensor(1 / 3, dtype=torch.bfloat16)
+    tally.add(loss, torch.tensor(1), 3, 1)
+    assert tally.step_loss(1).item() == float(loss) * 3
+
+
+PARAMS = [torch.randn(32, 1, 3, 3), torch.randn(32), torch.randn(128, 1024), torch.randn(10)]
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_any_non_finite_element_anywhere_is_seen(bad):
+    assert all_finite(PARAMS)
+    for which in range(len(PARAMS)):
+        params = [p.clone() for p in PARAMS]
+        params[which].view(-1)[-1] = bad
+        assert not all_finite(params)
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [torch.full((1000,), 3e38)],  # finite, but a float32 sum overflows
+        [torch.full((100_000,), 60000.0, dtype=torch.float16)],  # would overflow a float16 sum
+        [torch.full((1000,), 3e38, dtype=torch.bfloat16), torch.full((1000,), -3e38, dtype=torch.bfloat16)],
+        [torch.full((10,), 1e308, dtype=torch.float64)],
+        [],
+        [torch.zeros(0)],
+    ],
+)
+def test_large_but_finite_values_are_finite(tensors):
+    assert all_finite(tensors)
+
+
+def test_a_large_sum_and_an_inf_elsewhere_is_still_not_finite():
+    assert not all_finite([torch.full((1000,), 3e38), torch.tensor([1.0, -INF])])
