@@ -24,10 +24,11 @@ def train(out, *extra: str) -> dict:
 
 
 def finished(out, proc) -> dict:
-    """A run that must have succeeded: its results, weights and output."""
+    """A run that must have succeeded: its results, weights, metrics.jsonl records and output."""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {
         "results": json.loads((out / "results.json").read_text()),
+        "records": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
         "weights": torch.load(out / "model.pt", weights_only=True),
         "stdout": proc.stdout,
         "stderr": proc.stderr,
@@ -38,6 +39,11 @@ def copied(run, tmp_path):
     """A copy of a shared run's out directory (tests/trainer/conftest.py), to continue or damage."""
     shutil.copytree(run, tmp_path / "out")
     return tmp_path / "out"
+
+
+def step_records(run: dict) -> list[tuple]:
+    """The step records of a run: (step, epoch, loss, lr), in the order written."""
+    return [(r["step"], r["epoch"], r["loss"], r["lr"]) for r in run["records"] if r["type"] == "step"]
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.trainer.helpers import ATOL_46_STEPS, copied, finished, max_diff, train
+from tests.trainer.helpers import ATOL_46_STEPS, copied, finished, max_diff, step_records, train
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -39,6 +39,11 @@ def test_stop_and_resume_is_bit_identical(straight, stopped, tmp_path, stop_at):
     assert resumed["results"]["final_train_loss"] == straight["results"]["final_train_loss"]
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in epochs if r["type"] == "epoch"] == [1, 2]
+    # Every log step's record, each written when a check came (by its own clock in each
+    # attempt), holds the loss of its own step: the same as the uninterrupted run's.
+    assert [r[0] for r in step_records(straight)] == [10, 20, 30, 40]
+    assert step_records(resumed) == step_records(straight)
+    assert [r["step"] for r in epochs] == sorted(r["step"] for r in epochs)  # written in order
 
 
 @pytest.mark.parametrize("nproc", ["1", "3"])

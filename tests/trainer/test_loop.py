@@ -57,7 +57,7 @@ def test_on_nonfinite_skip_drops_that_step_on_every_rank(tmp_path):
         loop.model.forward = poisoned
         with Outputs(cfg, rt.is_main) as out:
             assert loop.train_epoch(out)
-            loop.check_finite()  # would raise on NaN weights: the bad step never reached them
+            loop.check_finite(out)  # would raise on NaN weights: the bad step never reached them
     assert loop.run.skipped == 1 and loop.run.step == 23
     skips = [
         json.loads(line)

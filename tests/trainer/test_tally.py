@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.trainer.tally import Tally, all_finite
+from ddpkit.trainer import tally as tally_module
+from ddpkit.trainer.tally import LogSteps, Tally, all_finite
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +23,9 @@ def filled(rows: list[tuple[float, int, int, int]], capacity: int = 256) -> Tall
 def folded(tally: Tally, first_bad: int = -1, watch: bool = True) -> tuple[list[float], int]:
     sums = torch.zeros(3, dtype=torch.float64)
     bad = torch.tensor(first_bad)
-    tally.fold(sums, bad if watch else None)
+    if watch:
+        tally.watch(bad)
+    tally.fold(sums)
     return sums.tolist(), int(bad)
 
 
@@ -39,6 +42,16 @@ def test_the_sums_count_finite_rows_only_and_the_first_bad_step_is_found():
 def test_a_first_bad_step_already_found_is_kept_and_none_is_not_watched():
     assert folded(filled([(NAN, 1, 2, 7)]), first_bad=3)[1] == 3
     assert folded(filled([(NAN, 1, 2, 7), (1.0, 1, 2, 8)]), watch=False) == ([2.0, 1.0, 2.0], -1)
+
+
+def test_watching_keeps_the_rows_and_finds_the_first_bad_step_among_all_of_them():
+    tally = filled([(1.0, 1, 2, 1), (NAN, 1, 2, 2)])
+    bad = torch.tensor(-1)
+    tally.watch(bad)
+    assert int(bad) == 2 and len(tally) == 2
+    tally.add(torch.tensor(INF), torch.tensor(0), 2, 3)
+    tally.watch(bad)
+    assert int(bad) == 2  # the first one stays
 
 
 def test_the_step_loss_is_the_last_steps_rows_summed_over_samples_non_finite_included():
@@ -94,3 +107,37 @@ def test_large_but_finite_values_are_finite(tensors):
 
 def test_a_large_sum_and_an_inf_elsewhere_is_still_not_finite():
     assert not all_finite([torch.full((1000,), 3e38), torch.tensor([1.0, -INF])])
+
+
+def test_log_steps_are_written_in_order_with_their_own_losses_and_only_those_before_a_bad_step():
+    logs = LogSteps(every=10)
+    logs.add({"type": "step", "step": 10, "loss": None}, torch.tensor(8.0), count=4)
+    logs.add({"type": "skip", "step": 13})
+    logs.add({"type": "step", "step": 20, "loss": None}, torch.tensor(6.0), count=3)
+    assert [loss.item() for loss in logs.losses()] == [8.0, 6.0]
+    summed = [16.0, 9.0]  # over two ranks
+    assert logs.take(summed) == [
+        {"type": "step", "step": 10, "loss": 4.0},
+        {"type": "skip", "step": 13},
+        {"type": "step", "step": 20, "loss": 3.0},
+    ]
+    assert logs.records == [] and logs.losses() == []
+    logs.add({"type": "step", "step": 30, "loss": None}, torch.tensor(1.0), count=1)
+    logs.add({"type": "step", "step": 40, "loss": None}, torch.tensor(NAN), count=1)
+    assert [r["step"] for r in logs.take([2.0, NAN], before=35)] == [30]
+
+
+def test_a_log_step_checks_once_the_interval_has_passed_at_the_steps_pace():
+    logs = LogSteps(every=10)
+    assert logs.due == 10  # the first log step checks: it measures the pace
+    every_s = tally_module.CHECK_EVERY_S
+    logs.checked_at(10, seconds=10 * every_s / 100)  # 100 steps per interval
+    assert logs.due == 10 + 100
+    logs.checked_at(23, seconds=13 * every_s / 200)  # an epoch's end checked: 200 steps per interval
+    assert logs.due == 23 + 200
+    logs.checked_at(30, seconds=7 * every_s)  # slow steps: every log step checks
+    assert logs.due == 40
+    logs.checked_at(30, seconds=5.0)  # no step since: the pace is unknown, the schedule stays
+    assert logs.due == 40
+    logs.checked_at(40, seconds=10 * every_s / 25)  # 25 steps per interval: the next log step after
+    assert logs.due == 40 + 30

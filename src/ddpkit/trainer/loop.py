@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .outputs import Outputs, complete
 from .plan import RunPlan, build_model, make_plan
 from .resume import RunState, after_restart, last_checkpoint
-from .tally import Tally, all_finite
+from .tally import LogSteps, Tally, all_finite
 from .tasks import task_of
 
 
@@ -151,6 +151,8 @@ class Loop:
         self.carried: dict[str, Any] | None = None  # a checkpoint's throughput figures (see throughput)
         # What each micro-batch adds to the epoch's sums, read at the next check (see tally).
         self.tally = Tally(rt.device)
+        self.log_steps = LogSteps(cfg.log_every)  # their records wait for the next check
+        self.progress_note: str | None = None  # the last step record's loss and speed, for the bar
         # First step whose loss was not finite, on this rank (-1: none; not watched with
         # --on-nonfinite skip). On the device, filled from the tally: no synchronization per step.
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
@@ -223,7 +225,7 @@ class Loop:
             self.save(out)
         self.mark_training(started)
         if self.checked_at != self.run.step:  # (the last checkpoint checked these weights)
-            self.check_finite()
+            self.check_finite(out)
         self.wait_for_checkpoint()
         out.draw_curves(self.run.history)  # the records are final: drawn while the run ends
         ev, ema = self.final_evaluation()
@@ -287,7 +289,7 @@ class Loop:
             rt.backward(loss)
             if n:
                 tally.add(loss.detach(), self.task.correct(logits.detach(), y), n, run.step + 1)
-            if skip and rt.step_ready and self._skip_step(out):
+            if skip and rt.step_ready and self._skip_step():
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
             elif not rt.step(self.opt, max_grad_norm=cfg.max_grad_norm):
                 continue  # more micro-batches of this global batch to come
@@ -299,37 +301,31 @@ class Loop:
             self.samples += self.train_loader.current.step_size
             self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
-                (summed,) = self.check_finite(also=tally.step_loss(run.step))
                 now = time.perf_counter()
-                value = summed / self.train_loader.current.step_count
                 rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
                 t_log = now
-                out.log(
-                    {
-                        "type": "step",
-                        "epoch": run.epoch + 1,
-                        "step": run.step,
-                        "loss": value,
-                        "lr": self.sched.get_last_lr()[0],
-                        "samples_per_second": rate,
-                    }
-                )
-                if hasattr(batches, "set_postfix"):
-                    batches.set_postfix_str(progress_label(value, rate))
+                record = {"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": None}
+                record.update(lr=self.sched.get_last_lr()[0], samples_per_second=rate)
+                self.log_steps.add(record, tally.step_loss(run.step), self.train_loader.current.step_count)
+                if run.step >= self.log_steps.due:
+                    self.check_finite(out)
+                    if self.progress_note and hasattr(batches, "set_postfix"):
+                        batches.set_postfix_str(self.progress_note)
             if self.stopped() and self.train_loader.position < self.train_loader.steps_per_epoch:
                 return False  # stopped inside the epoch; at its last step the loop ends it as usual
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
 
-    def _skip_step(self, out: Outputs) -> bool:
+    def _skip_step(self) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
         Collective: one scalar all-reduce per step, paid only with --on-nonfinite skip."""
         bad = self.rt.all_reduce(self.tally.bad_in(self.run.step + 1).double(), op="max").item() > 0
         if bad:
             self.opt.zero_grad(set_to_none=True)
             self.run.skipped += 1
-            out.log(
+            # written at the next check, after the step records before it
+            self.log_steps.add(
                 {"type": "skip", "epoch": self.run.epoch + 1, "step": self.run.step + 1, "reason": "non-finite loss"}
             )
         return bad
@@ -343,27 +339,37 @@ class Loop:
             f"or use --precision bf16"
         )
 
-    def check_finite(self, also: torch.Tensor | None = None) -> list[float]:
+    def check_finite(self, out: Outputs | None = None, epoch_sums: bool = False) -> list[float]:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
         first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
-        steps and before anything is saved, so no file ever holds weights trained on NaN.
-        `also`: float64 sums to add up over the ranks in the same all-reduce (a log step's
-        loss, a checkpoint's epoch sums); returned added up, as floats. The tally's rows are
-        added to the epoch's sums first."""
-        # Every rank's two facts in one all-reduce (float64: a step count is exact to 2**53):
-        # its first bad step (+1, at its own place; 0: none) and whether its weights (its shards,
-        # under fsdp) are all finite; then the sums of `also`.
-        self.tally.fold(self.run.sums, None if self.cfg.on_nonfinite == "skip" else self.first_bad)
-        n = self.rt.world_size
-        extra = also.reshape(-1) if also is not None else None
-        facts = torch.zeros(n + 1 + (0 if extra is None else len(extra)), dtype=torch.float64, device=self.rt.device)
-        facts[self.rt.rank] = self.first_bad + 1
-        facts[n] = all_finite([local(p) for p in self.model.parameters()])
-        if extra is not None:
-            facts[n + 1 :] = extra
-        values = self.rt.all_reduce(facts).tolist()
+        steps (see `LogSteps`) and before anything is saved, so no file ever holds weights
+        trained on NaN. Writes the log steps' records that waited for it to `out` (those before
+        a bad step). With `epoch_sums`, the tally's rows are added to the epoch's sums first,
+        and the sums added up over the ranks are returned (loss x n, correct, n)."""
+        # One all-reduce (float64: a step count is exact to 2**53) of every rank's first bad
+        # step (+1, at its own place; 0: none), whether its weights (its shards, under fsdp)
+        # are all finite, rank 0's clock since the last check, then the log steps' losses and
+        # the epoch's sums.
+        rt, logs, n = self.rt, self.log_steps, self.rt.world_size
+        if self.cfg.on_nonfinite != "skip":
+            self.tally.watch(self.first_bad)
+        if epoch_sums:
+            self.tally.fold(self.run.sums)
+        clock = torch.tensor([time.perf_counter() - logs.clock if rt.is_main else 0.0], dtype=torch.float64)
+        own = torch.zeros(n + 1, dtype=torch.float64, device=rt.device)
+        own[rt.rank] = self.first_bad + 1
+        own[n] = all_finite([local(p) for p in self.model.parameters()])
+        losses = logs.losses()
+        parts = [own, clock.to(rt.device), *(loss.double().reshape(1) for loss in losses)]
+        values = rt.all_reduce(torch.cat([*parts, self.run.sums] if epoch_sums else parts)).tolist()
         firsts, finite_ranks = [int(c) - 1 for c in values[:n]], int(values[n])
+        logs.checked_at(self.run.step, values[n + 1])
         seen = [f for f in firsts if f >= 0]
+        for record in logs.take(values[n + 2 : n + 2 + len(losses)], before=min(seen) if seen else None):
+            if out is not None:
+                out.log(record)
+            if record["type"] == "step":
+                self.progress_note = progress_label(record["loss"], record["samples_per_second"])
         if not seen and finite_ranks < n:
             raise FloatingPointError(
                 f"the weights hold NaN or inf after step {self.run.step}; stopped before "
@@ -378,11 +384,11 @@ class Loop:
                 f"{self.plan.peak_lr:g}); stopped before saving it. Try {hint}"
             )
         self.checked_at = self.run.step
-        return values[n + 1 :]
+        return values[n + 2 + len(losses) :]
 
     def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
-        loss, correct, count = self.check_finite(also=run.sums)  # the epoch's sums, in the check's all-reduce
+        loss, correct, count = self.check_finite(out, epoch_sums=True)  # in the check's all-reduce
         run.sums.zero_()
         self.closed_at = run.step
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
@@ -419,7 +425,7 @@ class Loop:
         if self.checked_at == self.run.step and self.closed_at == self.run.step:
             sums = [0.0] * len(self.run.sums)  # checked as the epoch ended: its sums start again at 0
         else:
-            sums = self.check_finite(also=self.run.sums)  # the epoch's sums so far, over all ranks
+            sums = self.check_finite(out, epoch_sums=True)  # the epoch's sums so far, over all ranks
         self.wait_for_checkpoint()
         t0 = time.perf_counter()
         run_state = {**self.run.state_dict(self.rt, sums), "throughput": self.figures()}
