@@ -24,7 +24,11 @@ same job), and for ddpkit the run's own `wall_seconds` from results.json, so the
 outside it (interpreter, imports and argument parsing before; outputs and exit after) can be
 read off, and the median of each phase of its results.json "timeline" (imports, checks,
 workers' start, process group, data, model, first step, training, outputs, workers' exit, and
-the exit seen from outside: `ddpkit bench startup` measures the same breakdown alone).
+the exit seen from outside: `ddpkit bench startup` measures the same breakdown alone). Each
+contender's rank 0 also times its steady training steps the same way (ddpkit's StepTimer in
+results.json; `StepClock` in the baselines: from one step's end to the next's, data included,
+steps of a new input shape left out), so the training loop's own cost can be told apart from
+the launch's.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ JOB = {
 }
 BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines")
 _FINAL = re.compile(r"final test accuracy ([0-9.]+)")
+_STEPS = re.compile(r"step ms p50 ([0-9.naninf]+) mean ([0-9.naninf]+)")
 RUN_TIMEOUT_S = 600
 TARGET_RATIO = 0.7  # issue 14: ddpkit's median at most 0.7x the best peer's
 
@@ -180,9 +185,14 @@ def run_once(name: str, epochs: int, tmp: str) -> dict[str, Any]:
             results_wall_seconds=results["wall_seconds"],
             phases=run_phases(results["timeline"], seconds),
         )
+        steps = results.get("step_time_ms")
+        if steps:
+            run["step_ms"] = {"p50": steps["p50"], "mean": steps["mean"]}
     else:
         found = _FINAL.findall(proc.stdout)
         run["test_accuracy"] = float(found[-1]) if found else None
+        if timed := _STEPS.findall(proc.stdout):
+            run["step_ms"] = {"p50": float(timed[-1][0]), "mean": float(timed[-1][1])}
     return run
 
 
@@ -271,6 +281,10 @@ def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, 
         "test_accuracy": accuracies[-1] if accuracies else None,
         "test_accuracies": accuracies,
     }
+    timed = [r["step_ms"] for r in runs if "step_ms" in r]
+    if timed:
+        # rank 0's steady training steps, each run's median and mean (ms): the loop's cost
+        entry["step_ms"] = {k: stats([t[k] for t in timed]) for k in ("p50", "mean")}
     if name == "ddpkit":
         # results.json's wall_seconds runs from train() in the parent to the end of the last
         # evaluation; the rest is the interpreter and imports before it, outputs and exit after.
@@ -350,5 +364,9 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{result['ddpkit_over_best_peer']:.3f}x (target <= {result['target_ratio']}: {verdict})",
             )
         )
+    for name, c in result["contenders"].items():
+        if "step_ms" in c:
+            p50, mean = c["step_ms"]["p50"]["median"], c["step_ms"]["mean"]["median"]
+            rows.append((f"{name} training step, rank 0 (median of runs)", f"p50 {p50:.2f} ms, mean {mean:.2f} ms"))
     rows += [(f"{name} skipped", why.splitlines()[0]) for name, why in result["skipped"].items()]
     return rows

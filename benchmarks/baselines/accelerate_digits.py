@@ -10,7 +10,7 @@ The prepared loader gives each process 32 samples per step; the main process eva
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from digits_job import EPOCHS, GLOBAL_BATCH, SEED, accuracy, cosine, load_digits, optimizer, small_cnn
+from digits_job import EPOCHS, GLOBAL_BATCH, SEED, StepClock, accuracy, cosine, load_digits, optimizer, small_cnn
 from torch.utils.data import DataLoader
 
 
@@ -24,19 +24,23 @@ def main() -> None:
     model, opt, loader = accelerator.prepare(model, opt, loader)
     # Not prepared: Accelerate would step a prepared scheduler once per process per step.
     sched = cosine(opt.optimizer, EPOCHS * len(loader))
+    clock = StepClock()
     for epoch in range(EPOCHS):
+        clock.start()
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             opt.step()
             sched.step()
+            clock.mark(tuple(x.shape))
         if accelerator.is_main_process:
             acc = accuracy(accelerator.unwrap_model(model), test)
             print(f"epoch {epoch + 1}/{EPOCHS}  loss {loss.item():.4f}  test accuracy {acc:.4f}", flush=True)
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(f"final test accuracy {acc:.4f}", flush=True)
+        print(clock.line(), flush=True)
     accelerator.end_training()
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -71,3 +73,30 @@ def accuracy(model: nn.Module, test: TensorDataset) -> float:
     correct = (model(x).argmax(1) == y).sum().item()
     model.train()
     return correct / len(y)
+
+
+class StepClock:
+    """Rank 0's step times, taken as ddpkit's StepTimer takes them: from the end of one
+    optimizer step (or the start of the epoch's loop) to the end of the next, so the data's
+    fetch counts; a step whose input shape was not seen before is a warm-up step, left out.
+    One clock read per step."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.seen: set[tuple[int, ...]] = set()
+        self.last = 0.0
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def mark(self, shape: tuple[int, ...]) -> None:
+        now = time.perf_counter()
+        if shape in self.seen:
+            self.seconds.append(now - self.last)
+        self.seen.add(shape)
+        self.last = now
+
+    def line(self) -> str:
+        """What the startup benchmark reads: the steady steps' median and mean, in ms."""
+        ms = [s * 1e3 for s in self.seconds] or [float("nan")]
+        return f"step ms p50 {statistics.median(ms):.4f} mean {statistics.fmean(ms):.4f} n {len(self.seconds)}"

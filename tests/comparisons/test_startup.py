@@ -51,6 +51,11 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     assert r["job"]["epochs"] == 10 and r["job"]["processes"] == 2
     assert png.stat().st_size > 0
     assert "ddpkit fastest" in proc.stdout
+    # rank 0's steady training steps, timed alike in both (the loops' own cost, launch apart)
+    for c in r["contenders"].values():
+        assert 0 < c["step_ms"]["p50"]["median"] <= c["step_ms"]["p50"]["max"] < 1000
+        assert c["step_ms"]["mean"]["n"] == 1
+    assert "torchrun training step, rank 0" in proc.stdout
     assert time.monotonic() - t0 < 120
 
 
