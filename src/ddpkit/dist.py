@@ -204,6 +204,17 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def gather_rows(tensor: torch.Tensor) -> list[list[float]]:
+    """Every rank's 1-d tensor (of the same length on every rank), as Python numbers, in rank
+    order: one collective. Where a sum must not depend on how a collective orders its
+    additions, add the rows up on the host (`math.fsum`: exactly rounded)."""
+    if world_size() == 1:
+        return [tensor.tolist()]
+    out = tensor.new_empty(world_size() * tensor.numel())
+    tdist.all_gather_single(out, tensor.contiguous())
+    return out.view(world_size(), -1).tolist()
+
+
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's tensor, in rank order. Sizes may differ between ranks along any dimension
     as long as the number of dimensions agrees: shapes are exchanged first, then padded data."""

@@ -61,6 +61,13 @@ def stamp(cuda: bool) -> Any:
     return time.perf_counter()
 
 
+def seconds_between(start: Any, end: Any) -> float:
+    """Seconds from one `stamp` to a later one (CUDA events: once the device has passed both)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1000.0
+
+
 class StepTimer:
     """Seconds per optimizer step, without a device sync per step.
 
@@ -103,7 +110,7 @@ class StepTimer:
             self._pending[-1][0].synchronize()
         prev = self._start
         for moment, warm in self._pending:
-            seconds = prev.elapsed_time(moment) / 1000.0 if self.cuda else moment - prev
+            seconds = seconds_between(prev, moment)
             (self.warmup if warm else self.steady).append(seconds)
             prev = moment
         self._start, self._pending = prev, []

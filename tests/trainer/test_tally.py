@@ -129,15 +129,58 @@ def test_log_steps_are_written_in_order_with_their_own_losses_and_only_those_bef
 
 def test_a_log_step_checks_once_the_interval_has_passed_at_the_steps_pace():
     logs = LogSteps(every=10)
-    assert logs.due == 10  # the first log step checks: it measures the pace
+    assert logs.due == 1  # the first log step checks: it measures the pace
     every_s = tally_module.CHECK_EVERY_S
-    logs.checked_at(10, seconds=10 * every_s / 100)  # 100 steps per interval
-    assert logs.due == 10 + 100
-    logs.checked_at(23, seconds=13 * every_s / 200)  # an epoch's end checked: 200 steps per interval
-    assert logs.due == 23 + 200
-    logs.checked_at(30, seconds=7 * every_s)  # slow steps: every log step checks
-    assert logs.due == 40
-    logs.checked_at(30, seconds=5.0)  # no step since: the pace is unknown, the schedule stays
-    assert logs.due == 40
-    logs.checked_at(40, seconds=10 * every_s / 25)  # 25 steps per interval: the next log step after
-    assert logs.due == 40 + 30
+    logs.checked_at(10, seconds=10 * every_s / 100)  # 100 steps per interval, but at most 2 x 10 ahead
+    assert logs.due == 10 + 20
+    logs.checked_at(30, seconds=20 * every_s / 100)
+    assert logs.due == 30 + 40
+    logs.checked_at(70, seconds=40 * every_s / 100)
+    assert logs.due == 70 + 80
+    logs.checked_at(150, seconds=80 * every_s / 100)
+    assert logs.due == 150 + 100  # the pace's interval reached
+    logs.checked_at(173, seconds=23 * every_s / 200)  # an epoch's end checked: 2 x 23 ahead at most
+    assert logs.due == 173 + 46
+    logs.checked_at(180, seconds=7 * every_s)  # slow steps: every log step checks
+    assert logs.due == 190
+    logs.checked_at(180, seconds=5.0)  # no step since: the pace is unknown, the schedule stays
+    assert logs.due == 190
+    logs.checked_at(190, seconds=10 * every_s / 25)  # 25 steps per interval: the next log step after
+    assert logs.due == 190 + 20
+
+
+def test_a_resumed_run_measures_the_pace_again_from_its_step():
+    logs = LogSteps(every=10)
+    logs.restart(100_000)
+    assert logs.due == 100_001 and logs.checked == 100_000
+    logs.checked_at(100_010, seconds=10 * tally_module.CHECK_EVERY_S / 1000)
+    assert logs.due == 100_010 + 20  # from the steps since the resume, not since step 0
+
+
+def test_a_records_rate_is_its_samples_over_the_time_between_its_stamps():
+    logs = LogSteps(every=10)
+    logs.add({"type": "step", "step": 10, "samples_per_second": None}, rate=(640, 100.0, 100.5))
+    assert logs.take([]) == [{"type": "step", "step": 10, "samples_per_second": 1280.0}]
+
+
+def test_rows_are_watched_once_and_their_columns_kept():
+    tally = filled([(1.0, 1, 2, 1)] * 3)
+    bad = torch.tensor(-1)
+    tally.watch(bad)
+    assert tally.watched == 3 and int(bad) == -1
+    tally.rows[0, 0] = NAN  # a row watched already is not looked at again
+    tally.watch(bad)
+    assert int(bad) == -1
+    tally.add(torch.tensor(NAN), torch.tensor(0), 2, 2)
+    tally.watch(bad)
+    assert int(bad) == 2 and tally.watched == 4
+    assert tally.rows[3].tolist()[1:] == [0.0, 2.0, 2.0]  # correct, count, step
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("bad", [complex(0, NAN), complex(INF, 0), complex(1, -INF)])
+def test_complex_tensors_are_finite_only_if_both_parts_are(dtype, bad):
+    t = torch.ones(100, dtype=dtype)
+    assert all_finite([t])
+    t[7] = bad
+    assert not all_finite([t])

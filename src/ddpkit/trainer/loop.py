@@ -8,6 +8,7 @@ build, resume, epochs of train + exact evaluation + checkpoint, outputs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from ..early_stopping import EarlyStopping
 from ..ema import EMA
 from ..errors import Interrupted
 from ..launcher import restart_note, run_function
-from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops
+from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops, stamp
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
 from ..shards import Pending
@@ -214,6 +215,7 @@ class Loop:
 
     def run_all(self, out: Outputs, t0: float) -> dict[str, Any]:
         self.gpu_util = GpuUtilization(self.rt.device) if self.rt.is_main else None
+        self.log_steps.restart(self.run.step)  # (a resumed run: the pace is measured again)
         started = time.monotonic()
         while self.run.epoch < self.cfg.epochs and not self.stopped() and not self.early_stopped():
             self.epoch_t0 = t_epoch = time.perf_counter()
@@ -277,7 +279,8 @@ class Loop:
         self.model.train()
         tally, skip = self.tally, cfg.on_nonfinite == "skip"
         batches = out.progress(self.train_loader, run.epoch)
-        t_log = time.perf_counter()
+        cuda = rt.device.type == "cuda"
+        t_log = stamp(cuda)  # on a GPU an event: read at the check, which waits for the device
         self.timer.start()
         for x, y in batches:
             n = self.train_loader.current.count  # what the loss is a mean over: samples, or tokens
@@ -301,12 +304,12 @@ class Loop:
             self.samples += self.train_loader.current.step_size
             self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
-                now = time.perf_counter()
-                rate = cfg.log_every * cfg.batch_size / max(now - t_log, 1e-9)
-                t_log = now
+                now = stamp(cuda)
                 record = {"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": None}
-                record.update(lr=self.sched.get_last_lr()[0], samples_per_second=rate)
-                self.log_steps.add(record, tally.step_loss(run.step), self.train_loader.current.step_count)
+                record.update(lr=self.sched.get_last_lr()[0], samples_per_second=None)
+                rate = (cfg.log_every * cfg.batch_size, t_log, now)
+                self.log_steps.add(record, tally.step_loss(run.step), self.train_loader.current.step_count, rate)
+                t_log = now
                 if run.step >= self.log_steps.due:
                     self.check_finite(out)
                     if self.progress_note and hasattr(batches, "set_postfix"):
@@ -339,35 +342,40 @@ class Loop:
             f"or use --precision bf16"
         )
 
-    def check_finite(self, out: Outputs | None = None, epoch_sums: bool = False) -> list[float]:
+    def check_finite(self, out: Outputs, epoch_sums: bool = False) -> list[float]:
         """Stop the run, on every rank alike, if any rank has seen a non-finite loss (naming the
         first step and the rank(s)) or the weights are no longer finite. Collective; runs at log
         steps (see `LogSteps`) and before anything is saved, so no file ever holds weights
         trained on NaN. Writes the log steps' records that waited for it to `out` (those before
         a bad step). With `epoch_sums`, the tally's rows are added to the epoch's sums first,
         and the sums added up over the ranks are returned (loss x n, correct, n)."""
-        # One all-reduce (float64: a step count is exact to 2**53) of every rank's first bad
-        # step (+1, at its own place; 0: none), whether its weights (its shards, under fsdp)
-        # are all finite, rank 0's clock since the last check, then the log steps' losses and
-        # the epoch's sums.
-        rt, logs, n = self.rt, self.log_steps, self.rt.world_size
+        # One all-gather (float64: a step count is exact to 2**53) of each rank's first bad
+        # step (+1; 0: none), whether its weights (its shards, under fsdp) are all finite, its
+        # clock since the last check (rank 0's is the one used), the epoch's sums, the log
+        # steps' losses. They are added up here, exactly rounded: the same whatever the number
+        # of records waiting or the collective's order of additions.
+        rt, logs = self.rt, self.log_steps
         if self.cfg.on_nonfinite != "skip":
             self.tally.watch(self.first_bad)
         if epoch_sums:
             self.tally.fold(self.run.sums)
-        clock = torch.tensor([time.perf_counter() - logs.clock if rt.is_main else 0.0], dtype=torch.float64)
-        own = torch.zeros(n + 1, dtype=torch.float64, device=rt.device)
-        own[rt.rank] = self.first_bad + 1
-        own[n] = all_finite([local(p) for p in self.model.parameters()])
+        facts = torch.stack(
+            [
+                (self.first_bad + 1).double(),
+                torch.tensor(float(all_finite([local(p) for p in self.model.parameters()])), device=rt.device),
+                torch.tensor(time.perf_counter() - logs.clock, dtype=torch.float64, device=rt.device),
+            ]
+        )
+        sums, k = ([self.run.sums], len(self.run.sums)) if epoch_sums else ([], 0)
         losses = logs.losses()
-        parts = [own, clock.to(rt.device), *(loss.double().reshape(1) for loss in losses)]
-        values = rt.all_reduce(torch.cat([*parts, self.run.sums] if epoch_sums else parts)).tolist()
-        firsts, finite_ranks = [int(c) - 1 for c in values[:n]], int(values[n])
-        logs.checked_at(self.run.step, values[n + 1])
+        rows = dist.gather_rows(torch.cat([facts, *sums, *(loss.double().reshape(1) for loss in losses)]))
+        firsts = [int(row[0]) - 1 for row in rows]
+        finite_ranks, n = sum(int(row[1]) for row in rows), len(rows)
+        totals = [math.fsum(column) for column in zip(*rows)][3:]
+        logs.checked_at(self.run.step, rows[0][2])
         seen = [f for f in firsts if f >= 0]
-        for record in logs.take(values[n + 2 : n + 2 + len(losses)], before=min(seen) if seen else None):
-            if out is not None:
-                out.log(record)
+        for record in logs.take(totals[k:], before=min(seen) if seen else None):
+            out.log(record)
             if record["type"] == "step":
                 self.progress_note = progress_label(record["loss"], record["samples_per_second"])
         if not seen and finite_ranks < n:
@@ -384,7 +392,7 @@ class Loop:
                 f"{self.plan.peak_lr:g}); stopped before saving it. Try {hint}"
             )
         self.checked_at = self.run.step
-        return values[n + 2 + len(losses) :]
+        return totals[:k]
 
     def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
