@@ -67,3 +67,22 @@ def test_states_as_bytes_come_back_as_they_were_whatever_their_tensors():
     }
     back = _from_bytes(pickle.loads(pickle.dumps(_to_bytes(state))))  # as gather_objects carries it
     assert _same(back, state) and type(back["named"]) is Pair
+
+
+def test_pythons_stream_is_kept_as_one_tensor_and_the_older_tuple_still_restores():
+    import random
+
+    from ddpkit.seed import rng_state, set_rng_state
+
+    cpu = torch.device("cpu")
+    random.seed(11)
+    state = rng_state(cpu)
+    version, internal, gauss = state["python"]
+    assert isinstance(internal, torch.Tensor) and internal.tolist() == list(random.getstate()[1])
+    ahead = [random.random() for _ in range(5)]
+    set_rng_state(state, cpu)
+    assert [random.random() for _ in range(5)] == ahead
+    older = {**state, "python": random.getstate()}  # how ddpkit 0.1's checkpoints hold it
+    ahead = [random.random() for _ in range(5)]
+    set_rng_state(older, cpu)
+    assert [random.random() for _ in range(5)] == ahead
