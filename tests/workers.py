@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.dist import gather_rows
 
 
 def toy_data(n: int, seed: int = 0, features: int = 6, classes: int = 3) -> TensorDataset:
@@ -74,7 +75,9 @@ def collectives() -> dict:
         gathered = rt.all_gather(torch.full((r + 1, 2), float(r)))
         obj = rt.broadcast_object({"from": r, "list": [1, 2]} if r == 0 else None)
         objs = rt.gather_objects(f"rank{r}")
+        rows = gather_rows(torch.tensor([float(r), 0.5 * r, -1.0], dtype=torch.float64))
         return {
+            "rows": rows,
             "sum": summed.item(),
             "mean": mean,
             "max": biggest.item(),

@@ -211,7 +211,9 @@ def gather_rows(tensor: torch.Tensor) -> list[list[float]]:
     if world_size() == 1:
         return [tensor.tolist()]
     out = tensor.new_empty(world_size() * tensor.numel())
-    tdist.all_gather_single(out, tensor.contiguous())
+    # (torch 2.13 renamed all_gather_into_tensor, which older releases have alone)
+    gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    gather(out, tensor.contiguous())
     return out.view(world_size(), -1).tolist()
 
 

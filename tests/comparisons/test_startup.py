@@ -53,7 +53,8 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     assert "ddpkit fastest" in proc.stdout
     # rank 0's steady training steps, timed alike in both (the loops' own cost, launch apart)
     for c in r["contenders"].values():
-        assert 0 < c["step_ms"]["p50"]["median"] <= c["step_ms"]["p50"]["max"] < 1000
+        # a steady step takes less than the whole command over its 230 steps, and more than nothing
+        assert 0 < c["step_ms"]["p50"]["median"] < c["wall_seconds"]["median"] / 230 * 1000
         assert c["step_ms"]["mean"]["n"] == 1
     assert "torchrun training step, rank 0" in proc.stdout
     assert time.monotonic() - t0 < 120

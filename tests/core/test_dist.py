@@ -64,6 +64,7 @@ def test_collectives_across_three_ranks():
         assert r["values"] == [[0.0], [1.0], [2.0]]
         assert r["obj"] == {"from": 0, "list": [1, 2]}
         assert r["objs"] == ["rank0", "rank1", "rank2"]
+        assert r["rows"] == [[0.0, 0.0, -1.0], [1.0, 0.5, -1.0], [2.0, 1.0, -1.0]]  # rank order, as sent
 
 
 @pytest.mark.unit
@@ -71,6 +72,7 @@ def test_collectives_with_one_process():
     r = workers.collectives()
     assert r["sum"] == 1.0 and r["mean"] == 0.0 and r["max"] == 0.0
     assert r["shapes"] == [(1, 2)] and r["obj"] == {"from": 0, "list": [1, 2]} and r["objs"] == ["rank0"]
+    assert r["rows"] == [[0.0, 0.0, -1.0]]  # no process group: this rank's own
 
 
 @pytest.mark.distributed

@@ -4,6 +4,7 @@ stream after setup, reproducibly."""
 from __future__ import annotations
 
 import collections
+import io
 
 import pytest
 import torch
@@ -80,6 +81,11 @@ def test_pythons_stream_is_kept_as_one_tensor_and_the_older_tuple_still_restores
     version, internal, gauss = state["python"]
     assert isinstance(internal, torch.Tensor) and internal.tolist() == list(random.getstate()[1])
     ahead = [random.random() for _ in range(5)]
+    set_rng_state(state, cpu)
+    assert [random.random() for _ in range(5)] == ahead
+    buffer = io.BytesIO()  # as a checkpoint holds it: through torch.save and a weights-only load
+    torch.save(state, buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     set_rng_state(state, cpu)
     assert [random.random() for _ in range(5)] == ahead
     older = {**state, "python": random.getstate()}  # how ddpkit 0.1's checkpoints hold it

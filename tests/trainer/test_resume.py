@@ -30,6 +30,14 @@ def _set(key, value):
     return change
 
 
+def _python_stream(numbers):
+    def change(state):
+        version, _, gauss = state["run"]["rng"][0]["python"]
+        state["run"]["rng"][0]["python"] = (version, numbers, gauss)
+
+    return change
+
+
 def _drop(key):
     def change(state):
         del state["run"][key]
@@ -42,6 +50,9 @@ WRONG_ENTRIES = {
     "rng-short": (_set("rng", []), "0 random states for world size 1"),  # an IndexError in every worker
     "no-history": (_drop("history"), "no 'history'"),  # a KeyError in every worker
     "lr-tensor": (_set("lr", torch.tensor([0.05, 0.05])), "'lr' is Tensor"),  # "ambiguous truth value"
+    # a ValueError or TypeError in every worker's random.setstate
+    "python-rng-short": (_python_stream(torch.zeros(624, dtype=torch.int64)), "Python's 625 numbers"),
+    "python-rng-float": (_python_stream(torch.zeros(625)), "Python's 625 numbers"),
 }
 
 

@@ -157,6 +157,15 @@ def test_a_resumed_run_measures_the_pace_again_from_its_step():
     assert logs.due == 100_010 + 20  # from the steps since the resume, not since step 0
 
 
+def test_stamps_on_the_cpu_are_clock_readings_and_their_difference_the_seconds_between():
+    from ddpkit.metrics import seconds_between, stamp
+
+    start = stamp(cuda=False)
+    assert isinstance(start, float)
+    assert seconds_between(start, start + 0.25) == 0.25
+    assert 0 <= seconds_between(start, stamp(cuda=False)) < 5
+
+
 def test_a_records_rate_is_its_samples_over_the_time_between_its_stamps():
     logs = LogSteps(every=10)
     logs.add({"type": "step", "step": 10, "samples_per_second": None}, rate=(640, 100.0, 100.5))

@@ -280,7 +280,7 @@ class Loop:
         tally, skip = self.tally, cfg.on_nonfinite == "skip"
         batches = out.progress(self.train_loader, run.epoch)
         cuda = rt.device.type == "cuda"
-        t_log = stamp(cuda)  # on a GPU an event: read at the check, which waits for the device
+        t_log, logged = stamp(cuda), self.samples  # on a GPU an event: read at the check
         self.timer.start()
         for x, y in batches:
             n = self.train_loader.current.count  # what the loss is a mean over: samples, or tokens
@@ -307,9 +307,9 @@ class Loop:
                 now = stamp(cuda)
                 record = {"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": None}
                 record.update(lr=self.sched.get_last_lr()[0], samples_per_second=None)
-                rate = (cfg.log_every * cfg.batch_size, t_log, now)
+                rate = (self.samples - logged, t_log, now)  # the samples since (this epoch's)
                 self.log_steps.add(record, tally.step_loss(run.step), self.train_loader.current.step_count, rate)
-                t_log = now
+                t_log, logged = now, self.samples
                 if run.step >= self.log_steps.due:
                     self.check_finite(out)
                     if self.progress_note and hasattr(batches, "set_postfix"):
@@ -371,7 +371,7 @@ class Loop:
         rows = dist.gather_rows(torch.cat([facts, *sums, *(loss.double().reshape(1) for loss in losses)]))
         firsts = [int(row[0]) - 1 for row in rows]
         finite_ranks, n = sum(int(row[1]) for row in rows), len(rows)
-        totals = [math.fsum(column) for column in zip(*rows)][3:]
+        totals = [_total(column) for column in zip(*rows)][3:]
         logs.checked_at(self.run.step, rows[0][2])
         seen = [f for f in firsts if f >= 0]
         for record in logs.take(totals[k:], before=min(seen) if seen else None):
@@ -521,6 +521,14 @@ class Loop:
             "ddpkit_version": __version__,
             "torch_version": torch.__version__,
         }
+
+
+def _total(values: tuple[float, ...]) -> float:
+    """The exactly rounded sum (the same whatever the order), or nan where +inf meets -inf."""
+    try:
+        return math.fsum(values)
+    except ValueError:
+        return math.nan
 
 
 def early_stop_line(stopper: EarlyStopping, epoch: int) -> str:

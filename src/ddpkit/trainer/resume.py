@@ -237,9 +237,19 @@ def _rng_problem(rank: int, rng: Any) -> str | None:
         return f"the random state of rank {rank} has a torch state of {rng['torch'].dtype}, not bytes"
     if len(rng["python"]) != 3 or len(rng["numpy"]) != 5 or not isinstance(rng["numpy"][1], torch.Tensor):
         return f"the random state of rank {rank} does not hold Python's and NumPy's states"
+    if not _python_stream(rng["python"][1]):
+        return f"the random state of rank {rank} does not hold Python's 625 numbers"
     if not isinstance(rng.get("loader"), (torch.Tensor, type(None))):
         return f"the random state of rank {rank} has 'loader' {_shown(rng.get('loader'))}, not a tensor"
     return None
+
+
+def _python_stream(numbers: Any) -> bool:
+    """Python's Mersenne Twister state: 625 integers, as one int64 tensor (or, in checkpoints
+    of ddpkit 0.1, a tuple)."""
+    if isinstance(numbers, torch.Tensor):
+        return numbers.dtype == torch.int64 and numbers.shape == (625,)
+    return isinstance(numbers, (list, tuple)) and len(numbers) == 625 and all(type(n) is int for n in numbers)
 
 
 def _count(value: Any) -> bool:
