@@ -112,14 +112,19 @@ def test_cuda_workers_are_spawned():
     assert choose_start_method("cuda") == "spawn"
 
 
+def slow_module(tmp_path, monkeypatch, name: str, seconds: float) -> str:
+    """A module `name` that takes `seconds` to import and then sets DONE, not imported yet."""
+    (tmp_path / f"{name}.py").write_text(f"import time\ntime.sleep({seconds})\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
 @pytest.mark.unit
 @linux_only
 def test_a_fork_waits_for_the_preload_and_a_failing_import_is_left_alone(tmp_path, monkeypatch):
-    # A module that takes 0.4 s to import and says when it is done; a fork made at once
-    # inside the block must see it whole.
-    (tmp_path / "slow_preload_mod.py").write_text("import time\ntime.sleep(0.4)\nDONE = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "slow_preload_mod", raising=False)
+    # A fork made at once inside the block must see the slow module whole.
+    slow_module(tmp_path, monkeypatch, "slow_preload_mod", 0.4)
     with preloaded(["no_such_module_for_ddpkit", "slow_preload_mod"]):  # the first fails, quietly
         pid = os.fork()
         if pid == 0:
@@ -136,9 +141,7 @@ def test_a_signal_while_a_fork_waits_for_the_preload_is_handled_after_the_fork(t
     # Ctrl-C or a scheduler's SIGTERM can come while a fork waits for the preload: the wait goes
     # on (a worker forked mid-import would hang on its lock), and the signal is not lost (an
     # exception raised in a fork hook would be): its handler runs once the fork is done.
-    (tmp_path / "slow_preload_mod2.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "slow_preload_mod2", raising=False)
+    slow_module(tmp_path, monkeypatch, "slow_preload_mod2", 0.5)
     handled: list[float] = []
     previous = signal.signal(signal.SIGHUP, lambda *_: handled.append(time.monotonic()))
     try:

@@ -274,7 +274,8 @@ class Loop:
 
     def train_epoch(self, out: Outputs) -> bool:
         """Train until the epoch ends (True) or --max-steps is reached (False). The epoch's
-        loss and accuracy sums stay on the device, summed per sample; one all-reduce at its end."""
+        loss and accuracy stay on the device, a row per micro-batch (see tally); the check at
+        its end adds them up over the ranks."""
         rt, cfg, run = self.rt, self.cfg, self.run
         self.model.train()
         tally, skip = self.tally, cfg.on_nonfinite == "skip"
@@ -305,8 +306,15 @@ class Loop:
             self.tokens += self.train_loader.current.step_count
             if run.step % cfg.log_every == 0:  # every rank: the loss is summed over all of them
                 now = stamp(cuda)
-                record = {"type": "step", "epoch": run.epoch + 1, "step": run.step, "loss": None}
-                record.update(lr=self.sched.get_last_lr()[0], samples_per_second=None)
+                lr = self.sched.get_last_lr()[0]  # loss and speed are filled in at the check (LogSteps.take)
+                record = {
+                    "type": "step",
+                    "epoch": run.epoch + 1,
+                    "step": run.step,
+                    "loss": None,
+                    "lr": lr,
+                    "samples_per_second": None,
+                }
                 rate = (self.samples - logged, t_log, now)  # the samples since (this epoch's)
                 self.log_steps.add(record, tally.step_loss(run.step), self.train_loader.current.step_count, rate)
                 t_log, logged = now, self.samples
@@ -359,13 +367,9 @@ class Loop:
             self.tally.watch(self.first_bad)
         if epoch_sums:
             self.tally.fold(self.run.sums)
-        facts = torch.stack(
-            [
-                (self.first_bad + 1).double(),
-                torch.tensor(float(all_finite([local(p) for p in self.model.parameters()])), device=rt.device),
-                torch.tensor(time.perf_counter() - logs.clock, dtype=torch.float64, device=rt.device),
-            ]
-        )
+        finite = all_finite([local(p) for p in self.model.parameters()])
+        own = torch.tensor([float(finite), time.perf_counter() - logs.clock], dtype=torch.float64, device=rt.device)
+        facts = torch.cat([(self.first_bad + 1).double().reshape(1), own])
         sums, k = ([self.run.sums], len(self.run.sums)) if epoch_sums else ([], 0)
         losses = logs.losses()
         rows = dist.gather_rows(torch.cat([facts, *sums, *(loss.double().reshape(1) for loss in losses)]))
@@ -396,7 +400,7 @@ class Loop:
 
     def end_epoch(self, out: Outputs, seconds: float) -> None:
         rt, run = self.rt, self.run
-        loss, correct, count = self.check_finite(out, epoch_sums=True)  # in the check's all-reduce
+        loss, correct, count = self.check_finite(out, epoch_sums=True)  # in the check's collective
         run.sums.zero_()
         self.closed_at = run.step
         count = count or float("nan")  # every step skipped: say so rather than divide by zero
