@@ -16,7 +16,7 @@ import torch
 
 import ddpkit
 from ddpkit.errors import WorkerFailed
-from ddpkit.launcher.workers import choose_start_method, preloaded
+from ddpkit.launcher.workers import _interrupted, choose_start_method, preloaded
 from tests import workers
 from tests.launcher.helpers import run_python
 
@@ -31,10 +31,43 @@ def worker_facts() -> dict:
     return {
         "forked": hasattr(sys, "_ddpkit_test_parent_marker"),  # set in the parent at run time
         "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
-        "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigint_once": signal.getsignal(signal.SIGINT) is _interrupted,
         "threads": torch.get_num_threads(),
         "numpy": float(np.random.rand()),
     }
+
+
+@pytest.mark.unit
+def test_a_workers_first_sigint_is_a_keyboardinterrupt_and_a_second_ends_it_without_a_traceback():
+    # Ctrl-C reaches the workers, then the agent stops them with the same signal: the second
+    # one arrives while the first unwinds, here inside a generator's `finally` being closed.
+    proc = run_python(
+        """
+        import os, signal, sys
+        from ddpkit.launcher.workers import _interrupted
+        signal.signal(signal.SIGINT, _interrupted)
+
+        def batches():
+            try:
+                yield 1
+            finally:
+                print("closing", flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+                print("still here", flush=True)
+
+        gen = batches()
+        next(gen)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            del gen
+        print("survived", flush=True)
+        """
+    )
+    assert proc.returncode == -signal.SIGINT, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["interrupted", "closing"]
+    assert "Traceback" not in proc.stderr
 
 
 def die_once_on_rank1() -> int:
@@ -67,7 +100,7 @@ def test_cpu_workers_are_forked_yet_look_spawned(monkeypatch, marked_parent):
     for facts in out.values():
         assert facts["forked"] and facts["threads"] == 2
         # the agent's signal handlers are not inherited: a worker it stops dies at once
-        assert facts["sigterm_default"] and facts["sigint_default"]
+        assert facts["sigterm_default"] and facts["sigint_once"]
     assert out[0]["numpy"] != out[1]["numpy"]  # each rank's own NumPy stream, as when spawned
 
 

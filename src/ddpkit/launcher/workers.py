@@ -49,6 +49,15 @@ def entrypoint(payload: bytes, forked: bool = False, announce: bool = True) -> A
             gc.freeze()
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGINT in a worker: KeyboardInterrupt, as in any Python process, once. Ctrl-C in a
+    terminal reaches the workers and the agent, which then stops them with the same signal: a
+    second KeyboardInterrupt, raised while the first one unwinds (in a `finally`, a generator
+    being closed), would print a traceback of its own. The second one ends the process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
 def _like_a_spawned_worker() -> None:
     """Undo what a forked worker inherits and a spawned one would not have."""
     # The agent turns SIGTERM (and SIGINT, SIGHUP, SIGQUIT) into a Python exception in its own
@@ -62,7 +71,7 @@ def _like_a_spawned_worker() -> None:
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            signal.signal(sig, _interrupted if sig == signal.SIGINT else signal.SIG_DFL)
     # A spawned worker's torch reads OMP_NUM_THREADS when it is imported; this one's was
     # imported by the parent, with the parent's count (all cores: oversubscription).
     threads = os.environ.get("OMP_NUM_THREADS", "")
