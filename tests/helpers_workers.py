@@ -43,8 +43,8 @@ def train(rt: ddpkit.Runtime, model: nn.Module, steps: int, ema: bool = False) -
 
 def unused_parameters() -> dict:
     """Branchy trained with find_unused_parameters (the Runtime's own option) and an EMA (under
-    DDP: whole on every rank), and the error torch raises at the second step without the
-    option (None on one process: no DDP there)."""
+    DDP: whole on every rank), and the error torch raises at the second step (3+ ranks: the
+    first) without the option (None on one process: no DDP there)."""
     with ddpkit.Runtime(device="cpu", seed=3, ddp={"find_unused_parameters": True}) as rt:
         run = train(rt, Branchy(), steps=4, ema=True)
         allowed, ema = run["snapshots"][-1], averaged(run["model"], run["ema"])

@@ -153,3 +153,29 @@ def main_first_order(folder: str) -> list[str]:
                 with open(marker, "w") as f:
                     f.write(str(rt.rank))
         return seen
+
+
+def first_backward(weight: bool) -> dict:
+    """The first reducing backward on 3 ranks, which Runtime.backward runs in DDP's rebuilt
+    buckets (strategy.settled_backward: a first pass over the model's parameters, then the
+    whole backward), of a loss through the model and through a leaf outside it (a learnable
+    scale). Returns the gradients made, and what one backward should make."""
+    with ddpkit.Runtime("ddp", device="cpu", seed=0) as rt:
+        model = rt.setup(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+        bare = rt.unwrap(model)
+        scale = torch.full((), 2.0, requires_grad=True)
+        x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 + rt.rank
+        loss = (model(x) * scale).pow(2).mean()
+        rt.backward(loss, weight=8 if weight else None)
+        rebuilt = rt.ddp._has_rebuilt_buckets
+        ref = (bare(x) * scale).pow(2).mean()
+        expected = torch.autograd.grad(ref, [scale, *bare.parameters()])
+        averaged = [rt.all_reduce(g.clone()) / rt.world_size for g in expected[1:]]
+        if weight:  # the weighted sum's gradients, until step() rescales them
+            expected = tuple(g * 8 for g in expected)
+            averaged = [g * 8 for g in averaged]
+        return {
+            "rebuilt": rebuilt,
+            "scale": (scale.grad, expected[0]),
+            "params": ([p.grad for p in bare.parameters()], averaged),
+        }

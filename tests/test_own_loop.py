@@ -93,21 +93,41 @@ def test_an_eval_loader_over_a_dataloader_keeps_its_batch_size_and_collate():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_custom_loop_stopped_mid_epoch_resumes_bit_identical_on_the_same_n_and_within_rounding_on_another(
-    tmp_path,
-):
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_custom_loop_stopped_mid_epoch_resumes_bit_identical_on_the_same_n(tmp_path, nproc):
     # 29 sequences in global batches of 6: 5 steps an epoch. Stop at step 7 (epoch 2, mid-way),
-    # resume, end at step 12. Dropout makes the random streams matter for the same-N resume.
+    # resume, end at step 12. Dropout makes the random streams matter. On 3 processes the
+    # resumed run's first all-reduce must run in the bucket layout of the straight run's step 8
+    # (strategy.settled_backward): else its sums differ in the last bits.
     path = str(tmp_path / "state.pt")
-    straight = ddpkit.launch(own_loop.custom_loop, None, 12, path, dropout=0.3, nproc=2)
-    stopped = ddpkit.launch(own_loop.custom_loop, 7, 12, path, dropout=0.3, nproc=2)
+    straight = ddpkit.launch(own_loop.custom_loop, None, 12, path, dropout=0.3, nproc=nproc)
+    stopped = ddpkit.launch(own_loop.custom_loop, 7, 12, path, dropout=0.3, nproc=nproc)
     assert stopped[0]["position"] == {"epoch": 1, "position": 2}
-    resumed = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, dropout=0.3, nproc=2)
-    for r in range(2):
+    resumed = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, dropout=0.3, nproc=nproc)
+    for r in range(nproc):
         assert resumed[r]["params"].equal(straight[r]["params"])
         assert resumed[r]["position"] == straight[r]["position"]
         assert resumed[r]["lr"] == straight[r]["lr"]
-    # Another N: no dropout (its masks differ between process counts anyway).
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("weight", [False, True], ids=["as-given", "weighted"])
+def test_the_first_backward_on_three_ranks_reduces_once_and_leaves_other_leaves_alone(weight):
+    # It runs twice (strategy.settled_backward): a leaf outside the model gets one backward's
+    # gradient, not two, and the model's gradients are the ranks' mean, not counted twice.
+    outs = ddpkit.launch(own_loop.first_backward, weight, nproc=3)
+    for out in (outs[r] for r in range(3)):
+        assert out["rebuilt"]
+        assert torch.equal(*out["scale"])
+        for got, want in zip(*out["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_custom_loop_stopped_mid_epoch_resumes_within_rounding_on_another_n(tmp_path):
+    # No dropout: its masks differ between process counts anyway.
+    path = str(tmp_path / "state.pt")
     base = ddpkit.launch(own_loop.custom_loop, None, 12, path, nproc=2)
     ddpkit.launch(own_loop.custom_loop, 7, 12, path, nproc=2)
     for nproc in (1, 3):

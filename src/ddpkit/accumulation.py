@@ -45,6 +45,9 @@ class Accumulation:
         # up to date here so that Runtime.backward checks one flag per step (see its fast path).
         self.as_given = True
         self._seen, self._seen_unit = None, True  # the last MicroBatch on_batch weighed, and whether it counts 1
+        # Runtime.backward has a first backward of its own to run (DDP's buckets to settle: see
+        # strategy.settled_backward): not the loss as given until then.
+        self.hold = False
 
     @property
     def step_ready(self) -> bool:
@@ -62,7 +65,14 @@ class Accumulation:
             self._entered.__enter__()
         if micro is not self._seen:  # a loader's full global batches share one MicroBatch: weighed once
             self._seen, self._seen_unit = micro, micro is None or unit_weight(micro, self.world_size)
-        self.as_given = self._seen_unit and self._entered is None and not self.by_weight
+        self._plan()
+
+    def _plan(self) -> None:
+        self.as_given = self._seen_unit and self._entered is None and not self.by_weight and not self.hold
+
+    def set_hold(self, hold: bool) -> None:
+        self.hold = hold
+        self._plan()
 
     def weigh(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to back-propagate for the current micro-batch (the mean loss as given when

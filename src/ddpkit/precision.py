@@ -37,8 +37,9 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.name])
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The loss's backward (scaled under fp16); `kwargs` are torch's (`retain_graph`, `inputs`)."""
+        (self.scaler.scale(loss) if self.scaler else loss).backward(**kwargs)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:

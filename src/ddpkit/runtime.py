@@ -130,6 +130,9 @@ class Runtime:
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
         self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
+        # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
+        # layout (strategy.settled_backward), until it has.
+        self._settle: nn.parallel.DistributedDataParallel | None = None
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -265,6 +268,9 @@ class Runtime:
         self._models.append(wrapped)
         self._optimizers.extend(optimizers)
         self._acc.no_sync = self._strategy.no_sync(wrapped)  # used between micro-batches of a step
+        # With several models, which one's buckets a backward reduces is not known: none is settled.
+        self._settle = strategies.unsettled(wrapped, self.world_size) if len(self._models) == 1 else None
+        self._acc.set_hold(self._settle is not None)
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
             # augmentation, sampling) each rank draws from its own stream.
@@ -309,13 +315,23 @@ class Runtime:
         all-reduce. Once one backward is weighted, give a weight in every backward on every rank
         (0 for an empty share). A dataset with a `token_counts` attribute (each sample's tokens,
         as `ddpkit.data.TextSet` has) gets the same weighting from `loader()` without `weight`.
+
+        Under ddp on 3 or more processes the first backward that all-reduces runs twice (the
+        first time over the model's parameters only), so that it is reduced in the bucket layout
+        DDP uses from then on: a resumed run's first step then sums as the uninterrupted run's
+        did (see strategy.settled_backward).
         """
         if weight is None and self._acc.as_given and self.precision.scaler is None:
             loss.backward()  # the hand-written loop's backward exactly: nothing to weigh, scale or leave
         else:
             try:
                 weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
-                self.precision.backward(weighted)
+                if self._settle is not None and self._settle.require_backward_grad_sync:
+                    strategies.settled_backward(self._settle, functools.partial(self.precision.backward, weighted))
+                    self._settle = None
+                    self._acc.set_hold(False)
+                else:
+                    self.precision.backward(weighted)
             finally:
                 self._acc.leave()
         self._counted = False

@@ -1,7 +1,8 @@
 """The runs the trainer's tests share, each made once for the whole folder: `straight`, the
 uninterrupted 2-process `ddpkit train --epochs 2` run that the invariance and resume tests compare
 with (the session's `two_process_run`, tests/conftest.py); `one_process`, the same on one process;
-`stopped(step)`, that run stopped at a step; and `three_checkpoints`, a finished one-process run
+`three_processes`, the same on 3 processes with micro-batches; `stopped(step)`, that run stopped
+at a step; and `three_checkpoints`, a finished one-process run
 with several checkpoints (the session's `one_epoch_run`). Tests that continue or damage a run work
 on their own copy (helpers.copied)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.helpers import finished, train
+from tests.trainer.helpers import THREE, finished, train
 
 
 @pytest.fixture(scope="package")
@@ -24,6 +25,13 @@ def one_process(tmp_path_factory):
     with `straight` (test_invariance) and the run that --max-steps on an epoch's end completes
     (test_loop)."""
     return train(tmp_path_factory.mktemp("one_process") / "out", "--nproc", "1", "--max-steps", "46")
+
+
+@pytest.fixture(scope="package")
+def three_processes(tmp_path_factory):
+    """`straight`'s run on 3 processes (`THREE`): compared with `straight` and with itself
+    stopped and resumed (test_invariance)."""
+    return train(tmp_path_factory.mktemp("three_processes") / "out", *THREE)
 
 
 @pytest.fixture(scope="package")

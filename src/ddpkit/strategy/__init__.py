@@ -12,7 +12,7 @@ import torch
 from .. import checks
 from ..errors import UsageError
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
-from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync
+from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync, settled_backward, unsettled
 from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions
 from .single import Single
@@ -33,6 +33,8 @@ __all__ = [
     "no_sync",
     "resolve",
     "resolve_name",
+    "settled_backward",
+    "unsettled",
     "unwrap",
 ]
 

@@ -43,7 +43,7 @@ class DDPOptions:
             bytes), decompressed before the optimizer step; 'none' all-reduces them as they are.
         find_unused_parameters: let the forward leave parameters unused (a branch it skips):
             DDP then walks the autograd graph after every forward to find them, which costs
-            time; without it such a model fails at the second step (see `UNUSED_HINT`).
+            time; without it such a model fails at its second step (3+ ranks: its first; see `UNUSED_HINT`).
         broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) are copied to
             every rank before each forward, as torch does by default; False lets each rank
             keep its own (torch 2.13 calls it `forward_sync_buffers`, and copies them once
@@ -132,18 +132,72 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
+# DDP reduces a model's first reducing backward in one bucket of every parameter, in the order the
+# model registered them; that backward records the order in which the gradients became ready, and
+# from the next forward on the buckets are laid out in that order (torch's bucket rebuild). On
+# three or more ranks where an element sits in its bucket decides the order in which the all-reduce
+# adds the ranks' shares of it (measured with gloo on 3 ranks), so the first step's sums differ in
+# their last bits from what the rebuilt layout makes of the same gradients. A run pays that once,
+# at its first step; a resumed run paid it again at its own first step, and so was not
+# bit-identical to the run it continues. `settled_backward` runs the first reducing backward in the
+# rebuilt layout instead. (On two ranks both layouts add the same two numbers.)
+SETTLE_FROM_RANKS = 3
+
+
+def unsettled(model: nn.Module, world_size: int) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP wrapper in `model` whose next reducing backward would run in DDP's first bucket
+    layout, on enough ranks that the layout changes the sums; None if there is nothing to
+    settle. Not with find_unused_parameters (DDP never rebuilds then) or static_graph (whose
+    first backward DDP reduces in a way of its own)."""
+    ddp = find_ddp(model)
+    if ddp is None or world_size < SETTLE_FROM_RANKS or ddp.find_unused_parameters or ddp.static_graph:
+        return None
+    return None if getattr(ddp, "_has_rebuilt_buckets", True) else ddp
+
+
+def settled_backward(ddp: nn.parallel.DistributedDataParallel, backward: Callable[..., None]) -> None:
+    """Run the first reducing backward of `ddp` (`backward(**kwargs)`: the loss's backward, which
+    takes torch's `retain_graph` and `inputs`) in the bucket layout every later step uses.
+
+    A first pass, over the model's parameters only, records the order the layout is made from
+    (and is reduced in the first layout); its gradients are dropped, the buckets are laid out
+    again, and the whole backward runs as DDP's next step would have run it: the step's sums are
+    then what an uninterrupted run's same step makes. Costs a backward pass and an all-reduce,
+    once per run. Gradients accumulated before (earlier micro-batches) are kept."""
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    backward(retain_graph=True, inputs=params)
+    for p in params:
+        p.grad = None  # (as zero_grad(set_to_none=True) leaves them when DDP rebuilds after step 1)
+    with unused_hint():  # a parameter the pass left without a gradient: DDP's own error, with ours
+        rebuilt = ddp.reducer._rebuild_buckets()  # False if that pass reduced nothing: nothing recorded
+    for p, grad in zip(params, before):
+        p.grad = grad
+    if rebuilt:
+        ddp._has_rebuilt_buckets = True
+        ddp.reducer.prepare_for_backward([])  # what DDP's forward does before a reducing backward
+    backward()
+
+
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """torch's DistributedDataParallel (under its own name, so a printed model and its class
     name read as before), whose error about unused parameters says how to allow them here:
     torch's own advice names a constructor argument that a ddpkit user never calls."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        try:
+        with unused_hint():
             return super().forward(*inputs, **kwargs)
-        except RuntimeError as err:
-            if UNUSED_ERROR not in str(err):
-                raise
-            raise RuntimeError(f"{UNUSED_HINT}\n{err}") from None
+
+
+@contextlib.contextmanager
+def unused_hint() -> Iterator[None]:
+    """DDP's error about parameters a forward left unused, with how to allow them here."""
+    try:
+        yield
+    except RuntimeError as err:
+        if UNUSED_ERROR not in str(err):
+            raise
+        raise RuntimeError(f"{UNUSED_HINT}\n{err}") from None
 
 
 class DDP(Strategy):
