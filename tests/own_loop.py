@@ -155,20 +155,37 @@ def main_first_order(folder: str) -> list[str]:
         return seen
 
 
-def first_backward(weight: bool) -> dict:
+class Checkpointed(nn.Module):
+    """Two layers, the first under reentrant activation checkpointing: its parameters get their
+    gradients from a backward run inside the checkpoint's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True)
+        return self.b(h.relu())
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The same without checkpointing (whose reentrant form torch.autograd.grad refuses)."""
+        return self.b(self.a(x).relu())
+
+
+def first_backward(weight: bool, checkpointed: bool = False) -> dict:
     """The first reducing backward on 3 ranks, which Runtime.backward runs in DDP's rebuilt
-    buckets (strategy.settled_backward: a first pass over the model's parameters, then the
-    whole backward), of a loss through the model and through a leaf outside it (a learnable
-    scale). Returns the gradients made, and what one backward should make."""
+    buckets (strategy.settled_backward: a first pass, then the whole backward again), of a loss
+    through the model and through a leaf outside it (a learnable scale). Returns the gradients
+    made, and what one backward should make."""
     with ddpkit.Runtime("ddp", device="cpu", seed=0) as rt:
-        model = rt.setup(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
-        bare = rt.unwrap(model)
+        bare = Checkpointed() if checkpointed else nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        model = rt.setup(bare)
         scale = torch.full((), 2.0, requires_grad=True)
-        x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 + rt.rank
+        x = (torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 + rt.rank).requires_grad_(checkpointed)
         loss = (model(x) * scale).pow(2).mean()
         rt.backward(loss, weight=8 if weight else None)
         rebuilt = rt.ddp._has_rebuilt_buckets
-        ref = (bare(x) * scale).pow(2).mean()
+        ref = ((bare.plain(x) if checkpointed else bare(x)) * scale).pow(2).mean()
         expected = torch.autograd.grad(ref, [scale, *bare.parameters()])
         averaged = [rt.all_reduce(g.clone()) / rt.world_size for g in expected[1:]]
         if weight:  # the weighted sum's gradients, until step() rescales them
@@ -179,3 +196,36 @@ def first_backward(weight: bool) -> dict:
             "scale": (scale.grad, expected[0]),
             "params": ([p.grad for p in bare.parameters()], averaged),
         }
+
+
+def first_step_by_hand() -> dict:
+    """3 ranks: the loop's first step calls `loss.backward()` itself, the next ones
+    `rt.backward`; DDP has laid out its buckets by then, and every step's gradients must be
+    the ranks' mean. Returns the second step's gradients and the weights after it."""
+    with ddpkit.Runtime("ddp", device="cpu", seed=0) as rt:
+        model, opt = rt.setup(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.arange(8, dtype=torch.float32).reshape(2, 4) + rt.rank + step
+            loss = model(x).pow(2).mean()
+            if step == 0:
+                loss.backward()
+            else:
+                rt.backward(loss)
+                grads = [p.grad.clone() for p in model.parameters()]
+            rt.step(opt)
+        return {"grads": grads, "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def model_kept_after_close() -> bool:
+    """3 ranks (DDP's buckets left unsettled: no backward ran): whether the Runtime, closed,
+    still keeps the model alive."""
+    import gc
+    import weakref
+
+    with ddpkit.Runtime("ddp", device="cpu") as rt:
+        model = rt.setup(nn.Linear(2, 1))
+        ref = weakref.ref(rt.unwrap(model))
+    del model
+    gc.collect()
+    return ref() is not None

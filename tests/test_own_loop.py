@@ -111,16 +111,35 @@ def test_a_custom_loop_stopped_mid_epoch_resumes_bit_identical_on_the_same_n(tmp
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("weight", [False, True], ids=["as-given", "weighted"])
-def test_the_first_backward_on_three_ranks_reduces_once_and_leaves_other_leaves_alone(weight):
+@pytest.mark.parametrize(
+    "weight,checkpointed", [(False, False), (True, False), (False, True)], ids=["as-given", "weighted", "checkpointed"]
+)
+def test_the_first_backward_on_three_ranks_reduces_once_and_leaves_other_leaves_alone(weight, checkpointed):
     # It runs twice (strategy.settled_backward): a leaf outside the model gets one backward's
-    # gradient, not two, and the model's gradients are the ranks' mean, not counted twice.
-    outs = ddpkit.launch(own_loop.first_backward, weight, nproc=3)
+    # gradient, not two, and the model's gradients are the ranks' mean, not counted twice, also
+    # for parameters under reentrant activation checkpointing (their gradients come from a
+    # backward inside the checkpoint's).
+    outs = ddpkit.launch(own_loop.first_backward, weight, checkpointed, nproc=3)
     for out in (outs[r] for r in range(3)):
         assert out["rebuilt"]
         assert torch.equal(*out["scale"])
         for got, want in zip(*out["params"]):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_a_first_step_the_loop_ran_itself_leaves_no_later_step_unreduced():
+    # DDP laid its buckets out after the loop's own `loss.backward()`: rt.backward has nothing
+    # left to settle, and must not run a backward that DDP does not reduce.
+    outs = ddpkit.launch(own_loop.first_step_by_hand, nproc=3)
+    for r in (1, 2):
+        for mine, theirs in zip(outs[r]["grads"] + outs[r]["weights"], outs[0]["grads"] + outs[0]["weights"]):
+            assert torch.equal(mine, theirs)
+
+
+@pytest.mark.distributed
+def test_a_closed_runtime_keeps_no_model_alive_whose_buckets_it_never_settled():
+    assert not any(ddpkit.launch(own_loop.model_kept_after_close, nproc=3).values())
 
 
 @pytest.mark.distributed

@@ -132,7 +132,7 @@ class Runtime:
         self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
         # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
         # layout (strategy.settled_backward), until it has.
-        self._settle: nn.parallel.DistributedDataParallel | None = None
+        self._settle: strategies.DistributedDataParallel | None = None
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -198,7 +198,7 @@ class Runtime:
         if self._acc is not None:
             self._acc.leave()
             self._acc.no_sync = None
-        self._model = None  # the caller may drop the model: do not keep it alive
+        self._model = self._settle = None  # the caller may drop the model: do not keep it alive
         self._models, self._optimizers, self._loaders = [], [], []
         if self._owns_group:
             dist.teardown()
@@ -326,15 +326,28 @@ class Runtime:
         else:
             try:
                 weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
-                if self._settle is not None and self._settle.require_backward_grad_sync:
-                    strategies.settled_backward(self._settle, functools.partial(self.precision.backward, weighted))
-                    self._settle = None
-                    self._acc.set_hold(False)
+                if self._settle is not None and self._settling():
+                    ddp = self._settle
+                    try:
+                        strategies.settled_backward(ddp, weighted, functools.partial(self.precision.backward, weighted))
+                    finally:
+                        ddp.reducing = False  # that forward's backward has run
+                        self._settling()
                 else:
                     self.precision.backward(weighted)
             finally:
                 self._acc.leave()
         self._counted = False
+
+    def _settling(self) -> bool:
+        """Whether this backward is the one to run in DDP's settled buckets: the model's last
+        forward armed a reducing backward, and DDP has not laid its buckets out again yet (once
+        it has, by this backward or by one the loop ran itself, there is nothing to settle)."""
+        ddp = self._settle
+        if ddp is not None and ddp._has_rebuilt_buckets:
+            self._settle = None
+            self._acc.set_hold(False)
+        return self._settle is not None and ddp.reducing and ddp.require_backward_grad_sync
 
     @property
     def step_ready(self) -> bool:

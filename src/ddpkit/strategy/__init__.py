@@ -12,7 +12,17 @@ import torch
 from .. import checks
 from ..errors import UsageError
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
-from .ddp import COMM_HOOKS, DDP, DDPOptions, comm_hook, find_ddp, no_sync, settled_backward, unsettled
+from .ddp import (
+    COMM_HOOKS,
+    DDP,
+    DDPOptions,
+    DistributedDataParallel,
+    comm_hook,
+    find_ddp,
+    no_sync,
+    settled_backward,
+    unsettled,
+)
 from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions
 from .single import Single
@@ -23,6 +33,7 @@ __all__ = [
     "COMM_HOOKS",
     "STRATEGIES",
     "DDPOptions",
+    "DistributedDataParallel",
     "FSDPOptions",
     "Strategy",
     "comm_hook",

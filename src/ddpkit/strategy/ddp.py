@@ -144,39 +144,62 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 SETTLE_FROM_RANKS = 3
 
 
-def unsettled(model: nn.Module, world_size: int) -> nn.parallel.DistributedDataParallel | None:
-    """The DDP wrapper in `model` whose next reducing backward would run in DDP's first bucket
-    layout, on enough ranks that the layout changes the sums; None if there is nothing to
-    settle. Not with find_unused_parameters (DDP never rebuilds then) or static_graph (whose
+def unsettled(model: nn.Module, world_size: int) -> DistributedDataParallel | None:
+    """ddpkit's DDP wrapper in `model` whose reducing backward passes still run in DDP's first
+    bucket layout, on enough ranks that the layout changes the sums; None if there is nothing
+    to settle. Not with find_unused_parameters (DDP never rebuilds then) or static_graph (whose
     first backward DDP reduces in a way of its own)."""
     ddp = find_ddp(model)
-    if ddp is None or world_size < SETTLE_FROM_RANKS or ddp.find_unused_parameters or ddp.static_graph:
+    if not isinstance(ddp, DistributedDataParallel) or world_size < SETTLE_FROM_RANKS:
         return None
-    return None if getattr(ddp, "_has_rebuilt_buckets", True) else ddp
+    if ddp.find_unused_parameters or ddp.static_graph or getattr(ddp, "_has_rebuilt_buckets", True):
+        return None
+    return ddp
 
 
-def settled_backward(ddp: nn.parallel.DistributedDataParallel, backward: Callable[..., None]) -> None:
-    """Run the first reducing backward of `ddp` (`backward(**kwargs)`: the loss's backward, which
-    takes torch's `retain_graph` and `inputs`) in the bucket layout every later step uses.
+def settled_backward(ddp: DistributedDataParallel, loss: torch.Tensor, backward: Callable[..., None]) -> None:
+    """Run the first reducing backward of `ddp` in the bucket layout every later step uses:
+    `backward(**kwargs)` back-propagates `loss` (scaled, under fp16) and takes torch's
+    `retain_graph`.
 
-    A first pass, over the model's parameters only, records the order the layout is made from
-    (and is reduced in the first layout); its gradients are dropped, the buckets are laid out
-    again, and the whole backward runs as DDP's next step would have run it: the step's sums are
-    then what an uninterrupted run's same step makes. Costs a backward pass and an all-reduce,
-    once per run. Gradients accumulated before (earlier micro-batches) are kept."""
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    before = [None if p.grad is None else p.grad.clone() for p in params]
-    backward(retain_graph=True, inputs=params)
-    for p in params:
-        p.grad = None  # (as zero_grad(set_to_none=True) leaves them when DDP rebuilds after step 1)
+    A first pass records the order the layout is made from (and is reduced in the first
+    layout). Every gradient it made is then dropped again: those of the model's parameters and
+    of every other leaf of the loss's graph go back to what they were (the earlier micro-batches'
+    sums, or nothing). The buckets are laid out again, and the backward runs once more as DDP's
+    next step would have run it: the step's sums are then what an uninterrupted run's same step
+    makes. Costs a backward pass, an all-reduce, and the graph and a copy of the gradients held
+    through both, once per run. The first pass is a whole backward (not one limited to the
+    model's parameters), so that parameters used inside reentrant activation checkpointing,
+    whose inner backward such a limit would skip, get their gradients too."""
+    leaves = {id(p): p for p in ddp.parameters() if p.requires_grad}
+    leaves.update((id(t), t) for t in graph_leaves(loss))
+    before = [(t, None if t.grad is None else t.grad.clone()) for t in leaves.values()]
+    backward(retain_graph=True)
+    for t, _ in before:
+        t.grad = None  # (as zero_grad(set_to_none=True) leaves them when DDP rebuilds after step 1)
     with unused_hint():  # a parameter the pass left without a gradient: DDP's own error, with ours
         rebuilt = ddp.reducer._rebuild_buckets()  # False if that pass reduced nothing: nothing recorded
-    for p, grad in zip(params, before):
-        p.grad = grad
+    for t, grad in before:
+        t.grad = grad
     if rebuilt:
         ddp._has_rebuilt_buckets = True
         ddp.reducer.prepare_for_backward([])  # what DDP's forward does before a reducing backward
     backward()
+
+
+def graph_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors a backward from `tensor` accumulates gradients into."""
+    seen, stack, leaves = set(), [tensor.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
+        if leaf is not None:
+            leaves.append(leaf)
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -184,9 +207,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     name read as before), whose error about unused parameters says how to allow them here:
     torch's own advice names a constructor argument that a ddpkit user never calls."""
 
+    # The last forward armed a reducing backward (read by Runtime.backward while DDP's buckets
+    # are unsettled: a backward of the bare module's loss reduces nothing, and settles nothing).
+    reducing = False
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with unused_hint():
-            return super().forward(*inputs, **kwargs)
+            out = super().forward(*inputs, **kwargs)
+        self.reducing = self.require_backward_grad_sync and torch.is_grad_enabled()
+        return out
 
 
 @contextlib.contextmanager
