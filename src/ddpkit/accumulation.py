@@ -65,14 +65,11 @@ class Accumulation:
             self._entered.__enter__()
         if micro is not self._seen:  # a loader's full global batches share one MicroBatch: weighed once
             self._seen, self._seen_unit = micro, micro is None or unit_weight(micro, self.world_size)
-        self._plan()
-
-    def _plan(self) -> None:
         self.as_given = self._seen_unit and self._entered is None and not self.by_weight and not self.hold
 
     def set_hold(self, hold: bool) -> None:
         self.hold = hold
-        self._plan()
+        self.as_given = self._seen_unit and self._entered is None and not self.by_weight and not hold
 
     def weigh(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to back-propagate for the current micro-batch (the mean loss as given when
