@@ -177,8 +177,12 @@ def settled_backward(ddp: DistributedDataParallel, loss: torch.Tensor, backward:
     backward(retain_graph=True)
     for t, _ in before:
         t.grad = None  # (as zero_grad(set_to_none=True) leaves them when DDP rebuilds after step 1)
-    with unused_hint():  # a parameter the pass left without a gradient: DDP's own error, with ours
-        rebuilt = ddp.reducer._rebuild_buckets()  # False if that pass reduced nothing: nothing recorded
+    try:  # False if that pass reduced nothing: nothing recorded
+        rebuilt = ddp.reducer._rebuild_buckets()
+    except RuntimeError as err:  # a parameter the pass left without a gradient: DDP's error, with ours
+        if UNUSED_ERROR not in str(err):
+            raise
+        raise _hinted(err) from None
     for t, grad in before:
         t.grad = grad
     if rebuilt:
@@ -212,21 +216,19 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     reducing = False
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with unused_hint():
+        try:  # (not a context manager: this runs every step)
             out = super().forward(*inputs, **kwargs)
+        except RuntimeError as err:
+            if UNUSED_ERROR not in str(err):
+                raise
+            raise _hinted(err) from None
         self.reducing = self.require_backward_grad_sync and torch.is_grad_enabled()
         return out
 
 
-@contextlib.contextmanager
-def unused_hint() -> Iterator[None]:
-    """DDP's error about parameters a forward left unused, with how to allow them here."""
-    try:
-        yield
-    except RuntimeError as err:
-        if UNUSED_ERROR not in str(err):
-            raise
-        raise RuntimeError(f"{UNUSED_HINT}\n{err}") from None
+def _hinted(err: RuntimeError) -> RuntimeError:
+    """DDP's error about parameters a forward left unused, with how to allow them here first."""
+    return RuntimeError(f"{UNUSED_HINT}\n{err}")
 
 
 class DDP(Strategy):
