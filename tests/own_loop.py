@@ -229,3 +229,58 @@ def model_kept_after_close() -> bool:
     del model
     gc.collect()
     return ref() is not None
+
+
+class NormedCheckpointed(nn.Module):
+    """A linear layer and a BatchNorm under reentrant activation checkpointing, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True).relu())
+
+
+def first_step_around(case: str) -> dict:
+    """3 ranks, one step of what surrounds a first reducing backward: 'no_grad' (rank 0 runs a
+    forward under no_grad between the training forward and its backward), 'batchnorm' (a
+    BatchNorm that checkpointing recomputes in the backward), 'second_ddp' (the loss also goes
+    through a head wrapped in torch's own DDP). Returns what every rank must agree on."""
+    with ddpkit.Runtime("ddp", device="cpu", seed=0) as rt:
+        bare = NormedCheckpointed() if case == "batchnorm" else nn.Linear(4, 3)
+        model = rt.setup(bare)
+        head = nn.parallel.DistributedDataParallel(nn.Linear(3, 2)) if case == "second_ddp" else None
+        x = (torch.arange(24, dtype=torch.float32).reshape(6, 4) / 10 + rt.rank).requires_grad_(True)
+        out = model(x)
+        if case == "no_grad" and rt.rank == 0:
+            with torch.no_grad():
+                model(x)
+        out = head(out) if head is not None else out
+        rt.backward(out.pow(2).mean())
+        grads = [p.grad.clone() for p in (*bare.parameters(), *(head.parameters() if head else ()))]
+        return {
+            "grads": grads,
+            "buffers": [b.clone() for b in bare.buffers()],
+            "rebuilt": rt.ddp._has_rebuilt_buckets,
+        }
+
+
+def compiled_steps() -> list[torch.Tensor]:
+    """3 ranks, torch.compile (inductor) inside DDP, two steps of two micro-batches: the
+    weights after them (inductor's compiled backward refuses a retained graph when it donates
+    buffers: nothing runs the first backward twice under compile)."""
+    with ddpkit.Runtime("ddp", device="cpu", seed=0, compile=True) as rt:
+        model = rt.setup(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            for micro in range(2):
+                x = torch.arange(8, dtype=torch.float32).reshape(2, 4) + rt.rank + step + micro
+                if micro == 0:
+                    with rt.no_sync(model):
+                        rt.backward(model(x).pow(2).mean())
+                else:
+                    rt.backward(model(x).pow(2).mean())
+            rt.step(opt)
+        return [p.detach().clone() for p in rt.unwrap(model).parameters()]

@@ -138,6 +138,31 @@ def test_a_first_step_the_loop_ran_itself_leaves_no_later_step_unreduced():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", ["no_grad", "batchnorm", "second_ddp"])
+def test_what_surrounds_the_first_backward_on_three_ranks_is_left_as_one_backward_leaves_it(case):
+    # no_grad: a forward under no_grad on one rank neither keeps it from settling (the others
+    # would wait for its all-reduce) nor changes what is reduced. batchnorm: checkpointing
+    # recomputes it in each pass; its statistics count the step's two forwards, as without
+    # settling. second_ddp: another DDP's parameters in the loss: not settled, and that DDP's
+    # gradients are still reduced (the ranks' mean: equal on every rank).
+    outs = ddpkit.launch(own_loop.first_step_around, case, nproc=3)
+    for r in (1, 2):
+        for mine, theirs in zip(outs[r]["grads"], outs[0]["grads"]):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert all(out["rebuilt"] for out in outs.values()) == (case != "second_ddp")
+    if case == "batchnorm":
+        assert all(out["buffers"][-1].item() == 2 for out in outs.values())  # num_batches_tracked
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_compiled_model_with_micro_batches_trains_on_three_ranks():
+    outs = ddpkit.launch(own_loop.compiled_steps, nproc=3)
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(outs[r], outs[0]))
+
+
+@pytest.mark.distributed
 def test_a_closed_runtime_keeps_no_model_alive_whose_buckets_it_never_settled():
     assert not any(ddpkit.launch(own_loop.model_kept_after_close, nproc=3).values())
 

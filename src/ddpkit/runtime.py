@@ -268,8 +268,10 @@ class Runtime:
         self._models.append(wrapped)
         self._optimizers.extend(optimizers)
         self._acc.no_sync = self._strategy.no_sync(wrapped)  # used between micro-batches of a step
-        # With several models, which one's buckets a backward reduces is not known: none is settled.
-        self._settle = strategies.unsettled(wrapped, self.world_size) if len(self._models) == 1 else None
+        # With several models, which one's buckets a backward reduces is not known: none is
+        # settled; nor under torch.compile, whose compiled backward may refuse a retained graph.
+        one = len(self._models) == 1 and not self.compile
+        self._settle = strategies.unsettled(wrapped, self.world_size) if one else None
         self._acc.set_hold(self._settle is not None)
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
@@ -316,10 +318,10 @@ class Runtime:
         (0 for an empty share). A dataset with a `token_counts` attribute (each sample's tokens,
         as `ddpkit.data.TextSet` has) gets the same weighting from `loader()` without `weight`.
 
-        Under ddp on 3 or more processes the first backward that all-reduces runs twice (the
-        first time over the model's parameters only), so that it is reduced in the bucket layout
-        DDP uses from then on: a resumed run's first step then sums as the uninterrupted run's
-        did (see strategy.settled_backward).
+        Under ddp on 3 or more processes the first backward that all-reduces runs twice (what
+        the first pass changed is put back), so that it is reduced in the bucket layout DDP uses
+        from then on: a resumed run's first step then sums as the uninterrupted run's did (see
+        strategy.settled_backward).
         """
         if weight is None and self._acc.as_given and self.precision.scaler is None:
             loss.backward()  # the hand-written loop's backward exactly: nothing to weigh, scale or leave
@@ -329,7 +331,11 @@ class Runtime:
                 if self._settle is not None and self._settling():
                     ddp = self._settle
                     try:
-                        strategies.settled_backward(ddp, weighted, functools.partial(self.precision.backward, weighted))
+                        if not strategies.settled_backward(
+                            ddp, weighted, functools.partial(self.precision.backward, weighted)
+                        ):
+                            self._settle = None  # the loss reaches another model's parameters: not settled
+                            self._acc.set_hold(False)
                     finally:
                         ddp.reducing = False  # that forward's backward has run
                         self._settling()

@@ -157,24 +157,37 @@ def unsettled(model: nn.Module, world_size: int) -> DistributedDataParallel | No
     return ddp
 
 
-def settled_backward(ddp: DistributedDataParallel, loss: torch.Tensor, backward: Callable[..., None]) -> None:
+def settled_backward(ddp: DistributedDataParallel, loss: torch.Tensor, backward: Callable[..., None]) -> bool:
     """Run the first reducing backward of `ddp` in the bucket layout every later step uses:
     `backward(**kwargs)` back-propagates `loss` (scaled, under fp16) and takes torch's
-    `retain_graph`.
+    `retain_graph`. Returns False, having run `backward()` once as it is, when the loss's graph
+    reaches parameters outside `ddp` (another model, which may be wrapped in a DDP of its own
+    that the second pass would leave unreduced).
 
     A first pass records the order the layout is made from (and is reduced in the first
-    layout). Every gradient it made is then dropped again: those of the model's parameters and
-    of every other leaf of the loss's graph go back to what they were (the earlier micro-batches'
-    sums, or nothing). The buckets are laid out again, and the backward runs once more as DDP's
-    next step would have run it: the step's sums are then what an uninterrupted run's same step
-    makes. Costs a backward pass, an all-reduce, and the graph and a copy of the gradients held
-    through both, once per run. The first pass is a whole backward (not one limited to the
-    model's parameters), so that parameters used inside reentrant activation checkpointing,
-    whose inner backward such a limit would skip, get their gradients too."""
-    leaves = {id(p): p for p in ddp.parameters() if p.requires_grad}
-    leaves.update((id(t), t) for t in graph_leaves(loss))
-    before = [(t, None if t.grad is None else t.grad.clone()) for t in leaves.values()]
-    backward(retain_graph=True)
+    layout). Everything it changed is then put back: the gradients of the model's parameters
+    and of every other leaf of the loss's graph (the earlier micro-batches' sums, or nothing),
+    the model's buffers and the random streams (what activation checkpointing recomputes, such
+    as BatchNorm's statistics, is not updated twice). The buckets are laid out again, and the
+    backward runs once more as DDP's next step would have run it: the step's sums are then what
+    an uninterrupted run's same step makes. Costs a backward pass, an all-reduce, and the graph
+    and a copy of the gradients held through both, once per run. The first pass is a whole
+    backward (not one limited to the model's parameters), so that parameters used inside
+    reentrant activation checkpointing, whose inner backward such a limit would skip, get their
+    gradients too. Leaves outside the model that only such an inner backward reaches are not
+    seen, and keep both passes' gradients."""
+    params = {id(p): p for p in ddp.parameters() if p.requires_grad}
+    others = [t for t in graph_leaves(loss) if id(t) not in params]
+    if any(isinstance(t, nn.Parameter) for t in others):
+        backward()
+        return False
+    before = [(t, None if t.grad is None else t.grad.clone()) for t in (*params.values(), *others)]
+    buffers = [(b, b.clone()) for b in ddp.module.buffers()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        backward(retain_graph=True)
+    for b, value in buffers:
+        b.copy_(value)
     for t, _ in before:
         t.grad = None  # (as zero_grad(set_to_none=True) leaves them when DDP rebuilds after step 1)
     try:  # False if that pass reduced nothing: nothing recorded
@@ -189,6 +202,7 @@ def settled_backward(ddp: DistributedDataParallel, loss: torch.Tensor, backward:
         ddp._has_rebuilt_buckets = True
         ddp.reducer.prepare_for_backward([])  # what DDP's forward does before a reducing backward
     backward()
+    return True
 
 
 def graph_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -222,7 +236,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if UNUSED_ERROR not in str(err):
                 raise
             raise _hinted(err) from None
-        self.reducing = self.require_backward_grad_sync and torch.is_grad_enabled()
+        if torch.is_grad_enabled():  # (a forward under no_grad leaves DDP's reducer as it was)
+            self.reducing = self.require_backward_grad_sync
         return out
 
 
