@@ -19,21 +19,21 @@ def pyplot() -> Any:
     return plt
 
 
-# The margins of the two-panel curves a run draws (curves.png), fixed: matplotlib's tight layout
-# draws the whole figure once more to measure it, half of the drawing's time, and this figure
-# is drawn at the end of every run. Room for tick labels up to 6 characters and a title.
-CURVES_MARGINS = {"left": 0.08, "right": 0.985, "bottom": 0.12, "wspace": 0.26}
+def curves_margins(title: str) -> dict[str, float]:
+    """The margins of the two-panel curves a run draws (curves.png), fixed: matplotlib's tight
+    layout draws the whole figure once more to measure it, half of the drawing's time, and this
+    figure is drawn at the end of every run. Room for tick labels up to 6 characters and a title."""
+    return {"left": 0.08, "right": 0.985, "bottom": 0.12, "top": 0.88 if title else 0.96, "wspace": 0.26}
 
 
 def save_figure(fig: Any, path: str, dpi: int = 100, margins: dict[str, float] | None = None) -> None:
-    """Lay out (tightly, or with the given `margins`: fractions of the figure, with the top
-    below the title if there is one), write (atomically, never through a link: see
-    files.atomic_write) in the format the file name says (PNG without one), and free the figure
-    (pyplot keeps every open one alive)."""
+    """Lay out (tightly, or with the given `margins`: fractions of the figure), write
+    (atomically, never through a link: see files.atomic_write) in the format the file name says
+    (PNG without one), and free the figure (pyplot keeps every open one alive)."""
     if margins is None:
         fig.tight_layout()
     else:
-        fig.subplots_adjust(top=0.88 if fig._suptitle is not None else 0.96, **margins)
+        fig.subplots_adjust(**margins)
     try:
         with atomic_write(path, "wb") as f:
             fig.savefig(f, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=dpi)
@@ -57,7 +57,7 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str = "") -> No
     ax_loss.set_yscale("log")
     if title:
         fig.suptitle(title)
-    save_figure(fig, path, dpi=100, margins=CURVES_MARGINS)
+    save_figure(fig, path, dpi=100, margins=curves_margins(title))
 
 
 def plot_token_curves(steps: list[dict[str, Any]], history: list[dict[str, Any]], path: str, title: str = "") -> None:
@@ -79,7 +79,7 @@ def plot_token_curves(steps: list[dict[str, Any]], history: list[dict[str, Any]]
     ax_ppl.set_yscale("log")
     if title:
         fig.suptitle(title)
-    save_figure(fig, path, dpi=100, margins=CURVES_MARGINS)
+    save_figure(fig, path, dpi=100, margins=curves_margins(title))
 
 
 def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str = "") -> None:

@@ -328,17 +328,15 @@ class Runtime:
         else:
             try:
                 weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
-                if self._settle is not None and self._settling():
+                if self._settling():
                     ddp = self._settle
                     try:
-                        if not strategies.settled_backward(
-                            ddp, weighted, functools.partial(self.precision.backward, weighted)
-                        ):
-                            self._settle = None  # the loss reaches another model's parameters: not settled
-                            self._acc.set_hold(False)
+                        backward = functools.partial(self.precision.backward, weighted)
+                        # (not settled: the loss reaches another model's parameters)
+                        if not strategies.settled_backward(ddp, weighted, backward) or ddp._has_rebuilt_buckets:
+                            self._stop_settling()
                     finally:
                         ddp.reducing = False  # that forward's backward has run
-                        self._settling()
                 else:
                     self.precision.backward(weighted)
             finally:
@@ -350,10 +348,16 @@ class Runtime:
         forward armed a reducing backward, and DDP has not laid its buckets out again yet (once
         it has, by this backward or by one the loop ran itself, there is nothing to settle)."""
         ddp = self._settle
-        if ddp is not None and ddp._has_rebuilt_buckets:
-            self._settle = None
-            self._acc.set_hold(False)
-        return self._settle is not None and ddp.reducing and ddp.require_backward_grad_sync
+        if ddp is None:
+            return False
+        if ddp._has_rebuilt_buckets:
+            self._stop_settling()
+            return False
+        return ddp.reducing and ddp.require_backward_grad_sync
+
+    def _stop_settling(self) -> None:
+        self._settle = None
+        self._acc.set_hold(False)
 
     @property
     def step_ready(self) -> bool:
