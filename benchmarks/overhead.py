@@ -7,7 +7,11 @@ SGD) is trained, in ONE process and alternating, by
       `x[idx]`, the model, `cross_entropy`, `backward`, `opt.step()`,
       `opt.zero_grad(set_to_none=True)`;
   (b) ddpkit's runtime on one process: `rt.loader` over a TensorDataset (resident: batches are
-      index gathers, as in (a)), `rt.backward`, `rt.step`.
+      index gathers, as in (a)), `rt.backward`, `rt.step`;
+  (c) the loop (a) with its gathers written `x.index_select(0, idx)`, as ddpkit's loader writes
+      them: the same rows, without Python's indexing machinery, which costs (a) a few µs per
+      step. The runtime's own bookkeeping is (b) - (c); (b) - (a) is what a user of the loop
+      the tutorials write gains or pays.
 
 Both loops are written alike, `loss = ...` then its backward: where the loss tensor (and its
 graph's nodes) is freed changes the step by itself, by about 2 to 4 µs on the machine this was
@@ -15,22 +19,22 @@ written on (`rt.backward(F.cross_entropy(...))`, which frees it inside the call,
 slower than the same runtime with `loss` held to the next step, and so is a hand-written loop
 written that way), which is no cost of the runtime.
 
-Both read the same samples in the same order (ddpkit's global order for epoch e is
-`randperm(n, seed + e)`, which (a) draws too). Two models, built alike, take turns with each loop
-(which loop trains which model swaps every other round), each going through the same epochs:
-so a model's place in memory, which moves a step by a µs or more in either direction, favours
-neither loop; and the two models end bitwise equal only if the two loops make bitwise the same
-updates, which is checked. The rounds are cut into `layouts` groups, each with a fresh pair of
+All read the same samples in the same order (ddpkit's global order for epoch e is
+`randperm(n, seed + e)`, which (a) and (c) draw too). Three models, built alike, take turns with
+the loops (which loop trains which model rotates every other round), each going through the same
+epochs: so a model's place in memory, which moves a step by a µs or more in either direction,
+favours no loop; and the models end bitwise equal only if the loops make bitwise the same
+updates, which is checked. The rounds are cut into `layouts` groups, each with a fresh set of
 models built after a spacer allocation of a random (seeded) size that is kept until the group
 ends: so the run averages over several places in memory instead of the one a process happens
 to give, which moved whole runs by about a µs.
 
-Each round runs a few epochs of each side, interleaved one by one (which side goes first swapped
-every epoch and every round); every epoch is one block timed with `time.perf_counter` (the
-permutation included on both sides). A round's value per side is the median µs/step of its
-blocks; the result is the median over all rounds of the paired difference ddpkit - hand-written,
-with a 95% bootstrap interval of that median that resamples the layouts, then the rounds within
-each (so it is as wide as the layouts differ, not only as the rounds do). Paired, interleaved
+Each round runs a few epochs of each loop, interleaved one by one (the order rotated every epoch
+and every round); every epoch is one block timed with `time.perf_counter` (the permutation
+included on every side). A round's value per loop is the median µs/step of its blocks; the
+result is the median over all rounds of the paired difference ddpkit - hand-written (and
+ddpkit - (c)), with a 95% bootstrap interval of that median that resamples the layouts, then the
+rounds within each (so it is as wide as the layouts differ, not only as the rounds do). Paired, interleaved
 blocks cancel most of the drift a shared machine adds, which a comparison of separate runs
 cannot. No round is left out.
 """
@@ -48,7 +52,8 @@ from .paired import bootstrap_median
 
 TARGET_OVERHEAD_US = 2.0  # ddpkit's step minus the hand-written step, µs (median over rounds)
 DESCRIPTION = "µs per step of ddpkit's runtime over a hand-written loop on a tiny MLP, one process, alternating"
-SIDES = ("hand_written", "ddpkit")
+# (a) the loop tutorials write, (b) ddpkit, (c) (a) gathering as ddpkit's loader does
+SIDES = ("hand_written", "ddpkit", "hand_written_select")
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class Work:
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (default 320; --quick 6)")
     parser.add_argument(
-        "--layouts", type=int, default=8, help="fresh model pairs the rounds are shared over (default 8)"
+        "--layouts", type=int, default=8, help="fresh sets of models the rounds are shared over (default 8)"
     )
     parser.add_argument("--steps", type=int, default=64, help="steps per timed block, one epoch (default 64)")
     parser.add_argument("--note", default="", help="where it ran, in words (kept in the JSON): a shared machine, say")
@@ -107,17 +112,17 @@ def _measure(work: Work, rounds: int, layouts: int, device: str) -> dict[str, An
         times: dict[str, list[float]] = {s: [] for s in SIDES}
         layout_of, equal = [], True
         for layout, count in enumerate(_shares(rounds, layouts)):
-            # Where the new pair lands in memory: after a spacer of a random size, held until
-            # the pair is done with (freed at once, the pair would take its place).
+            # Where the new models land in memory: after a spacer of a random size, held until
+            # they are done with (freed at once, the models would take its place).
             spacer = torch.empty(spacers.randrange(1, 1 << 15), dtype=torch.uint8, device=device)
-            pairs = [_pair(work, rt), _pair(work, rt)]
-            for side in SIDES:  # warm-up: allocator, autograd, the optimizer's state
-                loops[side](*pairs[SIDES.index(side)])
+            models = [_pair(work, rt) for _ in SIDES]
+            for i, side in enumerate(SIDES):  # warm-up: allocator, autograd, the optimizer's state
+                loops[side](*models[i])
             for r in range(count):
-                _round(work, loops, pairs, r, times)
+                _round(work, loops, models, r, times)
             layout_of += [layout] * count
-            equal = equal and _equal(*(model for model, _ in pairs))
-            del spacer, pairs
+            equal = equal and _equal(*(model for model, _ in models))
+            del spacer, models
         return _result(work, rounds, times, layout_of, equal, device)
 
 
@@ -127,16 +132,20 @@ def _shares(rounds: int, layouts: int) -> list[int]:
     return [base + (i < extra) for i in range(layouts)]
 
 
-def _round(work: Work, loops: dict[str, Any], pairs: list[Any], r: int, times: dict[str, list[float]]) -> None:
-    """Round `r` of a layout: the two loops' epochs interleaved one by one (which goes first
-    swapped every epoch and every round), each loop on the model of the pair that is its turn
-    (swapped every other round, so that neither loop keeps the one that happens to sit better
-    in memory)."""
+def _round(work: Work, loops: dict[str, Any], models: list[Any], r: int, times: dict[str, list[float]]) -> None:
+    """Round `r` of a layout: the loops' epochs interleaved one by one (the order rotated every
+    epoch and every round, and reversed every other round, so that each loop follows each other
+    one as often), each loop on the model that is its turn (rotated every other round, so that
+    no loop keeps the one that happens to sit better in memory)."""
     gc.collect()
+    n = len(SIDES)
     blocks: dict[str, list[float]] = {s: [] for s in SIDES}
     for e in range(work.epochs_per_round):
-        for side in SIDES if (r + e) % 2 == 0 else SIDES[::-1]:
-            blocks[side].append(loops[side](*pairs[(SIDES.index(side) + r // 2) % 2]))
+        turn = (r + e) % n
+        order = SIDES[turn:] + SIDES[:turn]
+        for side in order if r % 2 == 0 else order[::-1]:
+            i = SIDES.index(side)
+            blocks[side].append(loops[side](*models[(i + r // 2) % n]))
     for side in SIDES:
         times[side].append(statistics.median(blocks[side]) / work.steps_per_epoch * 1e6)
 
@@ -173,7 +182,7 @@ def _loops(work: Work, rt: Any) -> dict[str, Any]:
     x = torch.randn(work.samples, work.features, generator=g).to(rt.device)
     y = torch.randint(0, work.classes, (work.samples,), generator=g).to(rt.device)
     loader = rt.loader(TensorDataset(x, y), batch_size=work.batch, seed=work.seed)
-    epoch = [0]
+    epoch = [0, 0, 0]  # (a)'s and (c)'s epochs; ddpkit's loader counts its own
 
     def hand_epoch(model: Any, opt: Any) -> None:
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[0])).to(x.device)
@@ -185,13 +194,27 @@ def _loops(work: Work, rt: Any) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    def select_epoch(model: Any, opt: Any) -> None:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[2])).to(x.device)
+        epoch[2] += 1
+        for k in range(0, len(x), work.batch):
+            idx = order[k : k + work.batch]
+            loss = F.cross_entropy(model(x.index_select(0, idx)), y.index_select(0, idx))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
     def kit_epoch(model: Any, opt: Any) -> None:
         for xb, yb in loader:
             loss = F.cross_entropy(model(xb), yb)  # held to the next step, as (a) holds it (see above)
             rt.backward(loss)
             rt.step(opt)
 
-    return {"hand_written": _timed(hand_epoch), "ddpkit": _timed(kit_epoch)}
+    return {
+        "hand_written": _timed(hand_epoch),
+        "ddpkit": _timed(kit_epoch),
+        "hand_written_select": _timed(select_epoch),
+    }
 
 
 def _model(work: Work) -> Any:
@@ -202,11 +225,16 @@ def _model(work: Work) -> Any:
     return nn.Sequential(nn.Linear(work.features, work.hidden), nn.ReLU(), nn.Linear(work.hidden, work.classes))
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _equal(first: Any, *others: Any) -> bool:
+    """Whether every model's weights are bitwise those of the first."""
     import torch
 
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    sa = first.state_dict()
+    for other in others:
+        sb = other.state_dict()
+        if sa.keys() != sb.keys() or not all(torch.equal(sa[k], sb[k]) for k in sa):
+            return False
+    return True
 
 
 def _result(
@@ -214,33 +242,48 @@ def _result(
 ) -> dict[str, Any]:
     from ddpkit.bench.common import stats
 
-    diffs = [k - h for h, k in zip(times["hand_written"], times["ddpkit"])]
-    low, high = bootstrap_median(diffs, groups=layout_of)
-    overhead = statistics.median(diffs)
     layouts = sorted(set(layout_of))
-    per_layout = [statistics.median(d for d, g in zip(diffs, layout_of) if g == k) for k in layouts]
+
+    def paired(base: str) -> dict[str, Any]:
+        """ddpkit - `base`, per round: the median, its interval and its median per layout."""
+        diffs = [k - h for h, k in zip(times[base], times["ddpkit"])]
+        low, high = bootstrap_median(diffs, groups=layout_of)
+        per_layout = [statistics.median(d for d, g in zip(diffs, layout_of) if g == k) for k in layouts]
+        return {
+            "median": statistics.median(diffs),
+            "interval95": [low, high],
+            "per_round": diffs,
+            "per_layout": per_layout,
+        }
+
+    over, own = paired("hand_written"), paired("hand_written_select")
+    low, high = over["interval95"]
     return {
         "method": (
-            f"one process ({device}, 1 thread); {rounds} rounds over {len(layouts)} layouts (a fresh pair of models "
+            f"one process ({device}, 1 thread); {rounds} rounds over {len(layouts)} layouts (a fresh set of models "
             "each, placed after a spacer allocation of a random size), each round running "
-            f"{work.epochs_per_round} epochs of {work.steps_per_epoch} steps with each loop, interleaved one by one "
-            "(which goes first swapped every epoch and every round), the two models of the pair swapped between the "
-            "loops every other round. An epoch is one block timed with time.perf_counter (the epoch's permutation "
-            "included on both sides); a round's value per loop is the median µs/step of its blocks. overhead_us: the "
-            "median over all rounds of the paired difference ddpkit - hand-written, with a 95% two-level "
-            "percentile-bootstrap interval (4000 resamples: the layouts, then the rounds within each). No round is "
-            "left out."
+            f"{work.epochs_per_round} epochs of {work.steps_per_epoch} steps with each of three loops, interleaved "
+            "one by one (the order rotated every epoch and every round), the models rotated between the loops every "
+            "other round. An epoch is one block timed with time.perf_counter (the epoch's permutation included on "
+            "every side); a round's value per loop is the median µs/step of its blocks. overhead_us: the median over "
+            "all rounds of the paired difference ddpkit - hand-written (the loop tutorials write, gathering x[idx]), "
+            "with a 95% two-level percentile-bootstrap interval (4000 resamples: the layouts, then the rounds within "
+            "each). bookkeeping_us: the same against the hand-written loop gathering with index_select, as ddpkit's "
+            "loader does: the runtime's own per-step work. No round is left out."
         ),
         "work": {**asdict(work), "samples": work.samples, "model": "MLP 32-64-10 (Linear, ReLU, Linear), SGD"},
         "rounds": rounds,
         "us_per_step": {side: stats(times[side]) for side in SIDES},
         "us_per_step_per_round": times,
-        "overhead_us": overhead,
-        "overhead_us_interval95": [low, high],
-        "overhead_us_per_round": stats(diffs),
+        "overhead_us": over["median"],
+        "overhead_us_interval95": over["interval95"],
+        "overhead_us_per_round": stats(over["per_round"]),
+        "bookkeeping_us": own["median"],
+        "bookkeeping_us_interval95": own["interval95"],
+        "bookkeeping_us_per_layout": own["per_layout"],
         "layouts": len(layouts),
         "layout_per_round": layout_of,
-        "overhead_us_per_layout": per_layout,
+        "overhead_us_per_layout": over["per_layout"],
         "weights_equal": equal,
         "target_overhead_us": TARGET_OVERHEAD_US,
         "meets_target": high <= TARGET_OVERHEAD_US,
@@ -248,18 +291,35 @@ def _result(
     }
 
 
+def _verdict(low: float, high: float) -> str:
+    return "met" if high <= TARGET_OVERHEAD_US else ("missed" if low > TARGET_OVERHEAD_US else "not resolved")
+
+
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    hand, kit = (result["us_per_step"][s]["median"] for s in SIDES)
+    hand, kit, select = (result["us_per_step"][s]["median"] for s in SIDES)
     low, high = result["overhead_us_interval95"]
-    verdict = "met" if result["meets_target"] else ("missed" if result["resolved"] else "not resolved")
+    own_low, own_high = result["bookkeeping_us_interval95"]
     return [
-        ("µs/step hand-written / ddpkit (median)", f"{hand:.1f} / {kit:.1f}"),
+        ("µs/step hand-written x[idx] / index_select / ddpkit (median)", f"{hand:.1f} / {select:.1f} / {kit:.1f}"),
         (
-            "ddpkit overhead per step (median, 95% CI)",
-            f"{result['overhead_us']:+.2f} µs [{low:+.2f}, {high:+.2f}] (target <= {TARGET_OVERHEAD_US:g}: {verdict})",
+            "ddpkit overhead per step over x[idx] (median, 95% CI)",
+            f"{result['overhead_us']:+.2f} µs [{low:+.2f}, {high:+.2f}] "
+            f"(target <= {TARGET_OVERHEAD_US:g}: {_verdict(low, high)})",
+        ),
+        (
+            "its bookkeeping: over index_select (median, 95% CI)",
+            f"{result['bookkeeping_us']:+.2f} µs [{own_low:+.2f}, {own_high:+.2f}] "
+            f"(<= {TARGET_OVERHEAD_US:g}: {_verdict(own_low, own_high)})",
         ),
         ("final weights bitwise equal", "yes" if result["weights_equal"] else "NO"),
     ]
+
+
+LABELS = {
+    "hand_written": "hand-written, x[idx]",
+    "ddpkit": "ddpkit",
+    "hand_written_select": "hand-written, index_select",
+}
 
 
 def plot(record: dict[str, Any], path: str) -> None:
@@ -267,21 +327,30 @@ def plot(record: dict[str, Any], path: str) -> None:
 
     plt = pyplot()
     r = record["result"]
+    per_round = r["us_per_step_per_round"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for side, label in zip(SIDES, ("hand-written", "ddpkit")):
-        left.plot(r["us_per_step_per_round"][side], ".", markersize=3, label=label)
+    for side in SIDES:
+        if side in per_round:  # records made before the third loop have two
+            left.plot(per_round[side], ".", markersize=3, label=LABELS[side])
     left.set_xlabel("round")
     left.set_ylabel("µs per step (median of the round's epochs)")
     left.legend()
-    diffs = [k - h for h, k in zip(*(r["us_per_step_per_round"][s] for s in SIDES))]
-    right.hist(diffs, bins=40)
-    low, high = r["overhead_us_interval95"]
-    right.axvline(r["overhead_us"], color="k", label=f"median {r['overhead_us']:+.2f} µs")
-    right.axvspan(low, high, color="k", alpha=0.15, label=f"95% interval [{low:+.2f}, {high:+.2f}]")
+    shown: list[float] = []
+    for base, color in (("hand_written", "C0"), ("hand_written_select", "C2")):
+        if base not in per_round:
+            continue
+        diffs = [k - h for h, k in zip(per_round[base], per_round["ddpkit"])]
+        shown += diffs
+        key = "overhead_us" if base == "hand_written" else "bookkeeping_us"
+        low, high = r[f"{key}_interval95"]
+        right.hist(diffs, bins=40, color=color, alpha=0.5, label=f"ddpkit - {LABELS[base]}")
+        right.axvline(r[key], color=color, label=f"median {r[key]:+.2f} µs [{low:+.2f}, {high:+.2f}]")
+        right.axvspan(low, high, color=color, alpha=0.15)
     right.axvline(TARGET_OVERHEAD_US, color="C3", linestyle="--", label=f"target {TARGET_OVERHEAD_US:g} µs")
-    if r.get("overhead_us_per_layout"):  # records made before --layouts have none
-        per_layout = r["overhead_us_per_layout"]
-        right.plot(per_layout, [0] * len(per_layout), "|", color="C1", markersize=18, label="median per layout")
+    if len(shown) >= 100:  # the middle 98% of the rounds: a round or two a burst of other work slowed stay off
+        shown.sort()
+        low, high = shown[len(shown) // 100], shown[-len(shown) // 100 - 1]
+        right.set_xlim(min(low, -TARGET_OVERHEAD_US) - 2, max(high, 2 * TARGET_OVERHEAD_US) + 2)
     right.set_xlabel("ddpkit - hand-written, µs per step, per round")
     right.legend(fontsize=8)
     fig.suptitle(f"runtime overhead per step, tiny MLP, one process ({r['rounds']} rounds)", fontsize=10)

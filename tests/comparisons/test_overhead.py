@@ -22,12 +22,15 @@ def test_bootstrap_interval_holds_the_median_and_narrows_with_more_rounds():
 @pytest.mark.cli
 def test_overhead(tmp_path):
     r = run_bench(tmp_path, "overhead", "--rounds", "2", "--steps", "4", comparison=True)
-    assert r["weights_equal"] is True  # the two loops made bitwise the same updates
+    assert r["weights_equal"] is True  # the three loops made bitwise the same updates
     assert r["rounds"] == 2 and len(r["us_per_step_per_round"]["ddpkit"]) == 2
     for side in overhead.SIDES:
         assert r["us_per_step"][side]["median"] > 0
     low, high = r["overhead_us_interval95"]
     assert low <= r["overhead_us"] <= high
+    # the runtime's own bookkeeping, over a hand-written loop gathering as its loader does
+    low, high = r["bookkeeping_us_interval95"]
+    assert low <= r["bookkeeping_us"] <= high
     assert isinstance(r["meets_target"], bool) and r["target_overhead_us"] == 2.0
 
 

@@ -74,6 +74,29 @@ def test_resident_and_dataloader_paths_give_identical_batches(world, micro):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_resident_tensor_gathers_match_the_dataloader(count):
+    # one, two (written out) and three tensors, of several shapes and dtypes
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(90, 3, 4, generator=g),
+        torch.randint(0, 10, (90,), generator=g),
+        torch.rand(90, 2, generator=g) > 0.5,
+    ][:count]
+    ds = TensorDataset(*tensors)
+    for world, rank in ((1, 0), (2, 1)):
+        kw = dict(world_size=world, rank=rank, device=CPU, seed=3, micro_batch_size=None)
+        resident = data.train_loader(ds, 16, resident=True, **kw)
+        loader = data.train_loader(ds, 16, resident=False, **kw)
+        assert resident.resident is not None and loader.resident is None
+        a, b = list(resident), list(loader)
+        assert len(a) == len(b) == -(-90 // 16)
+        for p, q in zip(a, b):
+            assert len(p) == len(q) == count
+            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(p, q))
+
+
+@pytest.mark.unit
 def test_evaluation_resident_matches_dataloader():
     ds = image_set(n=101, augment=False)
     for world in (1, 3):

@@ -101,11 +101,11 @@ class ImageSet(Dataset):
         return self._batch(indices, keys)
 
     def _batch(self, indices: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.images[indices]
+        x = self.images.index_select(0, indices)  # = images[indices], without Python's indexing
         if self.augment is not None and keys is not None:
             x = self.augment(x, keys)
         x = (x.float() - self.mean) / self.std
-        return x.contiguous(), self.labels[indices]
+        return x.contiguous(), self.labels.index_select(0, indices)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
