@@ -80,3 +80,14 @@ def test_launch_function_defined_in_stdin_program():
     assert proc.returncode == 0, proc.stderr
     assert "results {0: 0, 1: 10}" in proc.stdout
     assert proc.stdout.count("total 201.0") == 1  # rank 0 only
+
+
+def test_launch_names_rendezvous_events_by_frame_and_hands_torch_its_own_back():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    from ddpkit.launcher.elastic import method_name
+
+    torch_own = rdzv.get_method_name
+    used = ddpkit.launch(workers.rendezvous_namer, nproc=1)
+    assert used[0] is True  # the forked worker saw the frame-based one, set for the launch
+    assert rdzv.get_method_name is torch_own is not method_name

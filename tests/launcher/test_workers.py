@@ -219,3 +219,25 @@ def test_forked_workers_start_with_torchs_compiler_imported():
     assert "before False" in proc.stdout
     assert "forked {0: True, 1: True}" in proc.stdout
     assert "spawned {0: False, 1: False}" in proc.stdout
+
+
+@pytest.mark.unit
+def test_rendezvous_event_names_are_the_ones_torch_finds():
+    # torch's rendezvous names an event after a caller it finds with inspect.stack(); the launch
+    # reads the same name from the frame itself: the same name at every depth, and past the bottom.
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    from ddpkit.launcher.elastic import method_name
+
+    def recorded_by(name_of) -> list[str]:
+        def record(depth):
+            return name_of(depth)
+
+        def join_rendezvous(depth):
+            return record(depth)
+
+        return [join_rendezvous(depth) for depth in (0, 1, 2, 3, 10_000)]
+
+    torch_names = recorded_by(rdzv.get_method_name)
+    assert torch_names[2] == "join_rendezvous" and torch_names[-1] == "no_method_name"
+    assert recorded_by(method_name)[1:] == torch_names[1:]  # [0]: the function asked, itself

@@ -201,6 +201,7 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
         _signal_handlers_kept(),
         records.ExitWatch(logs).watching(),
         _quiet_elastic_logs(),
+        _rendezvous_events_named_by_frame(),
         _tidy_prefixes() if output == "prefixed" else contextlib.nullcontext(),
         main_hidden() if start_method == "spawn" else gc_frozen(),
     ):
@@ -295,6 +296,42 @@ def _quiet_elastic_logs() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _rendezvous_events_named_by_frame() -> Iterator[None]:
+    """The c10d rendezvous names each event it records after the method that records it, which
+    it finds with `inspect.stack()` (its `get_method_name`), even when the event then goes to a
+    handler that drops it. `inspect.stack()` reads every frame's source, and for a frame with
+    no file, as `python -m` leaves at the bottom of the stack (runpy is frozen), it scans every
+    loaded module: some 2000 once torch is imported, 10 to 20 ms per event. A launch records
+    about ten, on the launching process's only thread that is not waiting, beside the workers'
+    preload: about 0.3 s of a 4 s job. For the launch's duration, the same name is read from the
+    frame itself (`sys._getframe`: the frame `depth` calls up, as `inspect.stack()[depth]`)."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    except ImportError:
+        yield
+        return
+    torch_own = getattr(rdzv, "get_method_name", None)
+    if torch_own is None:  # torch no longer names events this way: nothing to speed up
+        yield
+        return
+    rdzv.get_method_name = method_name
+    try:
+        yield
+    finally:
+        rdzv.get_method_name = torch_own
+
+
+def method_name(depth: int = 2) -> str:
+    """The name of the function `depth` frames up from this one (`inspect.stack()[depth]`'s
+    `function`, without reading any source), or "no_method_name" past the stack's bottom, as
+    torch's rendezvous says it."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
 
 
 @contextlib.contextmanager
