@@ -137,16 +137,6 @@ def die_on_rank(bad_rank: int, how: str) -> int:
         return rt.rank
 
 
-def rendezvous_namer() -> bool:
-    """Whether torch's rendezvous names its events with ddpkit's frame-based lookup (inherited
-    from the launching process, which sets it for the launch)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
-
-    from ddpkit.launcher.elastic import method_name
-
-    return rdzv.get_method_name is method_name
-
-
 def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
 

@@ -45,3 +45,17 @@ def test_augmentation_changes_samples_and_differs_per_epoch():
     flips = (keys0 & 1).float().mean().item()
     assert 0.4 < flips < 0.6
     assert ds[(3, int(keys0[3]))][0].shape == (3, 12, 12)
+
+
+def test_a_sample_is_read_as_the_images_index_reads_it():
+    # a negative index counts from the end; labels of a dtype index_select has no 1-D kernel for
+    images = torch.randint(0, 255, (5, 1, 4, 4), dtype=torch.uint8)
+    for labels in (torch.arange(5), torch.arange(5).to(torch.uint16)):
+        ds = data.ImageSet(images, labels, 0.5, 0.2)
+        for index in (-1, -5, 2, torch.tensor(3)):
+            x, y = ds[index]
+            assert torch.equal(x, (images[index].float() - 0.5) / 0.2) and y == labels[index]
+        assert torch.equal(ds.batch(torch.tensor([4, 0]))[1], labels[[4, 0]])
+        for outside in (5, -6):
+            with pytest.raises(IndexError):
+                ds[outside]

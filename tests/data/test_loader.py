@@ -83,6 +83,11 @@ def test_resident_tensor_gathers_match_the_dataloader(count):
         torch.randint(0, 10, (90,), generator=g),
         torch.rand(90, 2, generator=g) > 0.5,
     ][:count]
+    if count == 3:  # kinds index_select would change or refuse: gathered as t[i]
+        tensors += [
+            torch.randn(90, 3, 2, 2, generator=g).contiguous(memory_format=torch.channels_last),
+            torch.randint(0, 60000, (90,), generator=g).to(torch.uint16),  # (no 1-D kernel)
+        ]
     ds = TensorDataset(*tensors)
     for world, rank in ((1, 0), (2, 1)):
         kw = dict(world_size=world, rank=rank, device=CPU, seed=3, micro_batch_size=None)
@@ -92,8 +97,11 @@ def test_resident_tensor_gathers_match_the_dataloader(count):
         a, b = list(resident), list(loader)
         assert len(a) == len(b) == -(-90 // 16)
         for p, q in zip(a, b):
-            assert len(p) == len(q) == count
+            assert len(p) == len(q) == len(tensors)
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(p, q))
+            # and the memory layout a hand-written t[i] gives (the DataLoader's collate does not keep it)
+            i = torch.tensor([0, 1])
+            assert [x.stride()[1:] for x in p] == [t[i].stride()[1:] for t in tensors]
 
 
 @pytest.mark.unit

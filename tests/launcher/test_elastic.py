@@ -4,6 +4,7 @@ programs read from stdin."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -82,12 +83,26 @@ def test_launch_function_defined_in_stdin_program():
     assert proc.stdout.count("total 201.0") == 1  # rank 0 only
 
 
-def test_launch_names_rendezvous_events_by_frame_and_hands_torch_its_own_back():
+def test_launch_names_rendezvous_events_as_torch_does_and_hands_torch_its_own_back(monkeypatch):
+    # The names torch's rendezvous gives its events in a real launch: the same with ddpkit's
+    # frame-based lookup as with torch's own inspect.stack(), and torch's own is back after.
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
-    from ddpkit.launcher.elastic import method_name
+    from ddpkit.launcher import elastic
 
     torch_own = rdzv.get_method_name
-    used = ddpkit.launch(workers.rendezvous_namer, nproc=1)
-    assert used[0] is True  # the forked worker saw the frame-based one, set for the launch
-    assert rdzv.get_method_name is torch_own is not method_name
+    seen: list[tuple[str, bool]] = []
+
+    def record(*args, **kwargs):  # torch's recorder, which drops the event anyway
+        seen.append((kwargs["name"], rdzv.get_method_name is elastic.method_name))
+
+    monkeypatch.setattr(rdzv, "construct_and_record_rdzv_event", record)
+    ddpkit.launch(workers.env_facts, nproc=1)
+    ours, seen[:] = list(seen), []
+    assert rdzv.get_method_name is torch_own
+    monkeypatch.setattr(elastic, "_rendezvous_events_named_by_frame", contextlib.nullcontext)
+    ddpkit.launch(workers.env_facts, nproc=1)
+    assert all(by_frame for _, by_frame in ours) and not any(by_frame for _, by_frame in seen)
+    names = sorted(name for name, _ in ours)
+    assert names == sorted(name for name, _ in seen)
+    assert "DynamicRendezvousHandler.next_rendezvous" in names and not any(n.endswith("._record") for n in names)

@@ -224,20 +224,45 @@ def test_forked_workers_start_with_torchs_compiler_imported():
 @pytest.mark.unit
 def test_rendezvous_event_names_are_the_ones_torch_finds():
     # torch's rendezvous names an event after a caller it finds with inspect.stack(); the launch
-    # reads the same name from the frame itself: the same name at every depth, and past the bottom.
+    # reads the same name from the frame itself: the same name at every depth, and past the bottom,
+    # and at the default depth from inside a recording method, as torch's rendezvous asks.
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
     from ddpkit.launcher.elastic import method_name
 
     def recorded_by(name_of) -> list[str]:
+        class Handler:
+            def _record(self):
+                return name_of()
+
+            def next_rendezvous(self):
+                return self._record()
+
         def record(depth):
             return name_of(depth)
 
         def join_rendezvous(depth):
             return record(depth)
 
-        return [join_rendezvous(depth) for depth in (0, 1, 2, 3, 10_000)]
+        return [Handler().next_rendezvous()] + [join_rendezvous(depth) for depth in (1, 2, 3, 10_000)]
 
     torch_names = recorded_by(rdzv.get_method_name)
-    assert torch_names[2] == "join_rendezvous" and torch_names[-1] == "no_method_name"
-    assert recorded_by(method_name)[1:] == torch_names[1:]  # [0]: the function asked, itself
+    assert torch_names[:3] == ["next_rendezvous", "record", "join_rendezvous"]
+    assert torch_names[-1] == "no_method_name"
+    assert recorded_by(method_name) == torch_names
+
+
+@pytest.mark.unit
+def test_overlapping_launches_hand_torch_its_own_name_lookup_back():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    from ddpkit.launcher.elastic import _rendezvous_events_named_by_frame, method_name
+
+    torch_own = rdzv.get_method_name
+    first, second = _rendezvous_events_named_by_frame(), _rendezvous_events_named_by_frame()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first launch ends while the second goes on
+    assert rdzv.get_method_name is method_name
+    second.__exit__(None, None, None)
+    assert rdzv.get_method_name is torch_own

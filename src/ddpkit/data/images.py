@@ -8,6 +8,7 @@ mid-epoch.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,21 @@ class Augment:
         return x
 
 
+def selectable(t: torch.Tensor) -> bool:
+    """Whether `t.index_select(0, i)` gives exactly what `t[i]` gives for a 1-D index `i` (the
+    same values, dtype and memory layout), without Python's indexing machinery: `t` has rows,
+    is laid out contiguously (index_select's result always is, where `t[i]` keeps a permuted
+    layout such as channels_last), and has an index_select kernel for its dtype and shape (a 1-D
+    tensor of uint16, uint32 or uint64 has none). Asked once per tensor, not per batch."""
+    if t.dim() == 0 or t.layout != torch.strided or not t.is_contiguous():
+        return False
+    try:
+        t.index_select(0, torch.zeros(min(1, len(t)), dtype=torch.long, device=t.device))
+    except RuntimeError:  # (NotImplementedError is one)
+        return False
+    return True
+
+
 class ImageSet(Dataset):
     """Images as stored (uint8, or float), normalized per channel when read, and augmented
     when an `augment` is given and the sampler passes keys.
@@ -87,30 +103,37 @@ class ImageSet(Dataset):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1).expand(channels).reshape(1, channels, 1, 1)
         self._resident: dict[str, ImageSet] = {}
+        self._select = selectable(images) and selectable(labels)  # (see _batch)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:
         index, aug_key = key if isinstance(key, tuple) else (key, None)
-        keys = None if aug_key is None else torch.tensor([aug_key], dtype=torch.int64)
-        x, _ = self._batch(torch.tensor([index]), keys)
+        device = self.images.device
+        keys = None if aug_key is None else torch.tensor([aug_key], dtype=torch.int64, device=device)
+        row = operator.index(index)
+        row = row + len(self) if row < 0 else row  # counted from the end, as t[index] counts it
+        x, _ = self._batch(torch.tensor([row], device=device), keys)
         return x[0], self.labels[index]
 
     def batch(self, indices: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch(indices, keys)
 
     def _batch(self, indices: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.images.index_select(0, indices)  # = images[indices], without Python's indexing
+        if self._select:  # the same rows as images[indices], without Python's indexing machinery
+            x, labels = self.images.index_select(0, indices), self.labels.index_select(0, indices)
+        else:
+            x, labels = self.images[indices], self.labels[indices]
         if self.augment is not None and keys is not None:
             x = self.augment(x, keys)
         x = (x.float() - self.mean) / self.std
-        return x.contiguous(), self.labels.index_select(0, indices)
+        return x.contiguous(), labels
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole set normalized, without augmentation: (images, labels)."""
-        return self._batch(torch.arange(len(self)), None)
+        return self._batch(torch.arange(len(self), device=self.images.device), None)
 
     def nbytes(self) -> int:
         return self.images.numel() * self.images.element_size() + self.labels.numel() * self.labels.element_size()

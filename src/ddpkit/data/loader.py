@@ -27,7 +27,7 @@ from ..device import cpu_count
 from ..errors import UsageError
 from ..seed import SeedWorker, loader_generator
 from ..tree import empty_like_batch, map_tensors
-from .images import ImageSet, augment_keys
+from .images import ImageSet, augment_keys, selectable
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
 from .text import TextSet
 
@@ -71,6 +71,7 @@ class Resident:
         self.tensors: tuple[torch.Tensor, ...] = ()
         if isinstance(dataset, TensorDataset):
             self.tensors = tuple(t.to(device) for t in dataset.tensors)
+        self.select = [selectable(t) for t in self.tensors]  # gathered with index_select, not t[i]
         self.device = device
 
     @staticmethod
@@ -81,7 +82,7 @@ class Resident:
         """The function a training pass calls once per micro-batch: the batch of positions
         [start, stop) of the epoch's `order` (augmented with keys from `seed` and `epoch`)."""
         if self.tensors and not self.channels_last:  # nothing but the gather: no checks per step
-            return tensor_cut(self.tensors, order)
+            return tensor_cut(self.tensors, order, all(self.select))
         augment = self.images is not None and self.images.augment is not None
 
         def cut(start: int, stop: int) -> Any:
@@ -96,7 +97,7 @@ class Resident:
         elif self.text is not None:
             batch = list(self.text.batch(indices))
         else:
-            batch = [t.index_select(0, indices) for t in self.tensors]
+            batch = [t.index_select(0, indices) if ok else t[indices] for t, ok in zip(self.tensors, self.select)]
         if self.channels_last:
             batch = [
                 t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
@@ -245,13 +246,21 @@ class DistributedLoader:
         self._ended_by_state = self.position >= self.steps_per_epoch
 
 
-def tensor_cut(tensors: tuple[torch.Tensor, ...], order: torch.Tensor) -> Callable[[int, int], list[torch.Tensor]]:
+def tensor_cut(
+    tensors: tuple[torch.Tensor, ...], order: torch.Tensor, select: bool = True
+) -> Callable[[int, int], list[torch.Tensor]]:
     """`[t[order[start:stop]] for t in tensors]` as a function of (start, stop), written out
     for one and two tensors (features, labels): a comprehension is a function call of its own,
-    once per step (`python -m benchmarks overhead`). The rows are gathered with `index_select`,
-    which gives the same tensor as `t[i]` without Python's indexing machinery (about 0.7 µs less
-    per tensor on a CPU)."""
-    if len(tensors) == 2:
+    once per step (`python -m benchmarks overhead`). With `select` (every tensor `selectable`)
+    the rows are gathered with `index_select`, which gives the same tensor as `t[i]` without
+    Python's indexing machinery (about 0.7 µs less per tensor on a CPU)."""
+    if not select:
+
+        def cut(start: int, stop: int) -> list[torch.Tensor]:
+            i = order[start:stop]
+            return [t[i] for t in tensors]
+
+    elif len(tensors) == 2:
         a, b = tensors
 
         def cut(start: int, stop: int) -> list[torch.Tensor]:

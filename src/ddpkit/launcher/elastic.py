@@ -300,6 +300,12 @@ def _quiet_elastic_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
+# Launches under way whose rendezvous names its events by frame, and torch's own function,
+# which the last of them to end puts back (launches may overlap, from several threads).
+_naming = {"launches": 0, "torch_own": None}
+_naming_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _rendezvous_events_named_by_frame() -> Iterator[None]:
     """The c10d rendezvous names each event it records after the method that records it, which
@@ -315,15 +321,23 @@ def _rendezvous_events_named_by_frame() -> Iterator[None]:
     except ImportError:
         yield
         return
-    torch_own = getattr(rdzv, "get_method_name", None)
-    if torch_own is None:  # torch no longer names events this way: nothing to speed up
-        yield
-        return
-    rdzv.get_method_name = method_name
+    with _naming_lock:
+        if getattr(rdzv, "get_method_name", None) is None:  # torch no longer names events this way
+            named = False
+        else:
+            named = True
+            if _naming["launches"] == 0:
+                _naming["torch_own"] = rdzv.get_method_name
+            _naming["launches"] += 1
+            rdzv.get_method_name = method_name
     try:
         yield
     finally:
-        rdzv.get_method_name = torch_own
+        if named:
+            with _naming_lock:
+                _naming["launches"] -= 1
+                if _naming["launches"] == 0:
+                    rdzv.get_method_name = _naming["torch_own"]
 
 
 def method_name(depth: int = 2) -> str:
