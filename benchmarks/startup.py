@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,8 @@ import time
 from typing import Any
 
 from ddpkit.bench.startup import command_environ
+
+from .paired import MIN_ROUNDS, NOT_RESOLVED, bootstrap_median, verdict
 
 DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit train vs torchrun, Accelerate, Fabric"
 
@@ -237,7 +241,22 @@ def versus_best_peer(contenders: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "best_peer": best,
         "ddpkit_over_best_peer": ratio,
         "target_met": ratio <= TARGET_RATIO if ratio is not None else None,
+        "paired": paired_by_round(contenders["ddpkit"], contenders[best]) if best else None,
     }
+
+
+def paired_by_round(kit: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any] | None:
+    """ddpkit's whole command over the peer's in the same round (the two ran back to back, so a
+    slow spell of the machine weighs on both): the median of those ratios, a 95% bootstrap
+    interval of it, and the verdict on TARGET_RATIO ("not resolved" while the interval holds it,
+    and below MIN_ROUNDS rounds). None for records made before the rounds were kept."""
+    kit_s, peer_s = kit.get("seconds_per_round"), peer.get("seconds_per_round")
+    if not kit_s or not peer_s or len(kit_s) != len(peer_s):
+        return None
+    ratios = [k / p for k, p in zip(kit_s, peer_s)]
+    low, high = bootstrap_median(ratios)
+    status = verdict(low, high, TARGET_RATIO, math.inf) if len(ratios) >= MIN_ROUNDS else NOT_RESOLVED
+    return {"median": statistics.median(ratios), "interval95": [low, high], "status": status, "per_round": ratios}
 
 
 def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: dict[str, str]) -> dict[str, list]:
@@ -278,6 +297,7 @@ def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, 
     entry: dict[str, Any] = {
         "command": " ".join(["python", *(os.path.basename(a) if a.endswith(".py") else a for a in cmd[1:])]),
         "wall_seconds": stats([r["seconds"] for r in runs]),
+        "seconds_per_round": [r["seconds"] for r in runs],
         "test_accuracy": accuracies[-1] if accuracies else None,
         "test_accuracies": accuracies,
     }
@@ -362,6 +382,16 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 f"ddpkit / best peer ({result['best_peer']})",
                 f"{result['ddpkit_over_best_peer']:.3f}x (target <= {result['target_ratio']}: {verdict})",
+            )
+        )
+    paired = result.get("paired")
+    if paired:
+        low, high = paired["interval95"]
+        rows.append(
+            (
+                f"ddpkit / {result['best_peer']}, paired by round (median, 95% CI)",
+                f"{paired['median']:.3f}x [{low:.3f}, {high:.3f}] (target <= {result['target_ratio']}: "
+                f"{paired['status']})",
             )
         )
     for name, c in result["contenders"].items():

@@ -48,6 +48,10 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     assert r["best_peer"] == "torchrun" and r["target_ratio"] == 0.7
     assert r["ddpkit_over_best_peer"] == pytest.approx(1 / r["speedup_vs"]["torchrun"])
     assert "ddpkit / best peer (torchrun)" in proc.stdout
+    # the same target paired by round: one round here, too few for a verdict
+    paired = r["paired"]
+    assert paired["per_round"] == [ddp["seconds_per_round"][0] / r["contenders"]["torchrun"]["seconds_per_round"][0]]
+    assert paired["status"] == "not resolved" and "paired by round" in proc.stdout
     assert r["job"]["epochs"] == 10 and r["job"]["processes"] == 2
     assert png.stat().st_size > 0
     assert "ddpkit fastest" in proc.stdout
@@ -93,3 +97,23 @@ def test_bench_startup_target_is_ddpkit_over_the_best_peer():
     assert versus_best_peer(of(ddpkit=4.2, torchrun=7.0))["target_met"] is True
     alone = versus_best_peer(of(ddpkit=5.0))
     assert alone["best_peer"] is None and alone["ddpkit_over_best_peer"] is None and alone["target_met"] is None
+
+
+@pytest.mark.unit
+def test_bench_startup_pairs_the_rounds():
+    from benchmarks.startup import paired_by_round
+
+    def ran(*seconds):
+        return {"seconds_per_round": list(seconds)}
+
+    # ddpkit at 0.65-0.68 of the peer in every round, while the machine's speed drifts by half
+    peer = [6.0 + 0.3 * (i % 5) for i in range(12)]
+    met = paired_by_round(ran(*(p * (0.65 + 0.01 * (i % 4)) for i, p in enumerate(peer))), ran(*peer))
+    assert met["status"] == "met" and met["interval95"][1] <= 0.7 and len(met["per_round"]) == 12
+    missed = paired_by_round(ran(*(p * 0.74 for p in peer)), ran(*peer))
+    assert missed["status"] == "not met" and missed["median"] == pytest.approx(0.74)
+    straddles = paired_by_round(ran(*(p * (0.66 + 0.08 * (i % 2)) for i, p in enumerate(peer))), ran(*peer))
+    assert straddles["status"] == "not resolved"
+    few = paired_by_round(ran(4.0, 4.1), ran(6.5, 6.6))
+    assert few["status"] == "not resolved"  # below 10 rounds: no verdict
+    assert paired_by_round({"wall_seconds": {}}, ran(6.0)) is None  # a record from before
