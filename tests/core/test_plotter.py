@@ -25,8 +25,8 @@ HISTORY = [
 HISTORY[1]["test_loss"] = float("nan")
 
 
-def _drawn_here(tmp_path) -> bytes:
-    plots.plot_curves(HISTORY, str(tmp_path / "here.png"), "cnn on digits")
+def _drawn_here(tmp_path, history=HISTORY, title="cnn on digits") -> bytes:
+    plots.plot_curves(history, str(tmp_path / "here.png"), title)
     return (tmp_path / "here.png").read_bytes()
 
 
@@ -45,8 +45,12 @@ def test_the_helper_draws_the_same_png_and_ends_with_its_block(tmp_path):
             "",
         )
         assert token.wait() is True
+        # the helper draws curves again in the figure it keeps: other records, no title
+        again = plotter.draw_later("plot_curves", [HISTORY[::2] * 2], str(tmp_path / "again.png"), "")
+        assert again.wait() is True
     assert proc.returncode == 0 and plotter._helper is None
     assert (tmp_path / "curves.png").read_bytes() == _drawn_here(tmp_path)
+    assert (tmp_path / "again.png").read_bytes() == _drawn_here(tmp_path, HISTORY[::2] * 2, "")
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
