@@ -175,7 +175,9 @@ def serve() -> None:
                 getattr(plots, request["plot"])(*request["args"])
             ok = True
         except Exception:  # noqa: BLE001 - the run draws it itself, and says what failed there
-            curves = None  # (a figure left half drawn is not drawn again)
+            if curves is not None and request.get("plot") == "plot_curves":
+                curves.close()  # a figure left half drawn is not drawn again
+                curves = None
             ok = False
         sys.stdout.write(json.dumps({"id": request["id"], "ok": ok}) + "\n")
         sys.stdout.flush()
