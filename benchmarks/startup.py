@@ -17,7 +17,8 @@ baselines are plain scripts in `benchmarks/baselines/` (they share only the data
 definitions, which import NumPy and torch).
 
 Every run is a fresh process started by `subprocess`, timed from start to exit. Rounds run
-every contender once, in an order rotated from round to round, after one untimed warm-up round
+every contender once, in an order rotated from round to round (and reversed every other cycle of
+rotations, see round_order), after one untimed warm-up round
 (not with --quick) that fills the page cache for everyone. Reported: the median and spread of
 each contender's wall time, the final test accuracy each reached (the proof that they did the
 same job), and for ddpkit the run's own `wall_seconds` from results.json, so the part spent
@@ -265,7 +266,7 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-startup-") as tmp:
         for r in range(warmup + rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:  # nobody always first (cold) or last
+            for name in round_order(names, r):
                 if name in skipped:
                     continue
                 try:
@@ -286,6 +287,16 @@ def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: di
                     flush=True,
                 )
     return runs
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round `r`'s order: rotated every round (nobody always first, cold, or last) and reversed
+    every other cycle of rotations, so that over 2 x len(names) rounds each contender runs
+    before each other one as often as after it (a rotation alone puts the first of four before
+    the second in 3 rounds of 4), which the rounds' paired ratios rely on."""
+    n = len(names)
+    rotated = names[r % n :] + names[: r % n]
+    return rotated if (r // n) % 2 == 0 else rotated[::-1]
 
 
 def _contender(name: str, runs: list[dict[str, Any]], epochs: int) -> dict[str, Any]:

@@ -66,6 +66,20 @@ class Curves:
         axes[0].set_yscale("log")
         self.title = self.fig.suptitle("")
 
+    @staticmethod
+    def redraws(history: list[dict[str, Any]]) -> bool:
+        """Whether a kept figure draws `history` as a new one would: every panel has a point it
+        can show (a finite value; a positive one on the loss's log axis). An axis with nothing
+        to show keeps the limits of the figure's previous drawing, where a new one has its
+        defaults (an empty history: --max-steps inside the first epoch)."""
+
+        def shown(key: str, low: float) -> bool:
+            return any(
+                math.isfinite(v := h[f"{part}_{key}"]) and v > low for h in history for part in ("train", "test")
+            )
+
+        return shown("loss", 0.0) and shown("accuracy", -math.inf)
+
     def draw(self, history: list[dict[str, Any]], path: str, title: str = "") -> None:
         epochs = [h["epoch"] for h in history]
         for ax, key, train, test in self.lines:

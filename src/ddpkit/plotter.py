@@ -168,8 +168,8 @@ def serve() -> None:
         try:
             if request["plot"] not in PLOTS:
                 raise ValueError(request["plot"])
-            if request["plot"] == "plot_curves":  # drawn again in the warm-up's figure: sooner, same bytes
-                curves = curves or plots.Curves()
+            if request["plot"] == "plot_curves" and plots.Curves.redraws(request["args"][0]):
+                curves = curves or plots.Curves()  # drawn again in the warm-up's figure: sooner, same bytes
                 curves.draw(*request["args"])
             else:
                 getattr(plots, request["plot"])(*request["args"])

@@ -116,4 +116,22 @@ def test_bench_startup_pairs_the_rounds():
     assert straddles["status"] == "not resolved"
     few = paired_by_round(ran(4.0, 4.1), ran(6.5, 6.6))
     assert few["status"] == "not resolved"  # below 10 rounds: no verdict
+    ten = [6.0 + 0.1 * i for i in range(10)]
+    assert paired_by_round(ran(*(p * 0.6 for p in ten)), ran(*ten))["status"] == "met"  # from 10 on
+    assert paired_by_round(ran(*(p * 0.6 for p in ten[:9])), ran(*ten[:9]))["status"] == "not resolved"
     assert paired_by_round({"wall_seconds": {}}, ran(6.0)) is None  # a record from before
+
+
+@pytest.mark.unit
+def test_bench_startup_rounds_run_each_contender_before_each_other_as_often_as_after():
+    from itertools import permutations
+
+    from benchmarks.startup import round_order
+
+    for names in (["ddpkit", "torchrun"], ["ddpkit", "torchrun", "accelerate", "fabric"]):
+        orders = [round_order(names, r) for r in range(2 * len(names))]
+        assert all(sorted(o) == sorted(names) for o in orders)
+        assert sorted(o[0] for o in orders) == sorted(names * 2)  # each first as often
+        for a, b in permutations(names, 2):
+            before = sum(o.index(a) < o.index(b) for o in orders)
+            assert before == len(orders) // 2, (a, b)

@@ -45,12 +45,17 @@ def test_the_helper_draws_the_same_png_and_ends_with_its_block(tmp_path):
             "",
         )
         assert token.wait() is True
-        # the helper draws curves again in the figure it keeps: other records, no title
-        again = plotter.draw_later("plot_curves", [HISTORY[::2] * 2], str(tmp_path / "again.png"), "")
-        assert again.wait() is True
+        # the helper draws curves again in the figure it keeps: other records, no title; and
+        # records with nothing to show in a panel (none: --max-steps inside the first epoch;
+        # every loss NaN), which a kept figure would show in its last drawing's limits
+        nothing = [{**h, "train_loss": float("nan"), "test_loss": float("nan")} for h in HISTORY]
+        others = {"again": (HISTORY[::2] * 2, ""), "none": ([], "t"), "nan": (nothing, "t")}
+        for name, (records, title) in others.items():
+            assert plotter.draw_later("plot_curves", [records], str(tmp_path / f"{name}.png"), title).wait() is True
     assert proc.returncode == 0 and plotter._helper is None
     assert (tmp_path / "curves.png").read_bytes() == _drawn_here(tmp_path)
-    assert (tmp_path / "again.png").read_bytes() == _drawn_here(tmp_path, HISTORY[::2] * 2, "")
+    for name, (records, title) in others.items():
+        assert (tmp_path / f"{name}.png").read_bytes() == _drawn_here(tmp_path, records, title), name
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
