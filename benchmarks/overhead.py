@@ -182,7 +182,7 @@ def _loops(work: Work, rt: Any) -> dict[str, Any]:
     x = torch.randn(work.samples, work.features, generator=g).to(rt.device)
     y = torch.randint(0, work.classes, (work.samples,), generator=g).to(rt.device)
     loader = rt.loader(TensorDataset(x, y), batch_size=work.batch, seed=work.seed)
-    epoch = [0, 0, 0]  # (a)'s and (c)'s epochs; ddpkit's loader counts its own
+    epoch = [0, 0]  # (a)'s and (c)'s epochs; ddpkit's loader counts its own
 
     def hand_epoch(model: Any, opt: Any) -> None:
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[0])).to(x.device)
@@ -194,9 +194,9 @@ def _loops(work: Work, rt: Any) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def select_epoch(model: Any, opt: Any) -> None:
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[2])).to(x.device)
-        epoch[2] += 1
+    def select_epoch(model: Any, opt: Any) -> None:  # hand_epoch, gathering as (c) says: written out, as a user would
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(work.seed + epoch[1])).to(x.device)
+        epoch[1] += 1
         for k in range(0, len(x), work.batch):
             idx = order[k : k + work.batch]
             loss = F.cross_entropy(model(x.index_select(0, idx)), y.index_select(0, idx))

@@ -54,9 +54,10 @@ def verdict(low: float, high: float, target: float, resolution: float) -> str:
     return NOT_MET if low > target else NOT_RESOLVED
 
 
-def paired_ratio(hand: list[float], kit: list[float], target: float) -> dict[str, Any]:
+def paired_ratio(hand: list[float], kit: list[float], target: float, resolution: float | None = None) -> dict[str, Any]:
     """Per-round ratios kit / hand of a cost (seconds per step), their median, its 95% interval
-    and the verdict on `target` (a ratio like 1.01; the resolution asked is `target - 1`)."""
+    and the verdict on `target` (a ratio like 1.01; the resolution asked is `target - 1` unless
+    given: see `verdict`)."""
     ratios = [k / h for h, k in zip(hand, kit)]
     low, high = bootstrap_median(ratios)
     enough = len(ratios) >= MIN_ROUNDS
@@ -64,6 +65,8 @@ def paired_ratio(hand: list[float], kit: list[float], target: float) -> dict[str
         "ratio": statistics.median(ratios),
         "interval95": [low, high],
         "width": high - low,
-        "status": verdict(low, high, target, target - 1.0) if enough else NOT_RESOLVED,
+        "status": verdict(low, high, target, target - 1.0 if resolution is None else resolution)
+        if enough
+        else NOT_RESOLVED,
         "ratio_per_round": ratios,
     }

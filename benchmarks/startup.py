@@ -39,7 +39,6 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from typing import Any
 
 from ddpkit.bench.startup import command_environ
 
-from .paired import MIN_ROUNDS, NOT_RESOLVED, bootstrap_median, verdict
+from .paired import paired_ratio
 
 DESCRIPTION = "whole-command wall time of a small 2-process CPU job: ddpkit train vs torchrun, Accelerate, Fabric"
 
@@ -250,14 +249,18 @@ def paired_by_round(kit: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]
     """ddpkit's whole command over the peer's in the same round (the two ran back to back, so a
     slow spell of the machine weighs on both): the median of those ratios, a 95% bootstrap
     interval of it, and the verdict on TARGET_RATIO ("not resolved" while the interval holds it,
-    and below MIN_ROUNDS rounds). None for records made before the rounds were kept."""
+    and below paired.MIN_ROUNDS rounds). None for records made before the rounds were kept."""
     kit_s, peer_s = kit.get("seconds_per_round"), peer.get("seconds_per_round")
     if not kit_s or not peer_s or len(kit_s) != len(peer_s):
         return None
-    ratios = [k / p for k, p in zip(kit_s, peer_s)]
-    low, high = bootstrap_median(ratios)
-    status = verdict(low, high, TARGET_RATIO, math.inf) if len(ratios) >= MIN_ROUNDS else NOT_RESOLVED
-    return {"median": statistics.median(ratios), "interval95": [low, high], "status": status, "per_round": ratios}
+    # a whole command's ratio, 0.7: any interval wholly below the target meets it
+    p = paired_ratio(peer_s, kit_s, TARGET_RATIO, resolution=math.inf)
+    return {
+        "median": p["ratio"],
+        "interval95": p["interval95"],
+        "status": p["status"],
+        "per_round": p["ratio_per_round"],
+    }
 
 
 def _rounds(names: list[str], epochs: int, rounds: int, warmup: int, skipped: dict[str, str]) -> dict[str, list]:

@@ -74,9 +74,8 @@ class Curves:
         defaults (an empty history: --max-steps inside the first epoch)."""
 
         def shown(key: str, low: float) -> bool:
-            return any(
-                math.isfinite(v := h[f"{part}_{key}"]) and v > low for h in history for part in ("train", "test")
-            )
+            values = (h.get(f"{part}_{key}") for h in history for part in ("train", "test"))
+            return any(isinstance(v, (int, float)) and math.isfinite(v) and v > low for v in values)
 
         return shown("loss", 0.0) and shown("accuracy", -math.inf)
 

@@ -247,7 +247,7 @@ class DistributedLoader:
 
 
 def tensor_cut(
-    tensors: tuple[torch.Tensor, ...], order: torch.Tensor, select: bool = True
+    tensors: tuple[torch.Tensor, ...], order: torch.Tensor, select: bool
 ) -> Callable[[int, int], list[torch.Tensor]]:
     """`[t[order[start:stop]] for t in tensors]` as a function of (start, stop), written out
     for one and two tensors (features, labels): a comprehension is a function call of its own,

@@ -9,7 +9,7 @@ adds what the tutorials get wrong by hand:
 - each process gets its share of the cores (OMP_NUM_THREADS), not all of them;
 - a failure becomes one `WorkerFailed` naming the rank that caused it (see `failures`);
 - the rendezvous names its events without `inspect.stack()`, which cost a launch under
-  `python -m` about 0.2 s (see `_rendezvous_events_named_by_frame`).
+  `python -m` about 0.15 s (see `_rendezvous_events_named_by_frame`).
 """
 
 from __future__ import annotations
@@ -312,9 +312,9 @@ def _rendezvous_events_named_by_frame() -> Iterator[None]:
     it finds with `inspect.stack()` (its `get_method_name`), even when the event then goes to a
     handler that drops it. `inspect.stack()` reads every frame's source, and for a frame with
     no file, as `python -m` leaves at the bottom of the stack (runpy is frozen), it scans every
-    loaded module: some 2000 once torch is imported, 10 to 20 ms per event. A launch records
-    about ten, on the launching process's only thread that is not waiting, beside the workers'
-    preload: about 0.3 s of a 4 s job. For the launch's duration, the same name is read from the
+    loaded module: some 2000 once torch is imported, 7 to 13 ms a call, two calls an event. A
+    launch records about ten at its start, on the GIL beside the workers' preload, and some at
+    its end: about 0.15 s of a 4.5 s job (`workers_started` and `workers_exited`, docs/speed.md). For the launch's duration, the same name is read from the
     frame itself (`sys._getframe`: the frame `depth` calls up, as `inspect.stack()[depth]`)."""
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
