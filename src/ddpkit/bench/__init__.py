@@ -31,6 +31,7 @@ BENCHES: dict[str, str] = {
     "strategies": "ddpkit.bench.strategies",
     "checkpoint": "ddpkit.bench.checkpoint",
     "models": "ddpkit.bench.models",
+    "gpt": "ddpkit.bench.gpt",
     "fast-cifar": "ddpkit.bench.fast_cifar",
     "startup": "ddpkit.bench.startup",
 }
