@@ -6,17 +6,18 @@ measures them, within a window of a few minutes on a machine with no network.
     python -m benchmarks gpu --results DIR    # on the GPU machine: set up, test, measure, report
 
 On a machine without a CUDA device it says so in one line, lists what it would run and exits 0.
-`--device cpu` rehearses the whole plan on CPU at smoke sizes (results in a temporary folder,
-never in benchmarks/results/): it checks the check, not the GPU.
+`--device cpu` rehearses the whole plan on CPU at smoke sizes (results in a temporary folder
+unless --results names one): it checks the check, not the GPU.
 
 The steps run one after another, each a subprocess with a time limit of its own, inside one
 budget for the whole (`--budget`, 480 s: the 8 minutes a GPU window allows). A step that fails
 or runs out of time is reported and the next one runs; a step whose estimate no longer fits the
-budget is skipped and says so. The whole output is at most 8 files in `--results`, so it can be
+budget is skipped and says so (the check then exits 1, as when a step fails). The whole output is at most 8 files in `--results`, so it can be
 carried back from a machine that returns 8 files: one JSON per measurement (NAME-cuda.json,
 hardware, versions and date inside), the CUDA tests' outcomes (tests-cuda.json), the check's own
 record (gpu-check-cuda.json: set-up, environment, every step's status, figure, seconds and output
-tail) and the table (SUMMARY-gpu.md), which is also printed at the end.
+tail) and the table (SUMMARY-gpu-cuda.md), which is also printed at the end. Both are rewritten
+after every step, so a check stopped from outside still leaves what it did.
 
 This module imports only the standard library until its steps run: on the GPU machine ddpkit is
 not installed yet when it starts (the set-up step installs it).
@@ -42,6 +43,9 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m benchmarks gpu"
 BUDGET_S = 480.0  # the 8 minutes of wall time the check may take on one H200
+# A rehearsal on CPU (--device cpu) gives every step this many times its time: a few CPU cores
+# compile and train more slowly than a GPU, and the rehearsal checks the check, not the speed.
+REHEARSAL_SLACK = 3.0
 WHEELS = ".gpu-wheels"  # git-ignored: the wheels --prepare fetches, carried to the GPU machine
 SITE = ".gpu-site"  # git-ignored: where the set-up step installs those wheels
 # ddpkit's requirements that the GPU machine's image lacks (its package list, 2026-11-17: it has
@@ -65,6 +69,7 @@ class Step:
     argv: Callable[[Context], list[str]] | None = None  # None: runs in this process (setup)
     result: str | None = None  # NAME-cuda.json under --results
     judge: Callable[[dict[str, Any], Context], tuple[str, str]] | None = None  # (status, figure)
+    plots: str | None = None  # the module whose plot(record, path) draws the result (--replot)
 
 
 @dataclass
@@ -96,14 +101,27 @@ class Context:
 
 def _tests_argv(ctx: Context) -> list[str]:
     junit = os.path.join(ctx.scratch, "junit.xml")
-    return ["-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    # A test that hangs is stopped by pytest-timeout, well inside the step's limit, and the others run.
+    timeout = "--timeout=300" if ctx.rehearsal else "--timeout=120"
+    return [
+        "-m",
+        "pytest",
+        "-m",
+        "cuda",
+        "tests/test_cuda.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        timeout,
+        f"--junitxml={junit}",
+    ]
 
 
 def _parity_argv(ctx: Context) -> list[str]:
-    # resnet18 at batch 256 on 32x32 images: a step of several ms on a data-center GPU (the
-    # default cnn at 16x16 takes well under one), 12 rounds: enough for a verdict.
-    size = ["--quick"] if ctx.rehearsal else ["--model", "resnet18", "--image-size", "32", "--batch-size", "256"]
-    rounds = ["--nproc", "1"] if ctx.rehearsal else ["--rounds", "12", "--steps", "24"]
+    # resnet18 at batch 512 on 32x32 images: about 1.7 TFLOP a step, over 5 ms on a data-center
+    # GPU (the default cnn at 16x16 takes well under one); 12 rounds: enough for a verdict.
+    size = ["--quick"] if ctx.rehearsal else ["--model", "resnet18", "--image-size", "32", "--batch-size", "512"]
+    rounds = ["--nproc", "1"] if ctx.rehearsal else ["--rounds", "12", "--steps", "20"]
     return [
         *("-m", "benchmarks", "parity", "--device", ctx.device, *size, *rounds),
         *("--json", ctx.out("parity"), "--plot", os.path.join(ctx.scratch, "parity.png")),
@@ -164,7 +182,7 @@ def _judge_gpt(record: dict[str, Any], ctx: Context) -> tuple[str, str]:
     mfu = r["mfu"]["counted"]
     mfu_text = f"MFU {100 * mfu:.1f}% of {r['peak_tflops']:g} TFLOP/s" if mfu is not None else "MFU n/a (no peak)"
     figure = (
-        f"{r['parameters'] / 1e6:.0f}M params, {r['work']['precision']}: {r['tokens_per_second']['median']:,.0f} "
+        f"{r['parameters']:,} params, {r['work']['precision']}: {r['tokens_per_second']['median']:,.0f} "
         f"tokens/s, {r['step_ms']['median']:.1f} ms/step, {mfu_text}"
     )
     ok = r["loss_finite"] and (mfu is not None or ctx.rehearsal)
@@ -174,10 +192,16 @@ def _judge_gpt(record: dict[str, Any], ctx: Context) -> tuple[str, str]:
 def _judge_fast_cifar(record: dict[str, Any], ctx: Context) -> tuple[str, str]:
     r = _result_of(record)
     seconds = r["epoch_seconds_per_run"][-1]
+    hit = r["time_to_target"][-1]
+    reached = (
+        f"{r['target_accuracy']:.0%} reached after {hit['training_seconds']:.2f} s (epoch {hit['epoch']})"
+        if hit
+        else f"{r['target_accuracy']:.0%} not reached"
+    )
     figure = (
         f"{r['epochs']} epochs of {r['synthetic_size']:,} SYNTHETIC CIFAR-shaped samples: {sum(seconds):.2f} s "
-        f"training ({r['median_epoch_seconds']:.2f} s/epoch after the first); airbench94: "
-        f"{AIRBENCH94_A100_S} s to 94% on real CIFAR-10, A100 (published)"
+        f"training ({r['median_epoch_seconds']:.2f} s/epoch after the first), {reached} on that synthetic data; "
+        f"airbench94: {AIRBENCH94_A100_S} s to 94% on real CIFAR-10, A100 (published)"
     )
     return "pass", figure
 
@@ -187,16 +211,19 @@ def _judge_precision(record: dict[str, Any], ctx: Context) -> tuple[str, str]:
     by = {v["variant"]: v for v in r["variants"]}
     parts = [f"{name} {v['speedup_vs_fp32']:.2f}x" for name, v in by.items() if name != "fp32"]
     bad = [name for name, v in by.items() if not v["loss_finite"]]
-    figure = "over fp32: " + ", ".join(parts[:5]) + (f"; loss NOT finite: {', '.join(bad)}" if bad else "")
+    bad += [f"{name} (no GradScaler)" for name, v in by.items() if v["precision"] == "fp16" and not v["grad_scale"]]
+    compiled = [f"{n} {v['compile_seconds']:.0f} s" for n, v in by.items() if v.get("compile_seconds") is not None]
+    figure = "over fp32: " + ", ".join(parts) + (f"; compile: {', '.join(compiled)}" if compiled else "")
+    figure += f"; NOT trained: {', '.join(bad)}" if bad else ""
     return ("fail" if bad else "pass"), figure
 
 
 STEPS: tuple[Step, ...] = (
-    Step("setup", "install ddpkit (and carried wheels) without a network; check its requirements import", 20, 120),
+    Step("setup", "install ddpkit (and carried wheels) without a network; check its requirements import", 25, 90),
     Step(
         "env",
         "`ddpkit env --json`: devices, versions, the chosen backend",
-        8,
+        10,
         45,
         lambda ctx: ["-m", "ddpkit", "env", "--json"],
         None,
@@ -205,30 +232,32 @@ STEPS: tuple[Step, ...] = (
     Step(
         "tests",
         "`pytest -m cuda`: precisions and the scaler, channels_last, compile, the loaders, fsdp, DCP, "
-        "evaluate, `ddpkit train` on digits and gpt",
-        170,
-        240,
+        "evaluate, `ddpkit train` on digits (compiled), gpt and fast-cifar",
+        150,
+        210,
         _tests_argv,
         "tests",
         _judge_tests,
     ),
     Step(
         "parity",
-        "ddpkit vs the hand-written loop on one GPU (resnet18, batch 256: steps of 5 ms or more), paired rounds",
+        "ddpkit vs the hand-written loop on one GPU (resnet18, batch 512: steps of 5 ms or more), paired rounds",
         50,
         100,
         _parity_argv,
         "parity",
         _judge_parity,
+        "benchmarks.parity",
     ),
     Step(
         "loader",
         "`ddpkit bench loader`: the resident loader against the DataLoader with pinned memory",
-        20,
-        60,
-        lambda ctx: ctx.bench("loader"),
+        30,
+        90,
+        lambda ctx: ctx.bench("loader", *(() if ctx.rehearsal else ("--repeats", "3"))),
         "loader",
         _judge_loader,
+        "ddpkit.bench.loader",
     ),
     Step(
         "gpt",
@@ -238,24 +267,27 @@ STEPS: tuple[Step, ...] = (
         lambda ctx: ctx.bench("gpt"),
         "gpt",
         _judge_gpt,
+        "ddpkit.bench.gpt",
     ),
     Step(
         "fast-cifar",
         "`ddpkit bench fast-cifar`: the recipe's 10 epochs of 50,000 synthetic CIFAR-shaped images",
-        60,
-        120,
+        45,
+        100,
         lambda ctx: ctx.bench("fast-cifar"),
         "fast-cifar",
         _judge_fast_cifar,
+        "ddpkit.bench.fast_cifar",
     ),
     Step(
         "precision",
         "`ddpkit bench precision`: fp32/bf16/fp16 x channels_last, compile, cudnn.benchmark (resnet18)",
-        100,
+        120,
         150,
-        lambda ctx: ctx.bench("precision", *(() if ctx.rehearsal else ("--repeats", "8"))),
+        lambda ctx: ctx.bench("precision", *(() if ctx.rehearsal else ("--repeats", "5"))),
         "precision",
         _judge_precision,
+        "ddpkit.bench.precision",
     ),
 )
 
@@ -269,19 +301,27 @@ def main(argv: list[str] | None = None) -> int:
     steps = _select(parser, a.only)
     if a.prepare:
         return prepare(a.wheels)
-    if a.budget <= 0:
+    if a.replot:
+        return replot(a.replot)
+    if a.budget is not None and a.budget <= 0:
         parser.error(f"--budget must be positive, got {a.budget:g}")
+    budget = a.budget or BUDGET_S * (REHEARSAL_SLACK if a.device == "cpu" else 1)
     if a.dry_run:
-        print(plan_text(steps, a.budget))
+        print(plan_text(steps, budget))
         return 0
     cuda = _cuda_devices()
     if a.device == "cuda" and not cuda:
-        print(f"{PROG}: no CUDA device is visible here ({_torch_word()}); nothing was run. On a GPU it would run:")
-        print(plan_text(steps, a.budget))
+        why = f"no CUDA device is visible here ({_torch_word()})"
+        print(f"{PROG}: {why}; nothing was run. On a GPU it would run:")
+        print(plan_text(steps, budget))
+        if a.results:  # asked for files (on a machine meant to have a GPU): say there why there are none
+            ctx = Context("cuda", os.path.abspath(a.results), "")
+            os.makedirs(ctx.results, exist_ok=True)
+            write_report(ctx, [{"step": "env", "status": "fail", "figure": why, "seconds": 0.0}], 0.0, budget)
         return 0
     results = a.results or (tempfile.mkdtemp(prefix="ddpkit-gpu-rehearsal-") if a.device == "cpu" else None)
     results = results or os.path.join(ROOT, "benchmarks", "results")
-    return check(steps, a.device, os.path.abspath(results), a.budget, os.path.abspath(a.wheels))
+    return check(steps, a.device, os.path.abspath(results), budget, os.path.abspath(a.wheels))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -299,12 +339,21 @@ def _parser() -> argparse.ArgumentParser:
         help=f"download the wheels the GPU image lacks ({', '.join(IMAGE_LACKS)}) into --wheels, for Python 3.12",
     )
     p.add_argument(
+        "--replot",
+        metavar="DIR",
+        help="draw the plot of each result file in DIR beside it (NAME-cuda.png), from the JSON the check brought back",
+    )
+    p.add_argument(
         "--results",
         metavar="DIR",
         help="where the 8 result files go (default benchmarks/results/; with --device cpu a temporary folder)",
     )
     p.add_argument("--wheels", metavar="DIR", default=os.path.join(ROOT, WHEELS), help=f"default {WHEELS}/")
-    p.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for the whole check (default {BUDGET_S:g})")
+    p.add_argument(
+        "--budget",
+        type=float,
+        help=f"seconds for the whole check (default {BUDGET_S:g}; {REHEARSAL_SLACK:g}x that with --device cpu)",
+    )
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -358,37 +407,61 @@ def _torch_word() -> str:
 # -- running --------------------------------------------------------------------------------------
 
 
+class Interrupted(Exception):
+    """SIGTERM or SIGINT reached the check: the step running is stopped, the report written."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def check(steps: list[Step], device: str, results: str, budget: float, wheels: str) -> int:
-    """Run `steps` within `budget` seconds; write the report; 0 if every step that ran passed."""
+    """Run `steps` within `budget` seconds, writing the report after each; 0 if every step
+    passed, 1 if one failed, ran out of time or was skipped."""
     os.makedirs(results, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="ddpkit-gpu-check-")
     ctx = Context(device, results, scratch, env=_child_env())
     if ctx.rehearsal:
         ctx.env["DDPKIT_CUDA_TESTS_DEVICE"] = "cpu"  # tests/test_cuda.py's bodies, run on CPU
+    else:
+        ctx.env.pop("DDPKIT_CUDA_TESTS_DEVICE", None)  # a rehearsal's setting must not reach a GPU run
+    for step in steps:  # an earlier run's file must not stand beside this run's report, nor be judged
+        if step.result is not None and os.path.exists(ctx.out(step.result)):
+            os.remove(ctx.out(step.result))
     print(f"{PROG}: {len(steps)} step(s) on {device}, budget {budget:g} s, results in {results}", flush=True)
     start = time.monotonic()
-    outcomes = []
-    for i, step in enumerate(steps, 1):
-        left = budget - (time.monotonic() - start)
-        if step.estimate_s > left:
-            outcome = {"step": step.name, "status": "skipped", "figure": f"no time left ({left:.0f} s)", "seconds": 0}
-        else:
-            print(f"[{i}/{len(steps)}] {step.name}: {step.what} (about {step.estimate_s:.0f} s)", flush=True)
-            outcome = run_step(step, ctx, min(step.limit_s, left), wheels)
-        outcomes.append(outcome)
-        print(f"    {outcome['status']}: {outcome['figure']} ({outcome['seconds']:.1f} s)", flush=True)
-        if outcome["status"] in ("fail", "timeout", "error") and outcome.get("output_tail"):
-            print(_indent(outcome["output_tail"][-1500:]), flush=True)
+    outcomes: list[dict[str, Any]] = []
+    slack = REHEARSAL_SLACK if ctx.rehearsal else 1.0
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for i, step in enumerate(steps, 1):
+            left = budget - (time.monotonic() - start)
+            if step.estimate_s * slack > left:
+                outcome = {"step": step.name, "status": "skipped", "figure": f"no time left ({left:.0f} s)"}
+                outcome["seconds"] = 0.0
+            else:
+                print(f"[{i}/{len(steps)}] {step.name}: {step.what} (about {step.estimate_s:.0f} s)", flush=True)
+                outcome = run_step(step, ctx, min(step.limit_s * slack, left), wheels)
+            outcomes.append(outcome)
+            print(f"    {outcome['status']}: {outcome['figure']} ({outcome['seconds']:.1f} s)", flush=True)
+            if outcome["status"] in ("fail", "timeout") and outcome.get("output_tail"):
+                print(_indent(outcome["output_tail"][-1500:]), flush=True)
+            write_report(ctx, outcomes, time.monotonic() - start, budget)  # what is done survives a kill
+    except Interrupted as why:
+        outcomes.append({"step": "(the check)", "status": "interrupted", "figure": f"{why} after", "seconds": 0.0})
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     table = write_report(ctx, outcomes, time.monotonic() - start, budget)
     print("\n" + table, flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    return 0 if all(o["status"] in ("pass", "skipped") for o in outcomes) else 1
+    return 0 if all(o["status"] == "pass" for o in outcomes) else 1
 
 
 def run_step(step: Step, ctx: Context, limit: float, wheels: str) -> dict[str, Any]:
     t = time.monotonic()
     if step.argv is None:
-        status, figure, tail = setup(ctx, wheels)
+        status, figure, tail = setup(ctx, wheels, deadline=t + limit)
         return {
             "step": step.name,
             "status": status,
@@ -396,13 +469,14 @@ def run_step(step: Step, ctx: Context, limit: float, wheels: str) -> dict[str, A
             "seconds": time.monotonic() - t,
             "output_tail": tail,
         }
-    code, tail = run_limited([sys.executable, *step.argv(ctx)], ctx.env, limit)
+    code, out, err = run_limited([sys.executable, *step.argv(ctx)], ctx.env, limit)
+    tail = out + err
     outcome: dict[str, Any] = {"step": step.name, "returncode": code, "output_tail": tail[-OUTPUT_TAIL:]}
     try:
         if step.judge is None:
             outcome["status"], outcome["figure"] = ("pass" if code == 0 else "fail"), _last_line(tail)
         else:
-            outcome["status"], outcome["figure"] = step.judge(_record(step, ctx, tail), ctx)
+            outcome["status"], outcome["figure"] = step.judge(_record(step, ctx, out), ctx)
         if code not in (0, None) and outcome["status"] == "pass":
             outcome["status"] = "fail"
     except Exception as err:  # noqa: BLE001 - one broken step must not end the check
@@ -418,11 +492,11 @@ def run_step(step: Step, ctx: Context, limit: float, wheels: str) -> dict[str, A
     return outcome
 
 
-def _record(step: Step, ctx: Context, output: str) -> dict[str, Any]:
+def _record(step: Step, ctx: Context, stdout: str) -> dict[str, Any]:
     """What the step left to judge: its JSON file, the JSON it printed (env), or, for the
     tests, pytest's JUnit XML turned into tests-cuda.json."""
     if step.name == "env":
-        record = json.loads(output[output.index("{") : output.rindex("}") + 1])
+        record = json.loads(stdout)
         ctx.info["env"] = record
         return record
     if step.name == "tests":
@@ -433,34 +507,39 @@ def _record(step: Step, ctx: Context, output: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def run_limited(cmd: list[str], env: dict[str, str], limit: float) -> tuple[int | None, str]:
-    """Run `cmd` from the repository root in a session of its own; kill the whole session (the
-    launcher's workers too) after `limit` seconds. (exit code or None on time-out, output)."""
-    with tempfile.TemporaryFile(mode="w+") as log:
+GRACE_S = 10.0  # after a step's limit: SIGINT (pytest then still writes its JUnit XML), then SIGKILL
+
+
+def run_limited(cmd: list[str], env: dict[str, str], limit: float) -> tuple[int | None, str, str]:
+    """Run `cmd` from the repository root in a session of its own. At `limit` seconds the whole
+    session (the launcher's workers too) gets SIGINT, and SIGKILL GRACE_S later; also when the
+    check itself is interrupted. (exit code, or None when stopped at the limit; stdout; stderr)."""
+    with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
         )
+        code: int | None = None
         try:
-            code: int | None = proc.wait(timeout=max(1.0, limit))
+            code = proc.wait(timeout=max(1.0, limit - GRACE_S))
         except subprocess.TimeoutExpired:
-            code = None
-            _kill_session(proc)
-        log.seek(0)
-        return code, log.read()
+            _signal_session(proc, signal.SIGINT)
+            try:
+                proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            _signal_session(proc, signal.SIGKILL)  # whatever is left of the session: workers, their children
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read()
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-    proc.wait()
 
 
 def _child_env() -> dict[str, str]:
@@ -473,36 +552,43 @@ def _child_env() -> dict[str, str]:
 # -- set-up ---------------------------------------------------------------------------------------
 
 
-def setup(ctx: Context, wheels: str, site: str = os.path.join(ROOT, SITE)) -> tuple[str, str, str]:
+def setup(
+    ctx: Context, wheels: str, site: str = os.path.join(ROOT, SITE), deadline: float | None = None
+) -> tuple[str, str, str]:
     """Install the carried wheels (if any) into `site`, put it on the children's path, install
     ddpkit from this checkout if it is not importable from here, and check that every
-    requirement imports. (status, figure, output)."""
+    requirement imports, all before `deadline` (time.monotonic()). (status, figure, output)."""
+    deadline = deadline or time.monotonic() + 300
+
+    def call(*args: str) -> tuple[int | None, str]:
+        code, out, err = run_limited([sys.executable, *args], dict(ctx.env), max(1.0, deadline - time.monotonic()))
+        return code, out + err
+
+    pip = ("-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps")
     log: list[str] = []
-    if os.path.isdir(wheels) and any(n.endswith(".whl") for n in os.listdir(wheels)):
-        code, out = run_limited(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
-            + ["--target", site, *sorted(os.path.join(wheels, n) for n in os.listdir(wheels) if n.endswith(".whl"))],
-            ctx.env,
-            90,
-        )
+    carried = (
+        sorted(os.path.join(wheels, n) for n in os.listdir(wheels) if n.endswith(".whl"))
+        if os.path.isdir(wheels)
+        else []
+    )
+    if carried:
+        code, out = call(*pip, "--no-index", "--no-compile", "--upgrade", "--target", site, *carried)
         log.append(f"wheels from {wheels} into {site}: exit {code}\n{out[-1000:]}")
         path = ctx.env.get("PYTHONPATH")
         ctx.env["PYTHONPATH"] = site + (os.pathsep + path if path else "")
-    where = _ddpkit_location(ctx.env)
-    if where != os.path.join(ROOT, "src", "ddpkit"):
-        code, out = run_limited(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT], ctx.env, 90
-        )
+    here = os.path.join(ROOT, "src", "ddpkit")
+    where = _ddpkit_location(call)
+    if where != here:
+        code, out = call(*pip, "--no-build-isolation", "-e", ROOT)
         log.append(
             f"pip install --no-deps --no-build-isolation -e . (ddpkit was at {where}): exit {code}\n{out[-1500:]}"
         )
-        where = _ddpkit_location(ctx.env)
-    probe = _probe_requirements(ctx.env)
+        where = _ddpkit_location(call)
+    probe = _probe_requirements(call)
     ctx.info["setup"] = {"ddpkit_at": where, "python": platform.python_version(), **probe}
     missing = probe.get("missing", [])
-    installed = where == os.path.join(ROOT, "src", "ddpkit")
     figure = (
-        f"ddpkit from this checkout: {'yes' if installed else 'NO (' + str(where) + ')'}; "
+        f"ddpkit from this checkout: {'yes' if where == here else f'NO ({where})'}; "
         f"Python {platform.python_version()}, torch {probe.get('torch', '?')}"
     )
     if missing:
@@ -510,15 +596,11 @@ def setup(ctx: Context, wheels: str, site: str = os.path.join(ROOT, SITE)) -> tu
     notes = _torch_notes(probe.get("torch"))
     if notes:
         figure += "; " + notes
-    return ("pass" if installed and not missing else "fail"), figure, "\n".join(log)
+    return ("pass" if where == here and not missing else "fail"), figure, "\n".join(log)
 
 
-def _ddpkit_location(env: dict[str, str]) -> str | None:
-    code, out = run_limited(
-        [sys.executable, "-c", "import os, ddpkit; print(os.path.dirname(os.path.abspath(ddpkit.__file__)))"],
-        dict(env),
-        60,
-    )
+def _ddpkit_location(call: Callable[..., tuple[int | None, str]]) -> str | None:
+    code, out = call("-c", "import os, ddpkit; print(os.path.dirname(os.path.abspath(ddpkit.__file__)))")
     return out.strip().splitlines()[-1] if code == 0 and out.strip() else None
 
 
@@ -544,8 +626,8 @@ print(json.dumps(out))
 """
 
 
-def _probe_requirements(env: dict[str, str]) -> dict[str, Any]:
-    code, out = run_limited([sys.executable, "-c", PROBE], dict(env), 60)
+def _probe_requirements(call: Callable[..., tuple[int | None, str]]) -> dict[str, Any]:
+    code, out = call("-c", PROBE)
     try:
         return json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -581,6 +663,29 @@ def prepare(wheels: str) -> int:
         return 1
     print(f"{PROG} --prepare: {', '.join(specs)} in {wheels}/; on the GPU machine carry that folder and run:")
     print(f"  {PROG} --results DIR")
+    return 0
+
+
+def replot(folder: str) -> int:
+    """Draw each step's plot from its result file in `folder`: the check draws none on the GPU
+    machine, whose output is limited to 8 files."""
+    import importlib
+
+    drawn = 0
+    for step in STEPS:
+        for suffix in ("cuda", "cpu-rehearsal"):
+            path = os.path.join(folder, f"{step.result}-{suffix}.json")
+            if step.plots is None or not os.path.isfile(path):
+                continue
+            with open(path) as f:
+                record = json.load(f)
+            png = os.path.splitext(path)[0] + ".png"
+            importlib.import_module(step.plots).plot(record, png)
+            print(png)
+            drawn += 1
+    if not drawn:
+        print(f"{PROG} --replot {folder}: no result file of the check there", file=sys.stderr)
+        return 2
     return 0
 
 

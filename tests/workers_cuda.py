@@ -122,7 +122,7 @@ def ddp_steps(device_type: str, precision: str, sync_batchnorm: bool = False) ->
 
     with ddpkit.Runtime(device=device_type, precision=precision, seed=0) as rt:
         if sync_batchnorm:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(models.build("simple-cnn", (3, 16, 16), 10))
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(models.build("fast-cifar", (3, 16, 16), 10))
             data = torch.utils.data.TensorDataset(torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,)))
         else:
             model, data = toy_model(), toy_data(64)

@@ -49,8 +49,11 @@ def test_dry_run_shows_each_steps_time_budget():
     proc = run_comparison("gpu", "--dry-run", "--only", "tests,gpt")
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split()[1:3] for line in proc.stdout.splitlines()[1:]}
-    assert rows["tests"] == ["170s", "240s"] and rows["gpt"] == ["30s", "90s"]
-    assert rows["total"] == ["200s", "480s"]
+    by = {s.name: s for s in gpu.STEPS}
+    for name in ("tests", "gpt"):
+        assert rows[name] == [f"{by[name].estimate_s:.0f}s", f"{by[name].limit_s:.0f}s"]
+    assert rows["total"] == [f"{by['tests'].estimate_s + by['gpt'].estimate_s:.0f}s", "480s"]
+    assert set(rows) == {"tests", "gpt", "total"}
 
 
 @pytest.mark.cli
@@ -60,6 +63,7 @@ def test_dry_run_shows_each_steps_time_budget():
         (["--only", "tests,nope"], "unknown step(s) nope"),
         (["--budget", "0"], "--budget must be positive"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--replot", "/nonexistent"], "no result file of the check there"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, says):
@@ -79,20 +83,28 @@ def test_steps_run_under_their_limits_and_a_late_one_is_skipped(tmp_path):
         "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
         f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "stale-cpu-rehearsal.json").write_text("{}")  # an earlier run's, which this run never rewrites
+    judged = gpu.Step(
+        "stale", "writes nothing", 1, 30, lambda ctx: ["-c", "pass"], "stale", lambda r, c: ("pass", "ok")
+    )
     steps = [
-        _step("hangs", hangs, limit=2),
+        judged,
+        _step("hangs", hangs, limit=1),
         _step("fails", "import sys; print('first'); print('what went wrong'); sys.exit(3)"),
         _step("passes", "print('fine')"),
         _step("late", "print('never')", estimate=1000),
     ]
     t = time.monotonic()
-    code = gpu.check(steps, "cpu", str(tmp_path / "results"), 60, str(tmp_path / "no-wheels"))
+    code = gpu.check(steps, "cpu", str(results), 60, str(tmp_path / "no-wheels"))
     assert time.monotonic() - t < 30 and code == 1
     report = json.loads((tmp_path / "results" / "gpu-check-cpu-rehearsal.json").read_text())
     by = {s["step"]: s for s in report["steps"]}
     assert by["hangs"]["status"] == "timeout" and by["hangs"]["seconds"] < 10
     assert by["fails"]["status"] == "fail" and by["fails"]["figure"] == "exited 3: what went wrong"
     assert by["passes"]["status"] == "pass" and by["late"]["status"] == "skipped"
+    assert by["stale"]["status"] == "fail" and by["stale"]["figure"].startswith("no result (FileNotFoundError")
     grandchild = int(pidfile.read_text())
     time.sleep(0.2)
     assert not os.path.exists(f"/proc/{grandchild}") or "Z" in open(f"/proc/{grandchild}/stat").read().split()[2]
@@ -165,6 +177,9 @@ def test_a_rehearsal_runs_the_steps_and_writes_at_most_eight_files(tmp_path):
     gpt = json.loads((results / "gpt-cpu-rehearsal.json").read_text())
     assert gpt["versions"]["torch"] == torch.__version__ and gpt["result"]["tokens_per_second"]["median"] > 0
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| gpt | pass |")
+    replot = run_comparison("gpu", "--replot", str(results))  # the plots the GPU machine does not keep
+    assert replot.returncode == 0 and replot.stdout.split() == [str(results / "gpt-cpu-rehearsal.png")]
+    assert (results / "gpt-cpu-rehearsal.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.cli
