@@ -20,7 +20,10 @@ def test_startup(tmp_path):
     assert run["test_accuracy"] > 0.5  # it trained, not merely started
     # every moment of a 2-process run, in order, then the exit seen from outside
     assert list(r["phases"]) == [*MOMENTS, "exit"] == list(run["phases"])
-    assert all(positive_stats(s) for s in r["phases"].values())
+    # curves_drawn waits for the drawing only if it outlasted the workers: 0.0 s (to the timeline's 0.1 ms)
+    # when it ended first, as it often does; every other phase takes time
+    assert all(positive_stats(s) for name, s in r["phases"].items() if name != "curves_drawn")
+    assert r["phases"]["curves_drawn"]["min"] >= 0
     marks = list(run["timeline"].values())
     assert marks == sorted(marks) and marks[-1] < run["seconds"]
     # the phases tile the whole command: from the process's start to its exit

@@ -38,6 +38,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .common import cycle
+
 DESCRIPTION = (
     "DDP bucket size, gradient_as_bucket_view, static_graph, fp16/bf16 comm hooks: step time and bytes all-reduced"
 )
@@ -177,7 +179,7 @@ class Setup:
         self.gradient_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.model, self.opt = self.rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=0.9))
         self.rt.ddp.register_comm_hook(state=self.counter, hook=counting_hook)  # before the first forward
-        self.batches = _cycle(self.rt.loader(data, batch_size=work.batch_per_rank * self.rt.world_size, resident=True))
+        self.batches = cycle(self.rt.loader(data, batch_size=work.batch_per_rank * self.rt.world_size, resident=True))
         self.loss: Any = None
 
     def steps(self, n: int) -> None:
@@ -190,11 +192,6 @@ class Setup:
             self.rt.backward(loss)
             self.rt.step(self.opt)
             self.loss = loss.detach()
-
-
-def _cycle(loader: Any) -> Any:
-    while True:
-        yield from loader
 
 
 def _probe(dtype: Any, device: Any) -> str | None:

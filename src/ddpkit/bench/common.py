@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,13 @@ def output_paths(opts: BenchOptions, device: str, draws: bool) -> tuple[str, str
         return opts.json_path or json_default, opts.plot_path or plot_default
     stem, ext = os.path.splitext(opts.json_path)
     return opts.json_path, (stem if ext.lower() != ".png" else opts.json_path) + ".png"
+
+
+def cycle(loader: Any) -> Iterator[Any]:
+    """A loader's batches, pass after pass, for as many steps as a benchmark times (each pass
+    a new epoch of the loader, as a training loop's would be)."""
+    while True:
+        yield from loader
 
 
 def load_average() -> list[float] | None:

@@ -29,6 +29,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .common import cycle
+
 DESCRIPTION = "the gpt language model: tokens/s, step time, FLOPs per token, achieved TFLOP/s and MFU"
 
 VOCAB = 256  # bytes
@@ -94,11 +96,6 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 # -- inside the worker ----------------------------------------------------------------------------
 
 
-def _cycle(loader: Any) -> Any:
-    while True:
-        yield from loader
-
-
 def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -118,7 +115,7 @@ def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
         params = sum(p.numel() for p in model.parameters())
         counted = flops_per_sample(model, (work.seq_len,), rt.device, vocab=VOCAB)
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=work.lr))
-        batches = _cycle(rt.loader(data, batch_size=work.batch_size, resident=True))
+        batches = cycle(rt.loader(data, batch_size=work.batch_size, resident=True))
         losses: list[Any] = []
 
         def steps() -> None:

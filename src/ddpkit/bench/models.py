@@ -22,6 +22,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .common import cycle
+
 DESCRIPTION = "samples/s, step time, FLOPs per sample, achieved TFLOP/s and MFU of every built-in model at 32x32"
 
 MODELS = ("lenet", "cnn", "simple-cnn", "fast-cifar", "resnet18")
@@ -84,11 +86,6 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 # -- inside the worker ----------------------------------------------------------------------------
 
 
-def _cycle(loader: Any) -> Any:
-    while True:
-        yield from loader
-
-
 def _worker(work: Work, names: list[str], device: str, reps: int) -> list[dict[str, Any]]:
     from ..data import synthetic
 
@@ -116,7 +113,7 @@ def _measure(work: Work, name: str, train: Any, device: str, reps: int) -> dict[
         params = sum(p.numel() for p in model.parameters())
         flops = flops_per_sample(model, work.shape, rt.device)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=0.9))
-        batches = _cycle(rt.loader(train, batch_size=work.batch_size, resident=True))
+        batches = cycle(rt.loader(train, batch_size=work.batch_size, resident=True))
         last: list[Any] = [None]
 
         def steps() -> None:

@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .common import cycle
+
 DESCRIPTION = (
     "fp32 / bf16 / fp16 (+GradScaler) x channels_last, torch.compile, cudnn.benchmark: step time, speedup, memory"
 )
@@ -160,11 +162,6 @@ def _worker(work: Work, variants: list[Variant], device: str, reps: int, budget:
     return [_measure(work, v, train, device, reps, budget) for v in variants]
 
 
-def _cycle(loader: Any) -> Any:
-    while True:
-        yield from loader
-
-
 def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget: float | None) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -189,7 +186,7 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
     ) as rt:
         model = build(work.model, work.shape, work.classes)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=work.momentum))
-        batches = _cycle(rt.loader(train, batch_size=work.batch_size, resident=True))
+        batches = cycle(rt.loader(train, batch_size=work.batch_size, resident=True))
         losses: list[Any] = []
 
         def steps(n: int) -> None:

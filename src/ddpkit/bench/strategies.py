@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import sharded
+from .common import cycle
 
 DESCRIPTION = (
     "single / dp / ddp throughput and weak-scaling efficiency for N = 1 .. available devices; single / ddp / "
@@ -157,11 +158,6 @@ def _visible_gpus(n: int) -> Iterator[None]:
 # -- inside the workers ---------------------------------------------------------------------------
 
 
-def _cycle(loader: Any) -> Iterator[Any]:
-    while True:
-        yield from loader
-
-
 def _train_steps(rt: Any, model: Any, opt: Any, batches: Iterator[Any], steps: int) -> None:
     import torch.nn.functional as F
 
@@ -194,7 +190,7 @@ def _measure(work: Work, name: str, device: str, reps: int) -> dict[str, Any]:
         )
         model = build(work.model, work.shape, work.classes)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=work.lr, momentum=0.9))
-        batches = _cycle(rt.loader(data, batch_size=global_batch, shuffle=True))
+        batches = cycle(rt.loader(data, batch_size=global_batch, shuffle=True))
         seconds = time_calls(
             lambda: _train_steps(rt, model, opt, batches, work.steps), rt.device, repeats=reps, warmup=1
         )
