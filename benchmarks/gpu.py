@@ -433,6 +433,7 @@ def check(steps: list[Step], device: str, results: str, budget: float, wheels: s
     outcomes: list[dict[str, Any]] = []
     slack = REHEARSAL_SLACK if ctx.rehearsal else 1.0
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    step = None
     try:
         for i, step in enumerate(steps, 1):
             left = budget - (time.monotonic() - start)
@@ -447,8 +448,9 @@ def check(steps: list[Step], device: str, results: str, budget: float, wheels: s
             if outcome["status"] in ("fail", "timeout") and outcome.get("output_tail"):
                 print(_indent(outcome["output_tail"][-1500:]), flush=True)
             write_report(ctx, outcomes, time.monotonic() - start, budget)  # what is done survives a kill
-    except Interrupted as why:
-        outcomes.append({"step": "(the check)", "status": "interrupted", "figure": f"{why} after", "seconds": 0.0})
+    except Interrupted as why:  # the step running was stopped with its session (run_limited)
+        name = step.name if step is not None else "(before any step)"
+        outcomes.append({"step": name, "status": "interrupted", "figure": f"{why} while it ran", "seconds": 0.0})
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -113,6 +113,34 @@ def test_steps_run_under_their_limits_and_a_late_one_is_skipped(tmp_path):
 
 
 @pytest.mark.cli
+def test_a_check_stopped_from_outside_stops_its_step_and_still_reports(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    script = (
+        "import sys; from benchmarks import gpu; "
+        "hangs = gpu.Step('hangs', 'hangs', 1, 60, lambda ctx: ['-c', sys.argv[1]]); "
+        "done = gpu.Step('done', 'passes', 1, 60, lambda ctx: ['-c', 'pass']); "
+        "sys.exit(gpu.check([done, hangs], 'cpu', sys.argv[2], 600, 'no-wheels'))"
+    )
+    hang = (
+        "import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, hang, str(tmp_path / "r")], cwd=ROOT, env=clean_env())
+    for _ in range(300):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 1
+    report = json.loads((tmp_path / "r" / "gpu-check-cpu-rehearsal.json").read_text())
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [("done", "pass"), ("hangs", "interrupted")]
+    assert report["steps"][1]["figure"] == "SIGTERM while it ran"
+    grandchild = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{grandchild}") or "Z" in open(f"/proc/{grandchild}/stat").read().split()[2]
+
+
+@pytest.mark.cli
 def test_the_tests_record_counts_pytest_outcomes(tmp_path):
     (tmp_path / "test_three.py").write_text(
         "import pytest\n"
