@@ -580,25 +580,34 @@ def setup(
         ctx.env["PYTHONPATH"] = site + (os.pathsep + path if path else "")
     here = os.path.join(ROOT, "src", "ddpkit")
     where = _ddpkit_location(call)
-    if where != here:
+    installed = where == here
+    if not installed:
         code, out = call(*pip, "--no-build-isolation", "-e", ROOT)
         log.append(
             f"pip install --no-deps --no-build-isolation -e . (ddpkit was at {where}): exit {code}\n{out[-1500:]}"
         )
         where = _ddpkit_location(call)
+        installed = where == here
+        if not installed:  # the rest can still run on this checkout's sources: a failed step, not a lost window
+            src = os.path.join(ROOT, "src")
+            ctx.env["PYTHONPATH"] = os.pathsep.join(p for p in (src, ctx.env.get("PYTHONPATH")) if p)
+            where = _ddpkit_location(call)
     probe = _probe_requirements(call)
     ctx.info["setup"] = {"ddpkit_at": where, "python": platform.python_version(), **probe}
     missing = probe.get("missing", [])
-    figure = (
-        f"ddpkit from this checkout: {'yes' if where == here else f'NO ({where})'}; "
-        f"Python {platform.python_version()}, torch {probe.get('torch', '?')}"
-    )
+    if installed:
+        figure = "ddpkit installed from this checkout"
+    elif where == here:
+        figure = "ddpkit NOT installed (pip install -e . failed: see the log); its steps run from src/ on PYTHONPATH"
+    else:
+        figure = f"ddpkit NOT importable from this checkout (it is at {where})"
+    figure += f"; Python {platform.python_version()}, torch {probe.get('torch', '?')}"
     if missing:
         figure += f"; missing: {', '.join(missing)} (carry them: {PROG} --prepare)"
     notes = _torch_notes(probe.get("torch"))
     if notes:
         figure += "; " + notes
-    return ("pass" if where == here and not missing else "fail"), figure, "\n".join(log)
+    return ("pass" if installed and not missing else "fail"), figure, "\n".join(log)
 
 
 def _ddpkit_location(call: Callable[..., tuple[int | None, str]]) -> str | None:
@@ -612,8 +621,10 @@ names = {"scikit-learn": "sklearn", "pyyaml": "yaml", "simple-parsing": "simple_
 out = {"missing": [], "versions": {}}
 try:
     reqs = [r for r in md.requires("ddpkit") or [] if "extra ==" not in r]
-except md.PackageNotFoundError:
-    reqs = []
+except md.PackageNotFoundError:  # not installed (imported from src/): the project's own list
+    import tomllib
+    with open("pyproject.toml", "rb") as f:
+        reqs = tomllib.load(f)["project"]["dependencies"]
 for req in reqs:
     dist = re.split(r"[<>=!~; \\[]", req, maxsplit=1)[0].strip()
     try:

@@ -183,10 +183,37 @@ def test_setup_installs_carried_wheels_where_the_steps_import_them(tmp_path):
     ctx = gpu.Context("cpu", str(tmp_path), str(tmp_path), env=gpu._child_env())
     status, figure, log = gpu.setup(ctx, str(wheels), site=str(tmp_path / "site"))
     assert status == "pass", (figure, log)
-    assert "ddpkit from this checkout: yes" in figure and "missing" not in figure
+    assert figure.startswith("ddpkit installed from this checkout;") and "missing" not in figure
     assert ctx.info["setup"]["versions"]["simple-parsing"]  # every requirement of ddpkit imported
     probe = subprocess.run([sys.executable, "-c", "import carried_pkg; print(carried_pkg.CARRIED)"], env=ctx.env)
     assert probe.returncode == 0
+
+
+@pytest.mark.cli
+def test_when_the_editable_install_fails_the_steps_still_run_from_src(tmp_path, monkeypatch):
+    real_run, real_location = gpu.run_limited, gpu._ddpkit_location
+    tried = []
+
+    def run(cmd, env, limit):
+        if "-e" in cmd:  # pip install --no-deps --no-build-isolation -e . (an old setuptools, say)
+            tried.append(cmd)
+            return 1, "", "ERROR: simulated: the build backend is missing"
+        return real_run(cmd, env, limit)
+
+    looks = []
+
+    def location(call):  # not importable before the install, nor after the failed one; then as it is
+        looks.append(call)
+        return None if len(looks) <= 2 else real_location(call)
+
+    monkeypatch.setattr(gpu, "run_limited", run)
+    monkeypatch.setattr(gpu, "_ddpkit_location", location)
+    ctx = gpu.Context("cpu", str(tmp_path), str(tmp_path), env=gpu._child_env())
+    status, figure, log = gpu.setup(ctx, str(tmp_path / "no-wheels"))
+    assert tried and status == "fail" and "simulated" in log
+    assert figure.startswith("ddpkit NOT installed (pip install -e . failed: see the log); its steps run from src/")
+    assert ctx.env["PYTHONPATH"].split(os.pathsep)[0] == os.path.join(ROOT, "src")
+    assert ctx.info["setup"]["ddpkit_at"] == os.path.join(ROOT, "src", "ddpkit")
 
 
 @pytest.mark.cli
