@@ -463,7 +463,7 @@ def check(steps: list[Step], device: str, results: str, budget: float, wheels: s
 def run_step(step: Step, ctx: Context, limit: float, wheels: str) -> dict[str, Any]:
     t = time.monotonic()
     if step.argv is None:
-        status, figure, tail = setup(ctx, wheels, deadline=t + limit)
+        status, figure, tail = setup(ctx, wheels, deadline=t + limit, install=not ctx.rehearsal)
         return {
             "step": step.name,
             "status": status,
@@ -555,11 +555,16 @@ def _child_env() -> dict[str, str]:
 
 
 def setup(
-    ctx: Context, wheels: str, site: str = os.path.join(ROOT, SITE), deadline: float | None = None
+    ctx: Context,
+    wheels: str,
+    site: str = os.path.join(ROOT, SITE),
+    deadline: float | None = None,
+    install: bool = True,
 ) -> tuple[str, str, str]:
     """Install the carried wheels (if any) into `site`, put it on the children's path, install
-    ddpkit from this checkout if it is not importable from here, and check that every
-    requirement imports, all before `deadline` (time.monotonic()). (status, figure, output)."""
+    ddpkit from this checkout if it is not importable from here (unless not `install`: a
+    rehearsal changes nothing in the Python it runs on), and check that every requirement
+    imports, all before `deadline` (time.monotonic()). (status, figure, output)."""
     deadline = deadline or time.monotonic() + 300
 
     def call(*args: str) -> tuple[int | None, str]:
@@ -581,7 +586,7 @@ def setup(
     here = os.path.join(ROOT, "src", "ddpkit")
     where = _ddpkit_location(call)
     installed = where == here
-    if not installed:
+    if not installed and install:
         code, out = call(*pip, "--no-build-isolation", "-e", ROOT)
         log.append(
             f"pip install --no-deps --no-build-isolation -e . (ddpkit was at {where}): exit {code}\n{out[-1500:]}"
