@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +65,7 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise UsageError(f"checkpoint {path}: no such file")
+    verify_file(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
@@ -73,6 +76,22 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file (corrupt or not a checkpoint)") from None
     except Exception as err:  # noqa: BLE001 - garbage bytes can fail anywhere inside the unpickler
         raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None
+
+
+def verify_file(path: str) -> None:
+    """Refuse a file whose bytes do not match the checksums written with them: torch.save's zip
+    stores a CRC-32 of every record (the pickle, each tensor's bytes), which torch.load never
+    checks, so flipped bytes in a tensor would load as weights. A file that is no zip (torch's
+    legacy format, or one cut short before its directory) has none: torch.load judges it."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()  # reads every record and compares its CRC-32: about 5 GB/s
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as err:
+        raise UsageError(f"checkpoint {path}: damaged ({type(err).__name__} in its zip records)") from None
+    if bad is not None:
+        raise UsageError(f"checkpoint {path}: damaged ({bad} does not match the checksum written with it)")
 
 
 def state_of(value: Any) -> Any:

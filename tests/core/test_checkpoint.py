@@ -1,5 +1,6 @@
-"""`checkpoint`: files written atomically and read without running code, a failed write that
-keeps the previous file, and a checkpoint saved under DDP that loads into a bare model and back."""
+"""`checkpoint`: files written atomically and read without running code, never loaded when their
+bytes no longer match their checksums, a failed write that keeps the previous file, and a
+checkpoint saved under DDP that loads into a bare model and back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 import ddpkit
 from ddpkit.checkpoint import load_file, save_file
 from ddpkit.errors import UsageError
+from ddpkit.runtime import Runtime
 from tests import workers
+from tests.damage import flip, tensor_bytes, zero
 
 
 class _Payload:
@@ -42,6 +45,30 @@ def test_checkpoint_files_are_atomic_and_safe(tmp_path):
     assert not marker.exists()
     with pytest.raises(UsageError, match="no such file"):
         load_file(tmp_path / "missing.pt")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("damage", ["flipped", "zeroed", "pickle"])
+def test_bytes_that_no_longer_match_their_checksums_are_never_loaded(tmp_path, damage):
+    # torch.load itself takes flipped bytes in a tensor for weights: the zip's CRC-32s tell
+    path = tmp_path / "c.pt"
+    with Runtime("single", device="cpu") as rt:
+        model = torch.nn.Linear(256, 64)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        rt.save_state(path)  # a user's own loop's checkpoint
+        start, length = tensor_bytes(path)
+        if damage == "flipped":
+            flip(path, start + length // 2)
+            assert torch.load(path, weights_only=True)["model"]["weight"].shape == (64, 256)  # before: loaded
+        elif damage == "zeroed":
+            zero(path, start + 1000, 4096)
+        else:  # the pickle itself: one byte of an entry's name
+            flip(path, path.read_bytes().index(b"optimizer"), 1)
+        record = r"archive/(data/\d+|data.pkl)"
+        with pytest.raises(UsageError, match=rf"c.pt: damaged \({record} does not match the checksum written with it"):
+            load_file(path)
+        with pytest.raises(UsageError, match=r"c.pt: damaged"):
+            rt.load_state(path)  # refused, naming the file
 
 
 @pytest.mark.unit

@@ -18,6 +18,7 @@ from ddpkit.trainer import TrainConfig
 from ddpkit.trainer.resume import check_resumable, resume_path
 from tests.conftest import run_cli
 from tests.core.test_checkpoint import _Payload
+from tests.damage import flip, zero
 
 
 def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -38,7 +39,7 @@ def _save(path) -> tuple[nn.Module, torch.optim.Optimizer]:
 @pytest.mark.unit
 def test_a_directory_round_trip_restores_model_optimizer_and_the_rest(tmp_path):
     model, opt = _save(tmp_path / "ck")
-    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "state.pt"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "checksums.json", "state.pt"]
     fresh, fresh_opt = _trained(seed=1)
     rest = checkpoint.load_into(tmp_path / "ck", {"model": fresh, "optimizer": fresh_opt})
     assert rest == {"loader": {"position": 3}}
@@ -82,9 +83,47 @@ def test_a_planted_optimizer_entry_never_runs(tmp_path):
         {"model": get_model_state_dict(model), "optimizer": optim_state}, checkpoint_id=tmp_path / "ck", no_dist=True
     )
     checkpoint.save_file(tmp_path / "ck" / "state.pt", {})
+    with pytest.raises(UsageError, match=r"ck: incomplete or damaged \(no checksums.json"):
+        checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
+    shards.write_checksums(str(tmp_path / "ck"))  # as a hand that plants it could: the entry is refused still
     with pytest.raises(UsageError, match=r"ck: does not load \(.*Weights only load failed"):
         checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
     assert not marker.exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("file", ["__0_0.distcp", "state.pt", ".metadata"])
+@pytest.mark.parametrize("damage", ["flipped", "zeroed"])
+def test_a_file_that_no_longer_matches_its_checksum_is_never_loaded(tmp_path, file, damage):
+    # DCP's shards carry no checksum: the directory's checksums.json, written by rank 0 last
+    _save(tmp_path / "ck")
+    path = tmp_path / "ck" / file
+    at = path.stat().st_size // 2
+    flip(path, at, 16) if damage == "flipped" else zero(path, at - 8, 16)
+    model, opt = _trained(seed=1)
+    with pytest.raises(UsageError, match=r"ck: (state.pt: )?damaged"):
+        checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
+    if file != ".metadata":
+        with pytest.raises(UsageError, match=rf"ck: damaged \({file} does not match the checksum written with it\)"):
+            shards.verify(tmp_path / "ck")
+
+
+@pytest.mark.unit
+def test_checksums_that_are_missing_unreadable_or_leave_a_file_out_refuse_the_directory(tmp_path):
+    _save(tmp_path / "ck")
+    sums = tmp_path / "ck" / "checksums.json"
+    whole = sums.read_text()
+    shards.verify(tmp_path / "ck")  # intact
+    (tmp_path / "ck" / "__1_0.distcp").write_bytes(b"a shard nobody wrote")
+    with pytest.raises(UsageError, match=r"damaged \(checksums.json does not list __1_0.distcp\)"):
+        shards.verify(tmp_path / "ck")
+    (tmp_path / "ck" / "__1_0.distcp").unlink()
+    sums.write_text(whole[: len(whole) // 2])
+    with pytest.raises(UsageError, match=r"damaged \(checksums.json is not readable\)"):
+        shards.verify(tmp_path / "ck")
+    sums.unlink()
+    with pytest.raises(UsageError, match=r"incomplete or damaged \(no checksums.json"):
+        shards.verify(tmp_path / "ck")
 
 
 @pytest.mark.unit

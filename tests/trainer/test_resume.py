@@ -10,11 +10,15 @@ a copy of its own."""
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 import torch
 
 from tests.cli.argv_runner import run_batch
 from tests.conftest import run_cli
+from tests.damage import flip, flip_a_tensor
 from tests.trainer.helpers import COMMON, copied, max_diff, train
 
 pytestmark = pytest.mark.cli
@@ -56,6 +60,13 @@ WRONG_ENTRIES = {
 }
 
 
+# A checkpoint's bytes no longer what was written (a disk, a copy, a hand), or its name not its step.
+DAMAGED = {
+    "flipped": (flip_a_tensor, r"damaged \(archive/data/\d+ does not match the checksum written with it\)"),
+    "renamed": (lambda path: None, r"damaged \(it holds the state of step 15, not of the step its name says\)"),
+}
+
+
 def _files(*paths) -> dict:
     """Each file under `paths` (or the file itself) -> its bytes."""
     files = [f for p in paths for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
@@ -63,7 +74,7 @@ def _files(*paths) -> dict:
 
 
 @pytest.fixture(scope="module")
-def refused(three_checkpoints, tmp_path_factory) -> dict[str, dict]:
+def refused(three_checkpoints, fsdp_two_process_run, tmp_path_factory) -> dict[str, dict]:
     """The command lines this file expects refused, each on its own copy of `three_checkpoints`
     (a finished one-epoch run on one process) or with a checkpoint of it changed, made ready and
     run in one helper interpreter: id -> {"out", "argv", "code", "stdout", "stderr", ...}."""
@@ -91,6 +102,19 @@ def refused(three_checkpoints, tmp_path_factory) -> dict[str, dict]:
         path = root / name / "bad.pt"
         torch.save(state, path)
         case(name, "--nproc", "2", "--resume", str(path), out=root / name / "new", path=path)
+    for name, (damage, _) in DAMAGED.items():  # step 15's checkpoint, damaged on a copy: --resume PATH
+        (root / name).mkdir()
+        path = root / name / ("step-00000020.pt" if name == "renamed" else "step-00000015.pt")
+        shutil.copy(three_checkpoints / "checkpoints" / "step-00000015.pt", path)
+        damage(path)
+        case(name, "--nproc", "2", "--resume", str(path), out=root / name / "new", path=path)
+    fsdp_out, _ = fsdp_two_process_run  # an fsdp checkpoint directory, one of its shards flipped
+    newest = sorted((fsdp_out / "checkpoints").iterdir())[-1]
+    shard = root / "fsdp-flipped" / newest.name
+    shutil.copytree(newest, shard)
+    flip(shard / "__1_0.distcp", (shard / "__1_0.distcp").stat().st_size // 2)
+    fsdp = ("--strategy", "fsdp", "--nproc", "2", "--resume", str(shard))
+    case("fsdp-flipped", *fsdp, out=root / "fsdp-flipped" / "new", path=shard)
     outcomes = run_batch([{"argv": c["argv"], "cwd": c["cwd"]} for c in cases.values()])
     return {name: {**c, **r} for (name, c), r in zip(cases.items(), outcomes)}
 
@@ -142,7 +166,7 @@ def test_resume_auto_names_each_checkpoint_it_skips_and_prunes_interrupted_write
     out, folder = _copy(three_checkpoints, tmp_path)
     newest = folder / "step-00000023.pt"
     newest.write_bytes(newest.read_bytes()[:5000])  # torn
-    (folder / "step-00000020.pt").write_bytes(b"not a checkpoint at all")
+    flip_a_tensor(folder / "step-00000020.pt")  # 16 bytes of a tensor: torch.load alone would take them
     (folder / ".tmp-k2j4.pt").write_bytes(b"half a write")  # a crash mid-write left it
     (out / ".tmp-9x.json").write_text("{")
     proc = run_cli(*COMMON, "--nproc", "1", "--out", str(out), "--resume", "auto")
@@ -150,7 +174,7 @@ def test_resume_auto_names_each_checkpoint_it_skips_and_prunes_interrupted_write
     warnings = [line for line in proc.stderr.splitlines() if "skipped" in line]
     assert len(warnings) == 2, proc.stderr
     assert "step-00000023.pt: not a readable PyTorch file" in warnings[0]
-    assert "step-00000020.pt: not a readable PyTorch file" in warnings[1]
+    assert re.search(r"step-00000020.pt: damaged \(archive/data/\d+ does not match the checksum", warnings[1])
     assert "at step 15" in proc.stdout
     assert not (folder / ".tmp-k2j4.pt").exists() and not (out / ".tmp-9x.json").exists()
 
@@ -163,6 +187,17 @@ def test_resume_auto_exits_2_when_checkpoints_exist_and_none_is_usable(refused):
     assert len(lines) == 1 and "--resume auto: none of the 3 checkpoints" in lines[0], r["stderr"]
     assert all(f"step-000000{s}.pt" in lines[0] for s in ("15", "20", "23"))
     assert _files(*r["before"]) == r["before"]
+
+
+@pytest.mark.parametrize("damage", [*DAMAGED, "fsdp-flipped"])
+def test_a_checkpoint_whose_bytes_or_name_are_not_what_was_written_is_refused_before_any_worker(refused, damage):
+    r = refused[damage]  # --resume PATH, --nproc 2: step 15's file flipped or renamed, an fsdp shard flipped
+    assert r["code"] == 2, r["stderr"][-2000:]
+    lines = r["stderr"].strip().splitlines()
+    said = DAMAGED[damage][1] if damage in DAMAGED else r"damaged \(__1_0.distcp does not match the checksum"
+    assert len(lines) == 1 and f"--resume: checkpoint {r['path']}: " in lines[0]
+    assert re.search(said, lines[0]), lines[0]
+    assert r["stdout"] == "" and not r["out"].exists()  # no worker started, nothing written
 
 
 @pytest.mark.parametrize("change", WRONG_ENTRIES)

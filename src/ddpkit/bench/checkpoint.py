@@ -8,6 +8,10 @@ shards) in two ways:
 - `background`: `dcp.async_save` on a process group of its own; training waits only while
   DCP copies the rank's shards to memory, and the write finishes in a thread.
 
+Rank 0 then writes the size and CRC-32 of every file of the directory into its checksums.json
+(in the foreground while the other ranks wait; in the background in the writing thread), and
+reads them all again before any resume: `checksums_seconds` is that reading, timed apart.
+
 For each repetition it times, on the slowest rank, how long training stood still (the call),
 how long until the checkpoint was complete, and a block of training steps run while the
 write is under way, against the same block with no write (what the background thread costs
@@ -71,6 +75,9 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         "modes": rows,
         "plain_steps_seconds": _stats(plain),
         "blocked_ratio_background_to_foreground": bg / fg if fg else None,
+        # rank 0 reads the whole directory once for its checksums: inside a foreground save's
+        # wait, in the writing thread of a background one, and before a resume loads it
+        "checksums_seconds": _stats(per_rank[0]["checksums"]),
     }
 
 
@@ -85,6 +92,7 @@ def _worker(width: int, reps: int, folder: str, block: int = 4) -> dict[str, Any
     import torch.nn.functional as F
     from torch import nn
 
+    from .. import shards
     from ..runtime import Runtime
 
     with Runtime("fsdp", device="cpu", seed=0) as rt:
@@ -105,7 +113,7 @@ def _worker(width: int, reps: int, folder: str, block: int = 4) -> dict[str, Any
             return time.perf_counter() - t0
 
         steps()  # warm-up, and the optimizer's state exists
-        out: dict[str, Any] = {"parameters": parameters, "block": block, "plain_steps": []}
+        out: dict[str, Any] = {"parameters": parameters, "block": block, "plain_steps": [], "checksums": []}
         for mode in MODES:
             out[mode] = {"blocked": [], "complete": [], "steps": []}
         for i in range(reps):
@@ -123,6 +131,10 @@ def _worker(width: int, reps: int, folder: str, block: int = 4) -> dict[str, Any
                 rt.barrier()
                 if rt.is_main:
                     out["bytes"] = sum(e.stat().st_size for e in os.scandir(path))
+                    if mode == "foreground":  # what rank 0 adds to a save, and a resume to a load:
+                        t0 = time.perf_counter()  # reading every file once for its CRC-32
+                        shards.verify(path)
+                        out["checksums"].append(time.perf_counter() - t0)
         return out
 
 
@@ -152,4 +164,8 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("fsdp checkpoint, training stood still (fg)", f"{m['foreground']['blocked_seconds']['median'] * 1e3:.0f} ms"),
         ("fsdp checkpoint, training stood still (bg)", f"{m['background']['blocked_seconds']['median'] * 1e3:.0f} ms"),
         ("fsdp checkpoint complete after (bg)", f"{m['background']['complete_seconds']['median'] * 1e3:.0f} ms"),
+        (
+            "its checksums, read by rank 0",
+            f"{result['checksums_seconds']['median'] * 1e3:.0f} ms for {result['checkpoint_bytes'] / 2**20:.0f} MiB",
+        ),
     ]

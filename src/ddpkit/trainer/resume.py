@@ -1,8 +1,8 @@
 """Resume policy: which checkpoint a run continues from, and what a checkpoint must match.
 
 `--resume PATH` is checked before anything starts; `--resume auto` takes the newest usable
-checkpoint in `--out`/checkpoints, skipping damaged ones (a full disk, a copy) with a line
-each, but never one this run's settings cannot continue (it would silently train something
+checkpoint in `--out`/checkpoints, skipping damaged ones (a full disk, a copy, flipped bytes that
+no longer match their checksums, a name that is not its state's step) with a line each, but never one this run's settings cannot continue (it would silently train something
 else), and never starting over when checkpoints exist and none is usable (the progress would be
 thrown away). A restart by the elastic agent always continues from the newest complete checkpoint.
 Every checkpoint read for a resume is checked whole here, keys and types, so that a damaged
@@ -106,9 +106,10 @@ def check_resumable(
     """Raise UsageError unless `path` is a readable training checkpoint that this config can
     continue: same model, optimizer and dataset, and epochs left to run."""
     sharded = shards.is_checkpoint_dir(path)
-    if sharded:  # fsdp's checkpoint directory: its metadata and state.pt, checked; no tensor read
+    if sharded:  # fsdp's checkpoint directory: its metadata and state.pt, checked, and every file's checksum
         metadata = shards.read_metadata(path)
         state = {**shards.read_rest(path), "model": {}, "optimizer": {}}
+        shards.verify(path)
     else:
         state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
     need = ("model", "optimizer", "scheduler", "loader", "run")
@@ -119,6 +120,11 @@ def check_resumable(
     if problem:
         raise UsageError(f"checkpoint {path}: damaged or not written by ddpkit train ({problem})")
     run = state["run"]
+    named = CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+    if named and int(named[1]) != run["step"]:  # a copy or a rename put another step's state here
+        raise UsageError(
+            f"checkpoint {path}: damaged (it holds the state of step {run['step']}, not of the step its name says)"
+        )
     # What decides the data order and the parameters: changing them mid-run trains something else.
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
     for key in RESUME_MUST_MATCH:
