@@ -21,4 +21,5 @@ def test_checkpoint(tmp_path):
         # the call returns once the shards are staged; the checkpoint is complete only later
         assert r["modes"][mode]["blocked_seconds"]["max"] <= r["modes"][mode]["complete_seconds"]["max"]
     assert r["blocked_ratio_background_to_foreground"] > 0
+    assert positive_stats(r["checksums_seconds"]) and r["checksums_seconds"]["n"] == 2  # rank 0's read for the CRCs
     assert not [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("tmp")]  # its folder removed
