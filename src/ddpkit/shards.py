@@ -394,6 +394,17 @@ def _first_line(err: BaseException) -> str:
     return (errors[-1] if errors else lines[0] if lines else type(err).__name__)[:300]
 
 
+def _load_failure(err: BaseException) -> str:
+    """Why DCP's load failed, in a few words. torch's weights-only unpickler explains how to load
+    the entry unsafely; that advice is never relayed: the global it refused is named instead."""
+    text = str(err)
+    if "Weights only load failed" not in text:
+        return f"does not load ({_first_line(err)})"
+    refused = [line.strip() for line in text.splitlines() if "GLOBAL" in line]
+    what = refused[0][:200] if refused else "an entry is not made of tensors and plain values"
+    return f"refused, loading it would run code ({what})"
+
+
 def _as_oserror(err: BaseException, path: str) -> BaseException:
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return err
@@ -441,7 +452,7 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise UsageError(f"checkpoint {path}: does not load ({_first_line(err)})") from None
+        raise UsageError(f"checkpoint {path}: {_load_failure(err)}") from None
     for key, target in targets.items():
         if isinstance(target, torch.nn.Module):
             set_model_state_dict(target, state[key])
