@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -107,7 +108,61 @@ def read_metadata(path: str | os.PathLike) -> Any:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} is not DCP metadata)")
     _check_data_files(path, metadata.storage_data)
+    _check_entries(path, metadata)
     return metadata
+
+
+def _check_entries(path: str, metadata: Any) -> None:
+    """Every entry's data is where the metadata says, and no bigger than what is stored: a
+    tensor that claims terabytes, or has no data at all, is damage found here (from the
+    metadata alone) rather than an allocation failing in every worker."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    storage = metadata.storage_data
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {_cut(key)})")
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} holds an entry of no known kind)")
+        try:
+            claimed = math.prod(entry.size) * torch.empty((), dtype=entry.properties.dtype).element_size()
+            stored = 0
+            for chunk in entry.chunks:
+                if any(o < 0 or o + n > whole for o, n, whole in zip(chunk.offsets, chunk.sizes, entry.size)):
+                    raise ValueError("a chunk outside its tensor")
+                stored += storage[MetadataIndex(key, chunk.offsets)].length
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError):
+            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {_cut(key)})") from None
+        if claimed > stored:  # each chunk is stored whole (a torch.save record): never fewer bytes
+            raise UsageError(
+                f"checkpoint {path}: damaged ({_cut(key)} claims {claimed:,} bytes, its data holds {stored:,})"
+            )
+
+
+def check_values(path: str | os.PathLike, metadata: Any) -> None:
+    """Load every non-tensor entry (an optimizer's lr, betas, ...) as a resume will, with
+    weights_only=True, so that one that would need code to load is refused where the checkpoint
+    is chosen, before any worker starts. They are small: a few hundred bytes each."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    path = os.fspath(path)
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, BytesStorageMetadata):
+            continue
+        info = metadata.storage_data[MetadataIndex(key)]
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as err:  # noqa: BLE001 - refused globals and garbage alike
+            raise UsageError(f"checkpoint {path}: {_load_failure(err)}") from None
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_data_files(path: str, storage: dict[Any, Any]) -> None:
@@ -399,7 +454,7 @@ def _load_failure(err: BaseException) -> str:
     the entry unsafely; that advice is never relayed: the global it refused is named instead."""
     text = str(err)
     if "Weights only load failed" not in text:
-        return f"does not load ({_first_line(err)})"
+        return f"damaged, does not load ({_first_line(err)})"
     refused = [line.strip() for line in text.splitlines() if "GLOBAL" in line]
     what = refused[0][:200] if refused else "an entry is not made of tensors and plain values"
     return f"refused, loading it would run code ({what})"

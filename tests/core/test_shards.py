@@ -86,6 +86,8 @@ def test_a_planted_optimizer_entry_never_runs(tmp_path):
     with pytest.raises(UsageError, match=r"ck: incomplete or damaged \(no checksums.json"):
         checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
     shards.write_checksums(str(tmp_path / "ck"))  # as a hand that plants it could: the entry is refused still
+    with pytest.raises(UsageError, match=r"ck: refused, loading it would run code \(.*GLOBAL posix.system"):
+        shards.check_values(tmp_path / "ck", shards.read_metadata(tmp_path / "ck"))  # where a resume chooses
     with pytest.raises(UsageError, match=r"ck: refused, loading it would run code \(.*GLOBAL posix.system") as err:
         checkpoint.load_into(tmp_path / "ck", {"model": model, "optimizer": opt})
     assert "weights_only" not in str(err.value)  # torch's advice to load it unsafely is not relayed
@@ -125,6 +127,42 @@ def test_checksums_that_are_missing_unreadable_or_leave_a_file_out_refuse_the_di
     sums.unlink()
     with pytest.raises(UsageError, match=r"incomplete or damaged \(no checksums.json"):
         shards.verify(tmp_path / "ck")
+
+
+def _rewrite_metadata(folder, change) -> None:
+    metadata = shards.read_metadata(folder)
+    change(metadata)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _claim_terabytes(metadata) -> None:
+    metadata.state_dict_metadata["model.0.weight"].size = torch.Size([10**7, 10**6])
+
+
+def _chunk_outside(metadata) -> None:
+    metadata.state_dict_metadata["model.0.weight"].chunks[0].offsets = torch.Size([5, 0])
+
+
+def _no_data(metadata) -> None:
+    del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == "model.0.bias")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        (_claim_terabytes, r"model.0.weight claims 40,000,000,000,000 bytes, its data holds [\d,]+"),
+        (_chunk_outside, r".metadata has no data for model.0.weight"),
+        (_no_data, r".metadata has no data for model.0.bias"),
+    ],
+)
+def test_metadata_that_claims_more_than_its_data_is_refused_from_the_metadata_alone(tmp_path, change, said):
+    # found where the checkpoint is chosen, before any allocation of the size it claims
+    _save(tmp_path / "ck")
+    _rewrite_metadata(tmp_path / "ck", change)
+    with pytest.raises(UsageError, match=rf"ck: damaged \({said}\)"):
+        shards.read_metadata(tmp_path / "ck")
 
 
 @pytest.mark.unit

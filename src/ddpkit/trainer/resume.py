@@ -110,6 +110,7 @@ def check_resumable(
         metadata = shards.read_metadata(path)
         state = {**shards.read_rest(path), "model": {}, "optimizer": {}}
         shards.verify(path)
+        shards.check_values(path, metadata)  # non-tensor entries, as a resume will load them
     else:
         state = load_file(path)  # missing, truncated, corrupt or code-carrying files stop here
     need = ("model", "optimizer", "scheduler", "loader", "run")
