@@ -78,13 +78,43 @@ class _Refused(pickle.UnpicklingError):
     """The metadata pickle names a global outside DCP's metadata classes."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# Classes whose instances the metadata may give state to (pickle's BUILD), and what state.
+_STATEFUL = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its BUILD can be checked
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _Refused(f"{module}.{name}")
+
+    def load_build(self) -> None:
+        # BUILD sets attributes on the object below it, which may be an admitted class itself:
+        # state for pathlib.PosixPath would rewrite that class in this process (and, through
+        # fork, in the workers). Only DCP's own instances get state, and only their own fields.
+        inst, state = self.stack[-2], self.stack[-1]
+        if not _state_allowed(inst, state):
+            raise _Refused(f"state for {type(inst).__module__}.{type(inst).__name__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _state_allowed(inst: Any, state: Any) -> bool:
+    import dataclasses
+
+    cls = type(inst)
+    if isinstance(inst, type) or cls.__module__ not in _STATEFUL or cls.__name__ not in ALLOWED[cls.__module__]:
+        return False
+    if "__setstate__" in vars(cls):  # the class reads its state itself (TensorProperties)
+        return True
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return all(part is None or (isinstance(part, dict) and set(part) <= fields) for part in parts)
 
 
 def read_metadata(path: str | os.PathLike) -> Any:

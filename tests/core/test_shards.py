@@ -129,6 +129,25 @@ def test_checksums_that_are_missing_unreadable_or_leave_a_file_out_refuse_the_di
         shards.verify(tmp_path / "ck")
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("target", ["pathlib\nPosixPath", "torch.distributed.checkpoint.metadata\nMetadata"])
+def test_metadata_gives_no_state_to_a_class_nor_fields_an_instance_does_not_have(tmp_path, target):
+    # pickle's BUILD on an admitted class would rewrite that class in this process (and the workers)
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (tmp_path / "ck").mkdir()
+    opcodes = b"\x80\x02c" + target.encode() + b"\n"
+    if target.endswith("Metadata"):  # an instance: Metadata.__new__(Metadata), then a field it lacks
+        opcodes += b")\x81"
+    opcodes += b"N}X\x07\x00\x00\x00planted" + b"K\x01s\x86b."  # state (None, {"planted": 1}), BUILD
+    (tmp_path / "ck" / ".metadata").write_bytes(opcodes)
+    with pytest.raises(UsageError, match=r"refused, loading its .metadata would run code \(state for "):
+        shards.read_metadata(tmp_path / "ck")
+    assert not hasattr(pathlib.PosixPath, "planted") and not hasattr(Metadata, "planted")
+
+
 def _rewrite_metadata(folder, change) -> None:
     metadata = shards.read_metadata(folder)
     change(metadata)
