@@ -451,16 +451,41 @@ def _one_process_quiet() -> Iterator[None]:
         yield
 
 
+REPLACED = re.compile(re.escape(TEMP_PREFIX) + r"old-(.+)-[0-9a-f]{8}")  # a directory being replaced
+
+
 def _put_in_place(tmp: str, path: str) -> None:
-    """Rename the finished directory `tmp` to `path` (replacing an older one there)."""
+    """Rename the finished directory `tmp` to `path`. A directory cannot be renamed over another
+    one, so an older one there is first renamed aside, under a name that says whose it is: a crash
+    between the two renames leaves it there, and `recover_replaced` puts it back."""
     old = None
     if os.path.lexists(path):
-        old = f"{os.path.dirname(path)}/{TEMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
+        old = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}old-{os.path.basename(path)}-{uuid.uuid4().hex[:8]}")
         os.rename(path, old)
     os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
     if old is not None:
         remove(old)
+
+
+def recover_replaced(folder: str) -> list[str]:
+    """Put back each checkpoint directory that a crash left renamed aside while it was being
+    replaced (see `_put_in_place`), where nothing has taken its name since: the names restored.
+    Only where no write of ours can be under way (a run holds the folder's lock, or is about to)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    restored = []
+    for name in names:
+        m = REPLACED.fullmatch(name)
+        target = os.path.join(folder, m[1]) if m else None
+        if target is not None and os.path.basename(target) == m[1] and not os.path.lexists(target):
+            os.rename(os.path.join(folder, name), target)
+            restored.append(m[1])
+    if restored:
+        _fsync_dir(folder)
+    return restored
 
 
 def _fsync_dir(folder: str) -> None:

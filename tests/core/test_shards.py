@@ -148,6 +148,61 @@ def test_metadata_gives_no_state_to_a_class_nor_fields_an_instance_does_not_have
     assert not hasattr(pathlib.PosixPath, "planted") and not hasattr(Metadata, "planted")
 
 
+class _Crash(BaseException):
+    """A kill at that point: nothing after it runs, no `except Exception` catches it."""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("crash", ["before the first rename", "between the renames", "before the old is removed"])
+def test_a_crash_at_any_point_of_replacing_a_checkpoint_leaves_it_usable(tmp_path, monkeypatch, crash):
+    from ddpkit.files import prune_temp_files
+    from ddpkit.trainer.resume import checkpoint_names
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    path = folder / "step-00000023"  # the same step saved twice (an epoch's end that is also an every-N step)
+    model, opt = _trained()
+    shards.save(path, {"model": model, "optimizer": opt}, model, {"loader": {"position": 1}})
+    renames, real_rename, real_remove = [], os.rename, shards.remove
+
+    def rename(src, dst):
+        if os.path.dirname(os.fspath(dst)) == str(folder):  # _put_in_place's, not DCP's inside the temp directory
+            renames.append(dst)
+            if (crash, len(renames)) in (("before the first rename", 1), ("between the renames", 2)):
+                raise _Crash
+        return real_rename(src, dst)
+
+    def remove(where):
+        if crash == "before the old is removed" and ".tmp-old-" in os.fspath(where):
+            raise _Crash
+        return real_remove(where)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(shards, "remove", remove)
+    with pytest.raises(_Crash):
+        shards.save(path, {"model": model, "optimizer": opt}, model, {"loader": {"position": 2}})
+    monkeypatch.undo()
+    shards.recover_replaced(str(folder))  # what --resume auto does first
+    prune_temp_files(folder)  # then the run, holding the folder
+    assert checkpoint_names(str(folder)) == ["step-00000023"] and os.listdir(folder) == ["step-00000023"]
+    shards.verify(path)  # whole and intact: the old one, or once it was in place, the new one
+    rest = checkpoint.load_into(path, {"model": _trained(seed=1)[0]})
+    assert rest["loader"]["position"] == (2 if crash == "before the old is removed" else 1)
+
+
+@pytest.mark.unit
+def test_starting_over_where_only_unfinished_writes_are_is_said(tmp_path, capsys):
+    out = tmp_path / "out"
+    _save(out / "checkpoints" / ".tmp-step-00000007-1a2b3c4d")  # a write a kill interrupted
+    cfg = TrainConfig(device="cpu", out=str(out), resume="auto")
+    assert resume_path(cfg, (1, 8, 8), 10) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"ddpkit train: note: --resume auto: no complete checkpoint in {out / 'checkpoints'}, only 1 unfinished "
+        "write(s) (removed): starting from step 0"
+    ]
+
+
 def _rewrite_metadata(folder, change) -> None:
     metadata = shards.read_metadata(folder)
     change(metadata)

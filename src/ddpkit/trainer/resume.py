@@ -28,6 +28,7 @@ from ..checkpoint import load_file
 from ..dist import detect_env
 from ..early_stopping import EarlyStopping
 from ..errors import IncompatibleCheckpoint, UsageError
+from ..files import TEMP_PREFIX
 from ..launcher.records import current_attempt
 from ..optim import build_optimizer
 from ..seed import gather_states, rng_state, seed_rank, set_rng_state
@@ -75,6 +76,10 @@ def resume_path(
             raise UsageError(f"--resume: {err}") from None
         return cfg.resume
     folder = os.path.join(cfg.out, "checkpoints")
+    main = detect_env().rank == 0  # under torchrun every rank gets here; say it once
+    for name in shards.recover_replaced(folder):  # a crash between the two renames of a replace
+        if main:
+            print(f"ddpkit train: note: {folder}/{name} restored: a crash had left it renamed aside", file=sys.stderr)
     skipped = []
     for name in reversed(checkpoint_names(folder)):  # newest first; temp files of an interrupted write never match
         path = os.path.join(folder, name)
@@ -86,7 +91,7 @@ def resume_path(
         except UsageError as err:  # damaged (a full disk, a copy): fall back to an older one
             skipped.append((name, str(err).removeprefix(f"checkpoint {path}: ")))
             continue
-        if detect_env().rank == 0:  # under torchrun every rank gets here; say it once
+        if main:
             for skipped_name, why in skipped:
                 print(f"ddpkit train: warning: --resume auto: skipped {folder}/{skipped_name}: {why}", file=sys.stderr)
         return path
@@ -96,6 +101,13 @@ def resume_path(
         raise UsageError(
             f"--resume auto: none of the {len(skipped)} checkpoints in {folder} is usable ({reasons}); "
             f"move them away to start over, or give --resume PATH"
+        )
+    unfinished = [n for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.startswith(TEMP_PREFIX)]
+    if unfinished and main:  # starting over where checkpoints were being written is never silent
+        print(
+            f"ddpkit train: note: --resume auto: no complete checkpoint in {folder}, only {len(unfinished)} "
+            f"unfinished write(s) (removed): starting from step 0",
+            file=sys.stderr,
         )
     return None
 

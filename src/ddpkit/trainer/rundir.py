@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import shards
 from ..dist import detect_env
 from ..errors import UsageError
 from ..files import check_unlocked, describe_holder, hold_lock, prune_temp_files
@@ -92,6 +93,8 @@ def check_no_links(out: str) -> None:
 
 
 def prune_partial_writes(out: str) -> None:
-    """Remove the `.tmp-*` files of writes that a crash interrupted, in `out` and its checkpoints."""
+    """Remove the `.tmp-*` files of writes that a crash interrupted, in `out` and its checkpoints,
+    once any checkpoint a crash left renamed aside is back in place (`shards.recover_replaced`)."""
+    shards.recover_replaced(os.path.join(out, "checkpoints"))
     for folder in (out, os.path.join(out, "checkpoints")):
         prune_temp_files(folder)
