@@ -117,3 +117,27 @@ def test_channels_last_trains_to_the_same_result(one_epoch_run, tmp_path):
     _, nhwc_w, _ = run_train(tmp_path, "nhwc", "--epochs", "1", "--nproc", "1", "--channels-last")
     assert max((plain_w[k] - nhwc_w[k]).abs().max().item() for k in plain_w) < 1e-4
     assert all(not k.startswith("module.") for k in nhwc_w)
+
+
+@pytest.mark.unit
+def test_close_waits_for_a_background_save_and_removes_it_when_it_never_completes(tmp_path, capsys, monkeypatch):
+    from concurrent.futures import Future
+
+    from ddpkit import runtime
+    from ddpkit.shards import Pending
+
+    partial = tmp_path / ".tmp-ck-1a2b3c4d"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    never = Pending(Future(), str(tmp_path / "ck"), str(partial), None)  # a write that never ends
+    done = Future()
+    done.set_result(None)
+    finished = Pending(done, str(tmp_path / "other"), str(tmp_path / "gone"), None)
+    monkeypatch.setattr(runtime, "PENDING_WAIT_S", 0.2)
+    with ddpkit.Runtime("single", device="cpu") as rt:
+        rt._tracked(finished)
+        rt._tracked(never)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"ddpkit: checkpoint {tmp_path / 'ck'} is still being written in the background: waiting")
+    assert err[1] == f"ddpkit: checkpoint {tmp_path / 'ck'}: not complete after 0.2 s; its partial write removed"
+    assert len(err) == 2 and not partial.exists()  # finished or vanished; the completed one said nothing

@@ -531,3 +531,24 @@ def fsdp_training_memory(steps: int = 3) -> dict:
             model(x).square().mean().backward()
             rt.step(opt)
         return {"allocator": allocator.state(), "growth_mib": peak_rss_mib() - before}
+
+
+def wide_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
+
+
+def background_save_left(path: str, raise_after: bool) -> dict:
+    """Under fsdp, a checkpoint saved in the background, and the `with Runtime` block left at
+    once, without waiting for it: by returning, or by raising."""
+    with ddpkit.Runtime("fsdp", device="cpu", seed=0) as rt:
+        model = wide_model()
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        for x, y in rt.loader(toy_data(40), batch_size=20):
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(opt)
+        params = flat_params(model)
+        rt.save(path, background=True, model=model, optimizer=opt)
+        if raise_after:
+            raise RuntimeError("left with the save under way")
+        return {"params": params}

@@ -62,6 +62,11 @@ def ddp_options(ddp: DDPOptions | dict | None) -> DDPOptions:
         raise UsageError(f"Runtime(ddp=...): {err}") from None
 
 
+# How long close() waits for a checkpoint still being written in the background (a large
+# checkpoint on a slow disk), before it removes the partial write instead.
+PENDING_WAIT_S = 600.0
+
+
 class Runtime:
     """Process group, device, strategy and precision for one worker.
 
@@ -122,6 +127,7 @@ class Runtime:
         # the same gradients is not another step). Seeds fresh random streams on a resume onto
         # another N, and says which log records a resumed run keeps.
         self._steps, self._counted = 0, False
+        self._pending: list[Pending] = []  # background saves not known complete (see close)
         # Rank 0's sinks, opened at the first log call: after a load_state(), the log goes on
         # from the restored step instead of beginning anew.
         self._log_dir, self._tracking, self._log_resume = log_dir, None, None
@@ -194,7 +200,9 @@ class Runtime:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy the process group if this runtime created it. Safe to call twice."""
+        """Wait for checkpoints still being written in the background, then destroy the process
+        group if this runtime created it. Safe to call twice."""
+        self._finish_pending()
         if self._acc is not None:
             self._acc.leave()
             self._acc.no_sync = None
@@ -204,6 +212,29 @@ class Runtime:
             dist.teardown()
             self._owns_group = False
         self._close_tracking(None)
+
+    def _finish_pending(self) -> None:
+        """A background save must finish or vanish before the process groups its write uses are
+        torn down: torn down under it, each rank would write alone over the others' files and
+        rank 0 rename a directory of half-written tensors into place. So close() waits for it,
+        saying so, for at most PENDING_WAIT_S; then the partial directory is removed."""
+        pending, self._pending = [p for p in self._pending if not p.done()], []
+        for p in pending:
+            self.print(
+                f"ddpkit: checkpoint {p.path} is still being written in the background: waiting for it "
+                "before closing (wait() on what save(background=True) returned says when it is complete)",
+                file=sys.stderr,
+            )
+            try:
+                p.wait(PENDING_WAIT_S)
+            except TimeoutError:
+                p.abandon()
+                self.print(
+                    f"ddpkit: checkpoint {p.path}: not complete after {PENDING_WAIT_S:g} s; its partial write removed",
+                    file=sys.stderr,
+                )
+            except OSError as err:  # the write failed: nothing was put in place
+                self.print(f"ddpkit: {err}", file=sys.stderr)
 
     def _close_tracking(self, exc: BaseException | None) -> None:
         sinks, self._tracking = self._tracking, None
@@ -674,7 +705,7 @@ class Runtime:
         checkpoint is complete (call it before the next save). Either form loads with `load()`
         into any strategy on any number of processes."""
         self._check_writable("rt.save", path)
-        return checkpoint.save(path, state, background=background)
+        return self._tracked(checkpoint.save(path, state, background=background))
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
         """Load a checkpoint written by `save()`, a file or an fsdp checkpoint directory, into
@@ -693,7 +724,13 @@ class Runtime:
         loader() calls, on any number of processes (see `load_state`)."""
         self._check_extra("save_state", extra)
         self._check_writable("rt.save_state", path)
-        return checkpoint.save(path, {**self._state(), **extra}, background=background)
+        return self._tracked(checkpoint.save(path, {**self._state(), **extra}, background=background))
+
+    def _tracked(self, pending: Pending | None) -> Pending | None:
+        """Keep a background save's handle until close(), which waits for it (`_finish_pending`)."""
+        if pending is not None:
+            self._pending = [p for p in self._pending if not p.done()] + [pending]
+        return pending
 
     def _check_writable(self, call: str, path: str | os.PathLike) -> None:
         """Rank 0 proves it can write beside `path`, and every rank raises its UsageError alike

@@ -37,6 +37,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -352,20 +353,33 @@ def in_shards(value: Any) -> bool:
 
 
 class Pending:
-    """A checkpoint being written in the background: `wait()` until it is complete (raising
-    what went wrong). Rank 0 renames it into place as soon as every rank's write is done."""
+    """A checkpoint being written in the background: `wait()` until it is complete and, on rank
+    0, renamed into place (raising what went wrong). Rank 0 renames it as soon as every rank's
+    write is done, in the thread that finished the write."""
 
-    def __init__(self, future: Future, path: str) -> None:
-        self.future, self.path = future, path
+    def __init__(self, future: Future, path: str, tmp: str, placed: threading.Event | None) -> None:
+        self.future, self.path, self.tmp, self.placed = future, path, tmp, placed
+        self.error: BaseException | None = None  # what went wrong putting it in place (rank 0)
 
     def done(self) -> bool:
-        return self.future.done()
+        return self.future.done() and (self.placed is None or self.placed.is_set())
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the checkpoint is complete; TimeoutError after `timeout` seconds."""
         try:
-            self.future.result()
+            self.future.result(timeout)
+        except (TimeoutError, FutureTimeout):  # one class from Python 3.11 on
+            raise TimeoutError(f"checkpoint {self.path}: not written within {timeout} s") from None
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(err)}") from None
+        if self.placed is not None and not self.placed.wait(timeout):
+            raise TimeoutError(f"checkpoint {self.path}: not renamed into place within {timeout} s")
+        if self.error is not None:
+            raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(self.error)}")
+
+    def abandon(self) -> None:
+        """Remove what the write has put on disk so far: a checkpoint finishes or vanishes."""
+        remove(self.tmp)
 
 
 _lock = threading.Lock()
@@ -422,16 +436,24 @@ def save(
         return None
     group = None if no_dist else dist.background_group()
     future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    pending = Pending(future, path)
+    pending = Pending(future, path, tmp, threading.Event() if dist.is_main() else None)
     if dist.is_main():
 
         def finish(done: Future) -> None:
-            if done.exception() is None:
-                with _lock:
-                    write_checksums(tmp)  # in DCP's writing thread: training goes on meanwhile
-                    _put_in_place(tmp, path)
-                    if on_complete is not None:
-                        on_complete()
+            try:
+                if done.exception() is None:
+                    with _lock:
+                        write_checksums(tmp)  # in DCP's writing thread: training goes on meanwhile
+                        _put_in_place(tmp, path)
+                        if on_complete is not None:
+                            on_complete()
+                else:
+                    remove(tmp)
+            except BaseException as err:  # noqa: BLE001 - a callback's exception would be lost: wait() raises it
+                pending.error = err
+                remove(tmp)
+            finally:
+                pending.placed.set()
 
         future.add_done_callback(finish)
     return pending

@@ -320,3 +320,24 @@ def test_fsdp_batchnorm_keeps_ddps_buffers_rank_0s_running_statistics_every_step
     # rank 1 on its own would hold other statistics: the broadcast is what made them rank 0's
     assert (out[1]["fsdp"]["own"] - out[1]["fsdp"]["buffers"]).abs().max() > 1e-3
     assert not torch.equal(out[0]["fsdp"]["buffers"], out[1]["fsdp"]["buffers"])  # its last own update
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("leave", ["returning", "raising"])
+def test_a_background_save_not_waited_for_is_whole_once_the_runtime_closes(tmp_path, leave):
+    # close() waits for it before the process groups its write uses are torn down
+    from ddpkit import checkpoint, shards
+    from ddpkit.errors import WorkerFailed
+
+    path = tmp_path / "ck"
+    if leave == "raising":
+        with pytest.raises(WorkerFailed, match="left with the save under way"):
+            ddpkit.launch(workers.background_save_left, str(path), True, nproc=2, device="cpu")
+    else:
+        saved = ddpkit.launch(workers.background_save_left, str(path), False, nproc=2, device="cpu")[0]["params"]
+    shards.verify(path)  # every file there, as written
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp directory left behind
+    model = workers.wide_model()
+    checkpoint.load_into(path, {"model": model})
+    if leave == "returning":
+        assert torch.equal(workers.flat_params(model), saved)
