@@ -67,6 +67,11 @@ DAMAGED = {
 }
 
 
+def _tree(folder) -> dict:
+    """Every file below `folder` -> its bytes."""
+    return {f: f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
 def _files(*paths) -> dict:
     """Each file under `paths` (or the file itself) -> its bytes."""
     files = [f for p in paths for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
@@ -108,6 +113,9 @@ def refused(three_checkpoints, fsdp_two_process_run, tmp_path_factory) -> dict[s
         shutil.copy(three_checkpoints / "checkpoints" / "step-00000015.pt", path)
         damage(path)
         case(name, "--nproc", "2", "--resume", str(path), out=root / name / "new", path=path)
+    source = copied(three_checkpoints, root / "source")  # --resume PATH into --out of another run
+    c = case("into-another-run", "--nproc", "1", "--resume", str(source / "checkpoints" / "step-00000015.pt"))
+    c["before"] = _tree(c["out"])
     fsdp_out, _ = fsdp_two_process_run  # an fsdp checkpoint directory, one of its shards flipped
     newest = sorted((fsdp_out / "checkpoints").iterdir())[-1]
     shard = root / "fsdp-flipped" / newest.name
@@ -198,6 +206,14 @@ def test_a_checkpoint_whose_bytes_or_name_are_not_what_was_written_is_refused_be
     assert len(lines) == 1 and f"--resume: checkpoint {r['path']}: " in lines[0]
     assert re.search(said, lines[0]), lines[0]
     assert r["stdout"] == "" and not r["out"].exists()  # no worker started, nothing written
+
+
+def test_resume_path_will_not_write_into_another_runs_out(refused):
+    r = refused["into-another-run"]  # --resume A/checkpoints/step-15.pt --out B, B a run of its own
+    assert r["code"] == 2, r["stderr"][-2000:]
+    lines = r["stderr"].strip().splitlines()
+    assert len(lines) == 1 and f"--out {r['out']} holds another run (checkpoints, metrics.jsonl" in lines[0]
+    assert _tree(r["out"]) == r["before"]  # nothing of B touched
 
 
 @pytest.mark.parametrize("change", WRONG_ENTRIES)

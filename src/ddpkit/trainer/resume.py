@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 def starting_point(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int) -> str | None:
     """The checkpoint a fresh launch of `cfg` starts from (None: from scratch)."""
+    if cfg.resume not in (None, "auto") and not current_attempt():
+        _check_out_for(cfg.resume, cfg.out)
     path = resume_path(cfg, in_shape, num_classes)
     if cfg.resume is None and checkpoint_names(os.path.join(cfg.out, "checkpoints")) and not current_attempt():
         # A fresh run here would prune the old run's checkpoints as its own and leave a mix.
@@ -49,6 +51,21 @@ def starting_point(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int
             f"or choose another --out"
         )
     return path
+
+
+def _check_out_for(resume: str, out: str) -> None:
+    """`--resume PATH` writes into `--out`: refuse an `--out` that holds another run's outputs
+    (they would be overwritten, and two runs' records mixed in one metrics.jsonl). An empty or
+    new `--out`, or PATH's own run (PATH in `--out`/checkpoints), is fine."""
+    own = os.path.join(os.path.realpath(out), "checkpoints")
+    if os.path.dirname(os.path.realpath(resume)) == own:
+        return
+    held = [name for name in rundir.WRITTEN if os.path.lexists(os.path.join(out, name))]
+    if held:
+        raise UsageError(
+            f"--out {out} holds another run ({', '.join(held[:3])}): resuming {resume} there would overwrite "
+            f"its outputs and mix two runs' records; choose an empty --out, or the checkpoint's own run's"
+        )
 
 
 def after_restart(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int) -> str | None:
