@@ -141,3 +141,13 @@ def test_close_waits_for_a_background_save_and_removes_it_when_it_never_complete
     assert err[0].startswith(f"ddpkit: checkpoint {tmp_path / 'ck'} is still being written in the background: waiting")
     assert err[1] == f"ddpkit: checkpoint {tmp_path / 'ck'}: not complete after 0.2 s; its partial write removed"
     assert len(err) == 2 and not partial.exists()  # finished or vanished; the completed one said nothing
+
+
+@pytest.mark.unit
+def test_a_runtime_refuses_a_thread_count_that_is_no_count(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    with pytest.raises(ddpkit.UsageError, match=r"OMP_NUM_THREADS='0': not a positive whole number"):
+        ddpkit.Runtime("single", device="cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # set empty: the default, as unset
+    with ddpkit.Runtime("single", device="cpu") as rt:
+        assert rt.world_size == 1

@@ -126,3 +126,17 @@ def _mib(mib: float) -> str:
 def shape(what: str, text: str) -> tuple[int, ...]:
     """One sample's shape from 'C,H,W' (or any number of dimensions)."""
     return int_list(what, text, "3,32,32")
+
+
+def thread_count_variable() -> None:
+    """OMP_NUM_THREADS, when set, is a positive whole number. torch and OpenMP keep 0 or a word
+    without a word of their own, and every process then takes all the cores (many times slower
+    on a CPU with several processes)."""
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is None or not value.strip() or (value.strip().isdigit() and int(value) > 0):
+        return  # unset, or set empty (as `export OMP_NUM_THREADS=` does): the default
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    raise UsageError(
+        f"OMP_NUM_THREADS={shown!r}: not a positive whole number of threads per process; unset it (ddpkit gives "
+        "each process its share of the cores) or set a count such as 1"
+    )

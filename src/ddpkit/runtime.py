@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import allocator, checkpoint, dist, tracking
+from . import allocator, checkpoint, checks, dist, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
@@ -139,6 +139,7 @@ class Runtime:
         # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
         # layout (strategy.settled_backward), until it has.
         self._settle: strategies.DistributedDataParallel | None = None
+        checks.thread_count_variable()
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

@@ -176,6 +176,7 @@ EXTRA_VALUES = {
     ("train", "--crop-padding"): ("1000000",),  # padded images of that size
     ("train", "--gpt-width"): ("6", "1000000"),  # not a multiple of --gpt-heads 4; 10^13 parameters
     ("train", "--ema"): ("1", "1.5"),  # a decay of 1 keeps the initial weights forever
+    ("train", "--num-classes"): ("1",),  # a classifier of one class learns nothing
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters

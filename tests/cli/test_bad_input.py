@@ -266,3 +266,17 @@ def test_bad_speed_flags_exit_2_with_one_line(outcomes, request, flags, needle):
     line = _exits_2_with_one_line(r)
     assert needle in line, line
     assert not os.path.exists(r["out"])
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+@pytest.mark.parametrize("value", ["0", "abc", "-2"])
+def test_a_thread_count_that_is_no_count_is_one_line_and_exit_2(tmp_path, command, value):
+    # kept, OpenMP would ignore it and every process take all the cores: many times slower
+    args = ["--out", str(tmp_path / "out")] if command == "train" else [str(tmp_path / "script.py")]
+    proc = run_cli(command, *args, env={"OMP_NUM_THREADS": value}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"ddpkit {command}: error: OMP_NUM_THREADS='{value}': not a positive whole number of threads per "
+        "process; unset it (ddpkit gives each process its share of the cores) or set a count such as 1"
+    ]
+    assert not (tmp_path / "out").exists()

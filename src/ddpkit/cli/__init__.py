@@ -107,6 +107,12 @@ def _main(argv: list[str]) -> int:
     if name not in COMMANDS:
         print(f"ddpkit: error: {checks.choice_message('command', name, COMMANDS)}", file=sys.stderr)
         return 2
+    if name in ("train", "run", "find-batch-size", "bench"):
+        try:  # before torch is imported: OpenMP would first complain on its own, in a line of its own
+            checks.thread_count_variable()
+        except UsageError as err:
+            print(f"ddpkit {name}: error: {one_line(str(err))}", file=sys.stderr)
+            return 2
     command = importlib.import_module(f"{__name__}.{COMMANDS[name]}")
     return run_command(f"ddpkit {name}", command.main, rest)
 

@@ -175,6 +175,11 @@ def check_settings(cfg: TrainConfig) -> None:
     for name in AT_LEAST_ZERO:
         if getattr(cfg, name) is not None:
             checks.at_least(checks.flag(name), getattr(cfg, name), 0)
+    if cfg.num_classes < 2:  # one class: every prediction right by construction, nothing to learn
+        raise UsageError(
+            f"--num-classes must be at least 2 (a classifier of one class learns nothing), got {cfg.num_classes}"
+        )
+    checks.thread_count_variable()
     for name in FRACTIONS:
         checks.in_range(checks.flag(name), getattr(cfg, name), 0, 1)
     workers = WORKERS_PER_CORE * devices.cpu_count()
