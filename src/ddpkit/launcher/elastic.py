@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 import cloudpickle
 
+from .. import checks
 from .. import device as devices
 from ..device import threads_per_process
 from ..errors import Interrupted, UsageError
@@ -66,6 +67,7 @@ def launch(
     Inside a worker of a job that is already running (started by torchrun, srun or
     `ddpkit run`), `fn` runs in this process, as that worker: {this rank: return value}.
     """
+    checks.thread_count_variable()  # the workers inherit it
     from ..dist import detect_env
 
     env = detect_env()
