@@ -104,6 +104,24 @@ def detect_env() -> DistEnv:
     return DistEnv()
 
 
+def job_problem(env: DistEnv) -> str | None:
+    """Why launcher variables in this environment cannot describe a job this process is part
+    of (None: they can, or there are none). A RANK and WORLD_SIZE left set by hand, with no
+    launcher around, would make this process wait for peers that never come, until the
+    timeout; they are caught here instead."""
+    if env.source == "single" or env.world_size <= 1:
+        return None
+    said = f"RANK={env.rank} WORLD_SIZE={env.world_size}" if env.source == "torchrun" else f"srun's task {env.rank}"
+    if not 0 <= env.rank < env.world_size:
+        return f"{said}: the rank is not one of the job's {env.world_size}"
+    if env.source == "torchrun" and env.master_port == 0:
+        return (
+            f"{said} are set, describing a job of {env.world_size} processes, but MASTER_PORT is not: no other "
+            "process could find this one. Unset them to run alone, or start the job with torchrun or ddpkit run"
+        )
+    return None
+
+
 def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
     """gloo on CPU, NCCL on CUDA; with `cpu_collectives`, NCCL for CUDA tensors and gloo for
     CPU ones (fsdp's CPU offload keeps the shards and their gradients in host memory)."""
@@ -127,6 +145,11 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
     """
     if not env.is_distributed or tdist.is_initialized():
         return False
+    problem = job_problem(env)
+    if problem:
+        from .errors import UsageError
+
+        raise UsageError(problem)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     kwargs: dict[str, Any] = {}

@@ -280,3 +280,19 @@ def test_a_thread_count_that_is_no_count_is_one_line_and_exit_2(tmp_path, comman
         "process; unset it (ddpkit gives each process its share of the cores) or set a count such as 1"
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "env,said",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK=0 WORLD_SIZE=2 are set, describing a job of 2"),
+        ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_PORT": "29511"}, "RANK=3 WORLD_SIZE=2: the rank is not one of"),
+    ],
+)
+def test_launcher_variables_of_a_job_that_is_not_there_are_one_line_and_exit_2(tmp_path, env, said):
+    # left set by hand, they made the run wait for peers that never come, until --timeout
+    proc = run_cli("train", "--out", str(tmp_path / "out"), env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddpkit train: error: {said}"), lines
+    assert not (tmp_path / "out").exists()

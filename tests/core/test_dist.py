@@ -81,3 +81,16 @@ def test_slow_rank0_save_does_not_trip_the_others_timeout(tmp_path):
     out = ddpkit.launch(workers.slow_save_on_main, str(tmp_path / "c.pt"), 2.0, 5.0, nproc=2)
     assert out == {0: "saved", 1: "saved"}
     assert "model" in torch.load(tmp_path / "c.pt", weights_only=True)
+
+
+@pytest.mark.unit
+def test_a_runtime_refuses_launcher_variables_of_a_job_that_is_not_there(monkeypatch):
+    import ddpkit
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ddpkit.UsageError, match=r"RANK=0 WORLD_SIZE=2 are set, .* but MASTER_PORT is not"):
+        ddpkit.Runtime("ddp", device="cpu")  # before: a silent wait of timeout_s for the other rank
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a job of one: nothing to wait for
+    with ddpkit.Runtime("ddp", device="cpu") as rt:
+        assert rt.world_size == 1

@@ -220,9 +220,12 @@ def resolve(
     launcher that already started them. `one_process` names what forces a single process
     (for example '--strategy dp'), if anything."""
     device_type = devices.device_type(device)
-    from ..dist import detect_env
+    from ..dist import detect_env, job_problem
 
     env = detect_env()
+    problem = job_problem(env)
+    if problem:
+        raise UsageError(problem)
     if env.source != "single":  # under torchrun / srun: this process is one worker
         _check_allocation(env, device_type, nproc, nodes, max_restarts)
         if one_process and env.world_size > 1:
