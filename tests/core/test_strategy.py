@@ -231,7 +231,13 @@ def test_fsdp_checkpoints_are_sharded_and_move_to_any_world_size_and_strategy(tm
     straight = workers.checkpoint_hop("", "single", "straight")["params"]
     # fsdp on 2 saves a directory: each rank its own shards, nothing gathered
     ddpkit.launch(workers.checkpoint_hop, str(tmp_path / "a"), "fsdp", "save", nproc=2, device="cpu")
-    assert sorted(os.listdir(tmp_path / "a")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert sorted(os.listdir(tmp_path / "a")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "checksums.json",
+        "state.pt",
+    ]
     assert [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")] == []
     # one process (bare model, plain AdamW) continues from it, and so does fsdp on 3 (uneven shards)
     continued = workers.checkpoint_hop(str(tmp_path / "a"), "single", "load")["params"]

@@ -85,7 +85,8 @@ def test_nodes_rendezvous_settings():
 
 @pytest.mark.unit
 def test_under_torchrun_the_topology_is_the_launchers(monkeypatch):
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    for name, value in torchrun.items():
         monkeypatch.setenv(name, value)
     topology = topologies.resolve("cpu")
     assert (topology.launcher, topology.nproc, topology.world_size, topology.in_process) == ("torchrun", 1, 2, True)

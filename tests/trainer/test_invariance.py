@@ -81,7 +81,13 @@ def test_fsdp_resumes_across_world_sizes_and_strategies(straight, fsdp_two_proce
     assert max_diff(resumed["weights"], fsdp["weights"]) == 0.0
     assert resumed["results"]["final_train_loss"] == fsdp["results"]["final_train_loss"]
     sharded = out / "checkpoints" / "step-00000012"
-    assert sorted(p.name for p in sharded.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert sorted(p.name for p in sharded.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "checksums.json",
+        "state.pt",
+    ]
     shard = sharded / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])  # a damaged copy: never picked, the older one is
     three = train(out, "--nproc", "3", "--strategy", "fsdp", "--max-steps", "24", "--resume", "auto")
