@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import checks, dist
 from .data import DistributedLoader, MicroBatch
 from .errors import UsageError
 from .strategy import local
@@ -137,5 +137,7 @@ def checked_weight(weight: Any, device: torch.device) -> torch.Tensor:
             raise UsageError(f"rt.backward(weight=...): one number, not a tensor of shape {tuple(weight.shape)}")
         return weight.detach().reshape(()).to(device=device, dtype=torch.float64)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise UsageError(f"rt.backward(weight=...): a count of tokens or samples (a number >= 0), not {weight!r}")
+        raise UsageError(
+            f"rt.backward(weight=...): a count of tokens or samples (a number >= 0), not {checks.shown(weight)}"
+        )
     return torch.tensor(float(weight), dtype=torch.float64, device=device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,8 +34,34 @@ def choice(what: str, value: Any, choices: Iterable[Any]) -> Any:
     return value
 
 
+class _Bounded(reprlib.Repr):
+    """repr() cut short at every level: a few items of each container, two levels deep, and
+    only the type of an object of any other kind (its own repr could be anything)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxset, self.maxdict = 2, 4, 4, 4, 4
+        self.maxstring = self.maxlong = self.maxother = 60
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if isinstance(x, (float, complex, bool)) or x is None:
+            return repr(x)
+        return f"<{type(x).__name__}>"
+
+
+_BOUNDED = _Bounded()
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value` as an error message shows it: a repr of bounded length whatever its structure.
+    A plain repr of a value that shares its parts (a YAML alias bomb, a crafted pickle) can run
+    for minutes and exhaust memory: this one visits a few items of a few levels."""
+    text = _BOUNDED.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def choice_message(what: str, value: Any, choices: Iterable[Any]) -> str:
-    return f"{what}: unknown value {value!r}; choose from {', '.join(map(str, choices))}"
+    return f"{what}: unknown value {shown(value)}; choose from {', '.join(map(str, choices))}"
 
 
 def positive(what: str, value: float) -> float:
@@ -72,7 +99,7 @@ def int_list(what: str, text: str, example: str) -> tuple[int, ...]:
     except ValueError:
         values = ()
     if not values or min(values) <= 0:
-        raise UsageError(f"{what} must be positive integers like {example}, got {text!r}")
+        raise UsageError(f"{what} must be positive integers like {example}, got {shown(text)}")
     return values
 
 

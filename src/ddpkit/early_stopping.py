@@ -50,7 +50,7 @@ class EarlyStopping:
 
     def __post_init__(self) -> None:
         if isinstance(self.patience, bool) or not isinstance(self.patience, int):
-            raise UsageError(f"EarlyStopping patience: a whole number of checks, not {self.patience!r}")
+            raise UsageError(f"EarlyStopping patience: a whole number of checks, not {checks.shown(self.patience)}")
         checks.positive("EarlyStopping patience", self.patience)
         checks.at_least("EarlyStopping min_delta", self.min_delta, 0)
         checks.choice("EarlyStopping mode", self.mode, MODES)

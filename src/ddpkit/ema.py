@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from . import checks
 from .errors import UsageError
 from .strategy import unwrap
 
@@ -43,7 +44,7 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float) -> None:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
             raise UsageError(
-                f"EMA decay must be between 0 and 1 (the weight kept at each step, as 0.999), got {decay!r}"
+                f"EMA decay must be between 0 and 1 (the weight kept at each step, as 0.999), got {checks.shown(decay)}"
             )
         named = [(name, p) for name, p in unwrap(model).named_parameters() if p.is_floating_point()]
         if not named:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import checks, dist
 from .ema import EMA
 from .errors import UsageError
 from .files import TEMP_PREFIX, remove
@@ -204,7 +204,7 @@ def _check_data_files(path: str, storage: dict[Any, Any]) -> None:
         if not (isinstance(name, str) and DATA_FILE.fullmatch(name)) or not all(
             isinstance(v, int) and v >= 0 for v in (offset, length)
         ):
-            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} names a data file {name!r})")
+            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} names a data file {checks.shown(name)})")
         need[name] = max(need.get(name, 0), offset + length)
     for name, size in sorted(need.items()):
         try:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import checks
 from .errors import UsageError
 from .files import json_line, json_safe, naming_full_disk, replace_with_log, write_json
 
@@ -66,7 +67,9 @@ def check_log_with(log_dir: str | os.PathLike | None, log_with: str | Sequence[s
     names = (log_with,) if isinstance(log_with, str) else tuple(log_with)  # "mlflow" is one name, not six
     for name in names:
         if name not in TRACKERS:
-            raise UsageError(f"Runtime(log_with=...): unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+            raise UsageError(
+                f"Runtime(log_with=...): unknown tracker {checks.shown(name)}; choose from {', '.join(TRACKERS)}"
+            )
         check_installed(name, f"Runtime(log_with=[{name!r}])")
     if names and log_dir is None:
         raise UsageError("Runtime(log_with=...) needs log_dir=..., the directory the trackers write in")
@@ -87,7 +90,7 @@ def metrics_record(step: int, metrics: dict[str, Any], trackers: Sequence[str] =
     except TypeError:
         index = -1
     if index < 0:
-        raise UsageError(f"rt.log: step must be an integer >= 0, got {step!r}")
+        raise UsageError(f"rt.log: step must be an integer >= 0, got {checks.shown(step)}")
     for key, value in metrics.items():
         _check_value(key, value)
     check_names(metrics, trackers, "rt.log")
@@ -107,7 +110,7 @@ def check_names(values: dict[str, Any], trackers: Sequence[str], call: str) -> N
     for name in values:
         if not MLFLOW_NAME.fullmatch(name) or posixpath.normpath(name) != name or name.startswith(("/", "..")):
             raise UsageError(
-                f"{call}: MLflow refuses the name {name!r} (letters, digits, _ - . : / and spaces, "
+                f"{call}: MLflow refuses the name {checks.shown(name)} (letters, digits, _ - . : / and spaces, "
                 "not a path that normalizes to another name)"
             )
 

@@ -83,3 +83,32 @@ def test_memory_refuses_more_than_the_machine_has():
     checks.memory("a small thing", 2**20, processes=4)
     with pytest.raises(UsageError, match=r"^a huge thing needs about 1,048,576.0 GiB in each of 2 processes; "):
         checks.memory("a huge thing", 2**50, processes=2)
+
+
+@pytest.mark.unit
+def test_a_value_shown_in_a_message_is_bounded_whatever_its_structure():
+    import time
+
+    shared = ["lol"]
+    for _ in range(60):  # 2**60 leaves once expanded, 61 lists in memory: what an alias bomb or a crafted pickle makes
+        shared = [shared, shared]
+
+    class Loud:
+        def __repr__(self) -> str:
+            return "x" * 10**7
+
+    t = time.perf_counter()
+    texts = [
+        checks.shown(shared),
+        checks.shown(Loud()),
+        checks.shown("a" * 10**6),
+        checks.shown({i: i for i in range(10**5)}),
+    ]
+    assert time.perf_counter() - t < 0.5 and all(len(text) <= 80 for text in texts)
+    assert texts[0].startswith("[[[") and texts[1] == "<Loud>" and "..." in texts[2]
+    assert (checks.shown(3), checks.shown(2.5), checks.shown("epochs"), checks.shown(None)) == (
+        "3",
+        "2.5",
+        "'epochs'",
+        "None",
+    )

@@ -218,6 +218,14 @@ def _chunk_outside(metadata) -> None:
     metadata.state_dict_metadata["model.0.weight"].chunks[0].offsets = torch.Size([5, 0])
 
 
+def _shared_path(metadata) -> None:
+    shared = ["x"]
+    for _ in range(60):  # a few bytes pickled, 2**60 strings once expanded: a repr of it never ends
+        shared = [shared, shared]
+    for info in metadata.storage_data.values():
+        info.relative_path = shared
+
+
 def _no_data(metadata) -> None:
     del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == "model.0.bias")]
 
@@ -229,6 +237,7 @@ def _no_data(metadata) -> None:
         (_claim_terabytes, r"model.0.weight claims 40,000,000,000,000 bytes, its data holds [\d,]+"),
         (_chunk_outside, r".metadata has no data for model.0.weight"),
         (_no_data, r".metadata has no data for model.0.bias"),
+        (_shared_path, r".metadata names a data file \[\[\[.*\]"),
     ],
 )
 def test_metadata_that_claims_more_than_its_data_is_refused_from_the_metadata_alone(tmp_path, change, said):

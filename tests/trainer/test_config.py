@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 from ddpkit.data import DATASETS
+from ddpkit.errors import UsageError
 from ddpkit.trainer import TrainConfig, resolve
 from ddpkit.trainer.config import load_config_file
 from tests.conftest import run_cli
@@ -90,3 +91,19 @@ def test_model_recipe_defaults_yield_to_yaml_and_flags(tmp_path):
     conf.write_text("label_smoothing: 0.1\nbatch_size: 32\n")
     cfg = resolve(parse([*base, "--config", str(conf), "--batch-size", "16"])).cfg.to_dict()
     assert (cfg["label_smoothing"], cfg["batch_size"], cfg["lr"]) == (0.1, 16, 0.4)
+
+
+@pytest.mark.unit
+def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    # nine lines that stand for 9**9 strings: before, 98 s and a MemoryError
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\nepochs: *a8\n")
+    with pytest.raises(
+        UsageError, match=r"bomb.yaml: more than 10,000 values once its aliases \(\*name\) are expanded"
+    ):
+        load_config_file(str(path))
+    path.write_text("common: &lr 0.05\nlr: *lr\n")  # an alias of a few values is fine, and read as written
+    with pytest.raises(UsageError, match=r"unknown option 'common'"):
+        load_config_file(str(path))

@@ -33,6 +33,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from .. import checks
 from ..errors import UsageError
 
 # DataLoader settings carried over as they are (the sampler, batch size and order are ddpkit's).
@@ -56,7 +57,7 @@ def source(data: Any, batch_size: int | None, shuffle: bool | None, drop_last: b
     settings, read by `adopt`, with the arguments given (not None) winning; or a Dataset's or
     an IterableDataset's, with the defaults. Bad arguments are a UsageError."""
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise UsageError(f"batch_size must be a whole number of samples >= 1, got {batch_size!r}")
+        raise UsageError(f"batch_size must be a whole number of samples >= 1, got {checks.shown(batch_size)}")
     if collate is not None and not callable(collate):
         raise UsageError(f"collate_fn must be a function of a list of samples, not {type(collate).__name__}")
     if isinstance(data, DataLoader):

@@ -74,7 +74,7 @@ def launch(
     if env.source != "single":  # this process is a worker already (torchrun, srun, `ddpkit run`)
         if str(nproc) not in ("auto", str(env.local_world_size)) or max_restarts or nodes != Nodes():
             raise UsageError(
-                f"launch(nproc={nproc!r}) inside a worker of a job of {env.world_size} processes already started "
+                f"launch(nproc={checks.shown(nproc)}) inside a worker of a job of {env.world_size} processes already started "
                 f"by {'srun' if env.source == 'slurm' else 'torchrun or ddpkit run'}: size the job with that launcher"
             )
         return {env.rank: fn(*args, **kwargs)}

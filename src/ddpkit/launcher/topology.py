@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import checks
 from .. import device as devices
 from ..errors import UsageError
 
@@ -54,10 +55,10 @@ class Nodes:
         if isinstance(self.nnodes, int) and not isinstance(self.nnodes, bool):
             object.__setattr__(self, "nnodes", str(self.nnodes))  # Nodes(2, ...) as Nodes("2", ...)
         if not isinstance(self.nnodes, str):
-            raise UsageError(f"--nnodes must be N or MIN:MAX, got {self.nnodes!r}")
+            raise UsageError(f"--nnodes must be N or MIN:MAX, got {checks.shown(self.nnodes)}")
         _, high = self.range()
         if self.node_rank is not None and (not _is_int(self.node_rank) or self.node_rank < 0):
-            raise UsageError(f"--node-rank must be an integer >= 0, got {self.node_rank!r}")
+            raise UsageError(f"--node-rank must be an integer >= 0, got {checks.shown(self.node_rank)}")
         self._check_port(high)
         conf = dict(self.rdzv_conf)
         object.__setattr__(self, "rdzv_conf", tuple((k, _conf_value(k, v)) for k, v in sorted(conf.items())))
@@ -67,7 +68,7 @@ class Nodes:
         port = self.master_port
         low = 1 if max_nodes > 1 else 0  # the other nodes cannot find a port the OS picked
         if not _is_int(port) or not low <= port <= 65535:
-            raise UsageError(f"--master-port must be a port number in {low}..65535, got {port!r}")
+            raise UsageError(f"--master-port must be a port number in {low}..65535, got {checks.shown(port)}")
 
     def range(self) -> tuple[int, int]:
         try:
@@ -76,7 +77,7 @@ class Nodes:
         except ValueError:
             low = high = 0
         if not 1 <= low <= high:
-            raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {self.nnodes!r}")
+            raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {checks.shown(self.nnodes)}")
         return low, high
 
     def rendezvous(self) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def parse_nproc(value: str | int, device_type: str) -> int:
         if devices.gpu_count() < 1:
             raise UsageError("--nproc gpu: no GPU is visible")
         return devices.gpu_count()
-    raise UsageError(f"--nproc must be a positive integer, auto, cpu or gpu, got {value!r}")
+    raise UsageError(f"--nproc must be a positive integer, auto, cpu or gpu, got {checks.shown(value)}")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class DDPOptions:
         checks.choice("--comm-hook", self.comm_hook, COMM_HOOKS)
         for name in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"DDPOptions: {name} is True or False, not {getattr(self, name)!r}")
+                raise UsageError(f"DDPOptions: {name} is True or False, not {checks.shown(getattr(self, name))}")
         if self.bucket_cap_mb is not None:
             checks.positive("--bucket-cap-mb", self.bucket_cap_mb)
 

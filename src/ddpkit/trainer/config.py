@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from .. import checks
 from .. import device as devices
 from ..errors import UsageError
 
@@ -166,7 +167,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         # Bytes, so that PyYAML picks the encoding as YAML says (UTF-8, or UTF-16/32 with a byte
         # order mark) and reports anything else as a YAML error, not a UnicodeDecodeError.
         with open(path, "rb") as f:
-            raw = yaml.safe_load(f)
+            raw = _safe_load_bounded(f, path)
     except OSError as err:
         raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from None
     except yaml.reader.ReaderError:
@@ -184,9 +185,45 @@ def load_config_file(path: str) -> dict[str, Any]:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
-            raise UsageError(f"--config {path}: unknown option {key!r}")
+            raise UsageError(f"--config {path}: unknown option {checks.shown(key)}")
         values[name] = _coerce(path, key, value, types[name])
     return values
+
+
+# The most values a --config file may hold once its aliases (*name) are expanded: a real one
+# holds a few dozen, and nine lines of nested aliases can stand for billions.
+MAX_CONFIG_VALUES = 10_000
+
+
+def _safe_load_bounded(stream: Any, path: str) -> Any:
+    """yaml.safe_load, refusing a document whose aliases expand beyond MAX_CONFIG_VALUES values
+    (counted on the composed nodes before any Python object is made: each shared node once)."""
+    import yaml
+
+    loader = yaml.SafeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n: Any) -> int:
+            if id(n) not in sizes:
+                sizes[id(n)] = 1  # a node that contains itself counts once
+                if isinstance(n, yaml.SequenceNode):
+                    sizes[id(n)] = 1 + sum(size(child) for child in n.value)
+                elif isinstance(n, yaml.MappingNode):
+                    sizes[id(n)] = 1 + sum(size(k) + size(v) for k, v in n.value)
+            return min(sizes[id(n)], MAX_CONFIG_VALUES + 1)
+
+        if size(node) > MAX_CONFIG_VALUES:
+            raise UsageError(
+                f"--config {path}: more than {MAX_CONFIG_VALUES:,} values once its aliases (*name) are expanded; "
+                "a configuration is a mapping of option: value"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _coerce(path: str, key: str, value: Any, kind: Any) -> Any:
@@ -203,4 +240,4 @@ def _coerce(path: str, key: str, value: Any, kind: Any) -> Any:
         if t is str and isinstance(value, (str, int)) and not isinstance(value, bool):
             return str(value)
     wanted = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
-    raise UsageError(f"--config {path}: {key} should be {wanted}, got {value!r}")
+    raise UsageError(f"--config {path}: {key} should be {wanted}, got {checks.shown(value)}")
