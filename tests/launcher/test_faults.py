@@ -218,7 +218,8 @@ def test_a_signal_while_the_workers_are_started_stops_the_job(tmp_path, sig, cod
     assert stderr.strip().splitlines() == [f"ddpkit train: interrupted; {said}"], stderr
 
 
-def test_sigterm_to_a_one_process_run_without_out_names_its_default_folder(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_a_one_process_run_without_out_names_its_default_folder(tmp_path, sig, code):
     args = [*RUN[:-1], "1"]  # --nproc 1: the run is in this very process
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", *args],
@@ -229,9 +230,9 @@ def test_sigterm_to_a_one_process_run_without_out_names_its_default_folder(tmp_p
         cwd=tmp_path,
     )
     _wait_for(proc, lambda: any(tmp_path.glob("runs/*/checkpoints/step-*.pt")), "a checkpoint in runs/")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)  # SIGHUP: the terminal closed; before, it ended the run without a word
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr[-3000:]
+    assert proc.returncode == code, stderr[-3000:]
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert re.fullmatch(

@@ -154,8 +154,9 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
 
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a scheduler's stop, `kill`) ends a command as Ctrl-C does: the work unwinds
-    (checkpoints are written whole or not at all) and one line says so, exit code 143."""
+    """SIGTERM (a scheduler's stop, `kill`) and SIGHUP end a command as Ctrl-C does: the work
+    unwinds (checkpoints are written whole or not at all) and one line says so, exit code 143
+    (129)."""
     if threading.current_thread() is not threading.main_thread() or _a_launchers_worker():
         yield
         return
@@ -163,11 +164,15 @@ def _sigterm_interrupts() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # SIGHUP too (the terminal closed), unless it is ignored (nohup): a run of several processes
+    # ends on it with its line through the launcher's agent, and one in this process alike.
+    hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else []
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, *hangup)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _a_launchers_worker() -> bool:
