@@ -357,8 +357,11 @@ class Pending:
     0, renamed into place (raising what went wrong). Rank 0 renames it as soon as every rank's
     write is done, in the thread that finished the write."""
 
-    def __init__(self, future: Future, path: str, tmp: str, placed: threading.Event | None) -> None:
+    def __init__(
+        self, future: Future, path: str, tmp: str, placed: threading.Event | None, kept: list[OSError] | None = None
+    ) -> None:
         self.future, self.path, self.tmp, self.placed = future, path, tmp, placed
+        self.kept = kept if kept is not None else []  # this rank's write errors (see _writer)
         self.error: BaseException | None = None  # what went wrong putting it in place (rank 0)
 
     def done(self) -> bool:
@@ -371,11 +374,11 @@ class Pending:
         except (TimeoutError, FutureTimeout):  # one class from Python 3.11 on
             raise TimeoutError(f"checkpoint {self.path}: not written within {timeout} s") from None
         except BaseException as err:  # DCP's CheckpointException is a BaseException
-            raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(err)}") from None
+            raise _write_error(err, self.path, self.kept, "the background write") from None
         if self.placed is not None and not self.placed.wait(timeout):
             raise TimeoutError(f"checkpoint {self.path}: not renamed into place within {timeout} s")
         if self.error is not None:
-            raise OSError(f"checkpoint {self.path}: the background write failed: {_first_line(self.error)}")
+            raise _write_error(self.error, self.path, self.kept, "the background write") from None
 
     def abandon(self) -> None:
         """Remove what the write has put on disk so far: a checkpoint finishes or vanishes."""
@@ -401,7 +404,6 @@ def save(
     training goes on, and the returned `Pending` completes when every rank's write is done.
     Rank 0 then renames the directory into place and calls `on_complete`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
@@ -414,7 +416,7 @@ def save(
     # training forward would broadcast anyway (see strategy.fsdp), so a resume is bit-identical.
     dist.broadcast_tensors(list(model.buffers()))
     state = _dcp_state(entries, model)
-    writer = FileSystemWriter(tmp)
+    writer = _writer(tmp)
     no_dist = dist.world_size() == 1
     if not background:
         try:
@@ -422,7 +424,7 @@ def save(
                 dcp.save(state, storage_writer=writer, no_dist=no_dist)
         except BaseException as err:
             remove(tmp)
-            raise _as_oserror(err, path) from None
+            raise _write_error(err, path, writer.kept) from None
         if dist.is_main():
             try:
                 write_checksums(tmp)  # every rank's shards are written once dcp.save returns here
@@ -436,7 +438,7 @@ def save(
         return None
     group = None if no_dist else dist.background_group()
     future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    pending = Pending(future, path, tmp, threading.Event() if dist.is_main() else None)
+    pending = Pending(future, path, tmp, threading.Event() if dist.is_main() else None, writer.kept)
     if dist.is_main():
 
         def finish(done: Future) -> None:
@@ -457,6 +459,59 @@ def save(
 
         future.add_done_callback(finish)
     return pending
+
+
+class _KeptErrors:
+    """A stream DCP writes a shard into, keeping the OSError a write raised: torch's zip writer
+    turns it into "[enforce fail at inline_container.cc] unexpected pos", which says neither
+    that the disk is full nor which file."""
+
+    def __init__(self, stream: Any, kept: list[OSError]) -> None:
+        self._stream, self._kept = stream, kept
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as err:
+            self._kept.append(err)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _writer(folder: str) -> Any:
+    """DCP's FileSystemWriter into `folder`, whose streams keep their write errors (`.kept`)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    kept: list[OSError] = []
+
+    class Keeping(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                yield _KeptErrors(stream, kept) if "w" in mode or "a" in mode else stream
+
+    writer = FileSystemWriter(folder)
+    writer.fs, writer.kept = Keeping(), kept
+    return writer
+
+
+def _write_error(err: BaseException, path: str, kept: list[OSError], how: str = "the write") -> BaseException:
+    """The OSError a failed checkpoint write raises: a full disk (kept by this rank's streams,
+    or named in the error) as OSError(ENOSPC or EDQUOT, ..., path), which the trainer reports in
+    its one line naming the intact checkpoint; anything else as one line of what went wrong."""
+    from .files import FULL_DISK
+
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return err
+    full = [e for e in [*kept, err] if isinstance(e, OSError) and e.errno in FULL_DISK]
+    if full:
+        return OSError(full[0].errno, os.strerror(full[0].errno), path)
+    if isinstance(err, OSError):
+        return err
+    return OSError(f"checkpoint {path}: {how} failed: {_first_line(err)}")
 
 
 def _save_rest(where: str, rest: dict[str, Any]) -> None:

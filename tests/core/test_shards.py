@@ -203,6 +203,18 @@ def test_starting_over_where_only_unfinished_writes_are_is_said(tmp_path, capsys
     ]
 
 
+@pytest.mark.unit
+def test_a_write_error_is_one_oserror_and_a_full_disk_one_naming_the_checkpoint():
+    import errno
+
+    path = "/ckpt/step-00000046"
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    full = shards._write_error(torn, path, [OSError(errno.ENOSPC, "No space left on device")])
+    assert (full.errno, full.filename) == (errno.ENOSPC, path)  # what the trainer's one line is made of
+    other = shards._write_error(torn, path, [])
+    assert other.errno is None and str(other) == f"checkpoint {path}: the write failed: {torn}"
+
+
 def _rewrite_metadata(folder, change) -> None:
     metadata = shards.read_metadata(folder)
     change(metadata)

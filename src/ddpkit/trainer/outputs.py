@@ -21,7 +21,7 @@ from ..errors import RunError
 from ..files import FULL_DISK, remove, write_json, write_yaml
 from ..timeline import Timeline
 from .config import TrainConfig
-from .resume import checkpoint_names, newest_checkpoint
+from .resume import CHECKPOINT_NAME, checkpoint_names, newest_checkpoint
 from .tasks import task_of
 
 # Where a forked rank 0's results carry curves.png still being drawn (see Outputs.finish)
@@ -94,7 +94,7 @@ class Outputs:
         newest = newest_checkpoint(self.dir)
         if newest is None:
             return "no checkpoint was saved before it"
-        step = int(os.path.basename(newest)[len("step-") : -len(".pt")])
+        step = int(CHECKPOINT_NAME.fullmatch(os.path.basename(newest))[1])  # step-N.pt, or (fsdp) step-N
         return f"checkpoint {step} is intact ({newest})"
 
     def log(self, record: dict[str, Any]) -> None:
