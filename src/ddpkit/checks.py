@@ -56,7 +56,11 @@ def shown(value: Any, limit: int = 80) -> str:
     """`value` as an error message shows it: a repr of bounded length whatever its structure.
     A plain repr of a value that shares its parts (a YAML alias bomb, a crafted pickle) can run
     for minutes and exhaust memory: this one visits a few items of a few levels."""
-    text = _BOUNDED.repr(value)
+    return cut(_BOUNDED.repr(value), limit)
+
+
+def cut(text: str, limit: int = 80) -> str:
+    """`text` as it is, or its first `limit` characters ending in '...'."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -162,8 +166,7 @@ def thread_count_variable() -> None:
     value = os.environ.get("OMP_NUM_THREADS")
     if value is None or not value.strip() or (value.strip().isdigit() and int(value) > 0):
         return  # unset, or set empty (as `export OMP_NUM_THREADS=` does): the default
-    shown = value if len(value) <= 40 else value[:37] + "..."
     raise UsageError(
-        f"OMP_NUM_THREADS={shown!r}: not a positive whole number of threads per process; unset it (ddpkit gives "
+        f"OMP_NUM_THREADS={shown(value, 40)}: not a positive whole number of threads per process; unset it (ddpkit gives "
         "each process its share of the cores) or set a count such as 1"
     )

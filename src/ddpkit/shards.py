@@ -153,7 +153,7 @@ def _check_entries(path: str, metadata: Any) -> None:
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
             if MetadataIndex(key) not in storage:
-                raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {_cut(key)})")
+                raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {checks.cut(key, 120)})")
             continue
         if not isinstance(entry, TensorStorageMetadata):
             raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} holds an entry of no known kind)")
@@ -165,10 +165,12 @@ def _check_entries(path: str, metadata: Any) -> None:
                     raise ValueError("a chunk outside its tensor")
                 stored += storage[MetadataIndex(key, chunk.offsets)].length
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError):
-            raise UsageError(f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {_cut(key)})") from None
+            raise UsageError(
+                f"checkpoint {path}: damaged ({METADATA_FILE} has no data for {checks.cut(key, 120)})"
+            ) from None
         if claimed > stored:  # each chunk is stored whole (a torch.save record): never fewer bytes
             raise UsageError(
-                f"checkpoint {path}: damaged ({_cut(key)} claims {claimed:,} bytes, its data holds {stored:,})"
+                f"checkpoint {path}: damaged ({checks.cut(key, 120)} claims {claimed:,} bytes, its data holds {stored:,})"
             )
 
 
@@ -190,10 +192,6 @@ def check_values(path: str | os.PathLike, metadata: Any) -> None:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as err:  # noqa: BLE001 - refused globals and garbage alike
             raise UsageError(f"checkpoint {path}: {_load_failure(err)}") from None
-
-
-def _cut(text: str, limit: int = 120) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_data_files(path: str, storage: dict[Any, Any]) -> None:
@@ -430,7 +428,7 @@ def save(
                 write_checksums(tmp)  # every rank's shards are written once dcp.save returns here
             except BaseException as err:
                 remove(tmp)
-                raise _as_oserror(err, path) from None
+                raise _write_error(err, path, []) from None
             _put_in_place(tmp, path)
             if on_complete is not None:
                 on_complete()
@@ -556,9 +554,8 @@ def recover_replaced(folder: str) -> list[str]:
     restored = []
     for name in names:
         m = REPLACED.fullmatch(name)
-        target = os.path.join(folder, m[1]) if m else None
-        if target is not None and os.path.basename(target) == m[1] and not os.path.lexists(target):
-            os.rename(os.path.join(folder, name), target)
+        if m and not os.path.lexists(os.path.join(folder, m[1])):
+            os.rename(os.path.join(folder, name), os.path.join(folder, m[1]))
             restored.append(m[1])
     if restored:
         _fsync_dir(folder)
@@ -590,14 +587,6 @@ def _load_failure(err: BaseException) -> str:
     refused = [line.strip() for line in text.splitlines() if "GLOBAL" in line]
     what = refused[0][:200] if refused else "an entry is not made of tensors and plain values"
     return f"refused, loading it would run code ({what})"
-
-
-def _as_oserror(err: BaseException, path: str) -> BaseException:
-    if isinstance(err, (KeyboardInterrupt, SystemExit)):
-        return err
-    if isinstance(err, OSError):
-        return err
-    return OSError(f"checkpoint {path}: the write failed: {_first_line(err)}")
 
 
 def read_rest(path: str | os.PathLike) -> dict[str, Any]:

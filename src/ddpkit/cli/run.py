@@ -20,7 +20,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import checks
 from ..errors import UsageError
 from ..launcher.topology import RDZV_CONF, Nodes
 from .parsing import ArgumentParser
@@ -51,7 +50,6 @@ STD_SPEC = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")  # -r/-t: 3, or LOCAL_RAN
 
 def main(argv: Sequence[str]) -> int:
     a = _parser().parse_args(argv)
-    checks.thread_count_variable()  # the workers inherit it
     nodes, kwargs = settings(a)
     _check_target(a)
     from ..launcher import run_script

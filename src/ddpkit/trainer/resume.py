@@ -294,7 +294,7 @@ def _count(value: Any) -> bool:
 
 def _shown(value: Any) -> str:
     text = repr(value) if isinstance(value, (int, float, str, type(None))) else type(value).__name__
-    return checks.shown(text, 40) if len(text) > 40 else text
+    return checks.cut(text, 40)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
