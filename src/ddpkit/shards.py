@@ -479,9 +479,14 @@ class _KeptErrors:
 
 
 def _writer(folder: str) -> Any:
-    """DCP's FileSystemWriter into `folder`, whose streams keep their write errors (`.kept`)."""
+    """DCP's FileSystemWriter into `folder`, whose streams keep their write errors (`.kept`),
+    and whose writes raise a full disk as the OSError it is, not as torch's zip writer's
+    RuntimeError: DCP then hands that OSError to every rank in its CheckpointException, so each
+    one, not only the rank whose write failed, can say the disk is full."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from .files import FULL_DISK
 
     kept: list[OSError] = []
 
@@ -491,20 +496,34 @@ def _writer(folder: str) -> Any:
             with super().create_stream(path, mode) as stream:
                 yield _KeptErrors(stream, kept) if "w" in mode or "a" in mode else stream
 
-    writer = FileSystemWriter(folder)
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return super().write_data(plan, planner)
+            except RuntimeError:
+                full = [e for e in kept if e.errno in FULL_DISK]
+                if full:
+                    raise OSError(full[0].errno, os.strerror(full[0].errno), full[0].filename) from None
+                raise
+
+    writer = Writer(folder)
     writer.fs, writer.kept = Keeping(), kept
     return writer
 
 
 def _write_error(err: BaseException, path: str, kept: list[OSError], how: str = "the write") -> BaseException:
     """The OSError a failed checkpoint write raises: a full disk (kept by this rank's streams,
-    or named in the error) as OSError(ENOSPC or EDQUOT, ..., path), which the trainer reports in
-    its one line naming the intact checkpoint; anything else as one line of what went wrong."""
+    or among any rank's failures DCP gathered) as OSError(ENOSPC or EDQUOT, ..., path), which
+    the trainer reports in its one line naming the intact checkpoint; anything else as one line
+    of what went wrong."""
     from .files import FULL_DISK
 
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return err
-    full = [e for e in [*kept, err] if isinstance(e, OSError) and e.errno in FULL_DISK]
+    gathered = [
+        pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(err, "failures", None) or {}).values()
+    ]
+    full = [e for e in [*kept, err, *gathered] if isinstance(e, OSError) and e.errno in FULL_DISK]
     if full:
         return OSError(full[0].errno, os.strerror(full[0].errno), path)
     if isinstance(err, OSError):

@@ -211,6 +211,11 @@ def test_a_write_error_is_one_oserror_and_a_full_disk_one_naming_the_checkpoint(
     torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     full = shards._write_error(torn, path, [OSError(errno.ENOSPC, "No space left on device")])
     assert (full.errno, full.filename) == (errno.ENOSPC, path)  # what the trainer's one line is made of
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # the rank whose write did not fail learns of the full disk from DCP's gathered failures
+    gathered = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
+    assert shards._write_error(gathered, path, []).errno == errno.ENOSPC
     other = shards._write_error(torn, path, [])
     assert other.errno is None and str(other) == f"checkpoint {path}: the write failed: {torn}"
 

@@ -161,7 +161,8 @@ WORKER_IMPORTS: tuple[str, ...] = ("torch._dynamo",)
 
 _preload: threading.Thread | None = None  # importing while the agent starts; forks wait for it
 _hooked = False
-_held: list[int] = []  # signals that arrived while a fork waited for the preload (see _join_for_fork)
+_held: list[int] = []  # signals that arrived while a fork waited for the preload or ran (see _join_for_fork)
+_saved: list[tuple[int, Any]] = []  # the agent's handlers while a fork holds its signals
 # The signals torch's agent turns into its SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 _AGENT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
 
@@ -183,7 +184,7 @@ def preloaded(modules: Sequence[str]) -> Iterator[None]:
         yield
         return
     if not _hooked:
-        os.register_at_fork(before=_join_for_fork, after_in_parent=_deliver_held)
+        os.register_at_fork(before=_join_for_fork, after_in_parent=_deliver_held, after_in_child=_in_child)
         _hooked = True
     _preload = threading.Thread(target=_import_all, args=(tuple(modules),), name="ddpkit-preload", daemon=True)
     _preload.start()
@@ -214,23 +215,20 @@ def _join_for_fork() -> None:
     frozen: the forked workers' collections leave them alone, as they leave the rest of the
     launching process's objects (see gc_frozen).
 
-    A signal that arrives meanwhile (Ctrl-C, a scheduler's SIGTERM) must neither end the wait
-    (a worker forked in the middle of an import would wait for its lock forever) nor be lost
-    (an exception raised in a fork hook is printed and dropped): while waiting, the agent's
-    signals are only noted, and `_deliver_held` sends them again once the fork is done."""
+    A signal that arrives meanwhile (Ctrl-C, a scheduler's SIGTERM), or during the fork itself,
+    must neither end the wait (a worker forked in the middle of an import would wait for its
+    lock forever) nor be lost (an exception raised in a fork hook, logging's among them, is
+    printed and dropped, and the run went on to exit 0): from here until the fork is done the
+    agent's signals are only noted, and `_deliver_held` sends them again once it is. This hook
+    runs before the other modules' (before-fork hooks run last registered first) and
+    `_deliver_held` after theirs."""
     global _preload
+    if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
+        _saved[:] = [(sig, signal.signal(sig, _hold)) for sig in _AGENT_SIGNALS]
     thread = _preload
     if thread is None or thread is threading.current_thread():
         return
-    if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
-        saved = [(sig, signal.signal(sig, _hold)) for sig in _AGENT_SIGNALS]
-        try:
-            thread.join()
-        finally:
-            for sig, handler in saved:
-                signal.signal(sig, handler)
-    else:
-        thread.join()
+    thread.join()
     _preload = None
     gc.freeze()
 
@@ -239,10 +237,24 @@ def _hold(signum: int, frame: Any) -> None:
     _held.append(signum)
 
 
+def _restore_handlers() -> None:
+    """The handlers `_join_for_fork` replaced, back."""
+    saved, _saved[:] = list(_saved), []
+    for sig, handler in saved:
+        signal.signal(sig, handler)
+
+
+def _in_child() -> None:
+    _restore_handlers()
+    _held.clear()  # the parent's: it sends them again itself
+
+
 def _deliver_held() -> None:
-    """After a fork, in the parent: the signals held while it waited, sent again a moment later
-    from a thread, so that their handlers run in the launching process's own code (the agent
-    then stops the workers it started, as for a signal at any other time), not in this hook."""
+    """After a fork, in the parent: the handlers back, and the signals held while it waited and
+    forked sent again a moment later from a thread, so that their handlers run in the launching
+    process's own code (the agent then stops the workers it started, as for a signal at any
+    other time), not in a fork hook."""
+    _restore_handlers()
     if not _held:
         return
     signums, _held[:] = list(_held), []
