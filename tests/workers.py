@@ -129,6 +129,8 @@ def die_on_rank(bad_rank: int, how: str) -> int:
             time.sleep(0.3)  # the others are inside the next barrier by now
             if how == "SIGKILL":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif how == "SIGTERM":  # from outside, as `kill PID` or a scheduler would
+                os.kill(os.getpid(), signal.SIGTERM)
             elif how == "SIGSEGV":
                 ctypes.string_at(0)  # reads address 0
             else:
@@ -253,6 +255,24 @@ def stall_on_rank(bad_rank: int, timeout_s: float) -> int:
             time.sleep(600)
         rt.barrier()
         return rt.rank
+
+
+def freeze_on_rank(bad_rank: int, timeout_s: float, how: str = "SIGSTOP") -> int:
+    """`bad_rank` stops itself with `how` (SIGSTOP, as a debugger or an operator would, or
+    SIGTSTP, Ctrl-Z's) and is never continued; the others wait in a barrier for at most
+    timeout_s."""
+    import signal
+
+    with ddpkit.Runtime(device="cpu", timeout_s=timeout_s) as rt:
+        rt.barrier()
+        if rt.rank == bad_rank:
+            _frozen_here(getattr(signal, how))
+        rt.barrier()
+        return rt.rank
+
+
+def _frozen_here(sig: int) -> None:
+    os.kill(os.getpid(), sig)
 
 
 def slow_save_on_main(path: str, timeout_s: float, seconds: float) -> str:
@@ -552,3 +572,31 @@ def background_save_left(path: str, raise_after: bool) -> dict:
         if raise_after:
             raise RuntimeError("left with the save under way")
         return {"params": params}
+
+
+class _RankStream(torch.utils.data.IterableDataset):
+    """A stream of `n` samples on every rank but `short_rank`, where it has `short` fewer:
+    a dataset that reads a file of the rank's own, one of them cut short."""
+
+    def __init__(self, n: int, short_rank: int, short: int):
+        self.n, self.short_rank, self.short = n, short_rank, short
+
+    def __iter__(self):
+        n = self.n - (self.short if int(os.environ.get("RANK", "0")) == self.short_rank else 0)
+        for i in range(n):
+            yield torch.full((4,), float(i)), torch.tensor(i % 2)
+
+
+def short_stream_on_rank(short_rank: int, short: int, timeout_s: float = 600.0) -> int:
+    """Two epochs over a stream that ends `short` samples sooner on `short_rank`."""
+    with ddpkit.Runtime(device="cpu", timeout_s=timeout_s, seed=0) as rt:
+        model = rt.setup(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = rt.loader(_RankStream(64, short_rank, short), batch_size=8)
+        steps = 0
+        for _ in range(2):
+            for x, y in loader:
+                rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+                rt.step(opt)
+                steps += 1
+        return steps

@@ -6,8 +6,15 @@ also works with a single process and no process group, so user code need not bra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -153,20 +160,151 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     kwargs: dict[str, Any] = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # No agent has gathered the job: its processes meet here, in a wait that says what it
+        # waits for and that Ctrl-C and SIGTERM end (torch's own waits in C++ until the timeout).
+        kwargs["store"] = rendezvous(env, timeout_s)
     if device.type == "cuda":
         # Binding the group to the device lets NCCL set up eagerly and avoids the
         # "guessing device id" warning on the first barrier.
         kwargs["device_id"] = device
-    tdist.init_process_group(
-        backend=backend_for(device, cpu_collectives),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
-    )
-    global _io_group
-    _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
+    with _interruptible_in_cpp():
+        tdist.init_process_group(
+            backend=backend_for(device, cpu_collectives),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        global _io_group
+        _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
     return True
+
+
+@contextlib.contextmanager
+def _interruptible_in_cpp() -> Iterator[None]:
+    """In a launcher's worker, Ctrl-C ends the process at once while its groups connect: the
+    connection waits in C++ for the peers' addresses, holding the KeyboardInterrupt until the
+    launcher, stopping, closes its store under it, and torch then prints that failure as a
+    warning with a C++ stack before the launcher's own line. The launcher says it was
+    interrupted; the worker has nothing to add, nor anything to clean up yet."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# How long a process waits for its peers before it says so, and then how often it says it again.
+WAIT_SAID_AFTER_S, WAIT_SAID_EVERY_S = 5.0, 60.0
+_rendezvous_count = 0  # this process's meetings: each has a key of its own in a reused store
+
+
+def rendezvous(env: DistEnv, timeout_s: float) -> Any:
+    """The store through which `env`'s processes meet, once all `env.world_size` have joined
+    it: rank 0 hosts it at MASTER_ADDR:MASTER_PORT, the others connect to it.
+
+    The wait is a loop of short calls, so a signal handler runs within a second or two: Ctrl-C
+    and SIGTERM end it (torch's own rendezvous waits in C++ for the whole timeout, signals held).
+    After `WAIT_SAID_AFTER_S` every waiting process says on stderr what it waits for. A job that
+    does not gather within `timeout_s`, or a port another program holds, is a UsageError: the
+    environment describes a job that is not there."""
+    global _rendezvous_count
+    _rendezvous_count += 1
+    where = f"{env.master_addr}:{env.master_port}"
+    who = f"rank {env.rank} of {env.world_size}"
+    said = "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" if env.source == "torchrun" else "srun's SLURM_* variables"
+    clock = _WaitClock(who, said, timeout_s)
+    if env.rank == 0:
+        try:
+            store = tdist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+        except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
+            raise _cannot_host(env, err) from None
+    else:
+        # torch's client retries a refused connection in C++ for the whole timeout, logging each
+        # try: a plain connection, tried once a second, finds out when rank 0's store is up.
+        while not _accepts(env.master_addr, env.master_port):
+            clock.tick(f"rank 0's store at {where} to answer", where)
+        try:
+            timeout = timedelta(seconds=timeout_s)
+            store = tdist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        except (RuntimeError, OSError) as err:
+            from .checks import cut
+            from .errors import UsageError
+
+            raise UsageError(
+                f"{who}: {where} (MASTER_ADDR:MASTER_PORT) answers, but not as rank 0's store: {cut(str(err))}"
+            ) from None
+    key = f"ddpkit/joined/{_rendezvous_count}"
+    joined = store.add(key, 1)
+    while joined < env.world_size:
+        missing = env.world_size - joined
+        clock.tick(f"{missing} more of the job's {env.world_size} processes to join at {where}", where)
+        joined = store.add(key, 0)
+    return store
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something listens at host:port (closed at once: the store ignores it)."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+class _WaitClock:
+    """Paces a wait loop: sleeps a little, says what is awaited once it has taken a while, and
+    gives up at the timeout."""
+
+    def __init__(self, who: str, said: str, timeout_s: float):
+        self.who, self.said, self.timeout_s = who, said, timeout_s
+        self.start = time.monotonic()
+        self.next_said = self.start + WAIT_SAID_AFTER_S
+
+    def tick(self, awaited: str, where: str) -> None:
+        now = time.monotonic()
+        waited = now - self.start
+        if waited > self.timeout_s:
+            from .errors import UsageError
+
+            raise UsageError(
+                f"{self.who}: waited {waited:.0f} s for {awaited}; the job its environment describes "
+                f"({self.said}, meeting at {where}) did not gather. Start every process of it, or unset "
+                "those variables to run alone"
+            )
+        if now >= self.next_said:
+            print(
+                f"ddpkit: {self.who} has waited {waited:.0f} s for {awaited} (Ctrl-C stops)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.next_said = now + WAIT_SAID_EVERY_S
+        time.sleep(0.2)
+
+
+def _cannot_host(env: DistEnv, err: BaseException) -> Exception:
+    from .checks import cut
+    from .errors import UsageError
+
+    text = str(err)
+    if "in use" in text.lower() or "EADDRINUSE" in text:
+        return UsageError(
+            f"MASTER_PORT={env.master_port} is in use on {env.master_addr}: rank 0 cannot host the job's store "
+            "there. Choose a free port (ddpkit run picks one itself)"
+        )
+    return UsageError(f"rank 0 cannot host the job's store at {env.master_addr}:{env.master_port}: {cut(text)}")
 
 
 def teardown() -> None:
@@ -188,6 +326,37 @@ def background_group() -> Any:
     if _background is None or _background[0] is not world:
         _background = (world, tdist.new_group(backend="gloo"))
     return _background[1]
+
+
+def posted(name: str, value: int, wait_s: float | None = None) -> dict[int, int] | None:
+    """Every rank's `value` for `name`, by rank, exchanged through the job's store rather than a
+    collective: a rank may call this while the others are inside a collective of the training
+    (where a collective of its own would be mismatched with theirs). Waits up to `wait_s`
+    (default: half the process group's timeout) for every rank to post; the ranks that did not
+    are missing from the result. Each `name` may be posted once per job. None when there is
+    no store to post to (one process, or torch without one)."""
+    if world_size() == 1:
+        return None
+    try:
+        store = tdist.distributed_c10d._get_default_store()  # private: a torch without it has no check
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    # init_process_group gives the store the group's timeout
+    wait_s = store.timeout.total_seconds() / 2 if wait_s is None else wait_s
+    # (a restarted job's workers may share the store with the attempt before: torchrun's agent store)
+    key = f"ddpkit/posted/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    store.set(f"{key}/{rank()}", str(int(value)))
+    count = store.add(f"{key}/count", 1)
+    deadline, pause = time.monotonic() + wait_s, 0.001
+    while count < world_size() and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+        count = store.add(f"{key}/count", 0)
+    out = {}
+    for r in range(world_size()):
+        if store.check([f"{key}/{r}"]):
+            out[r] = int(store.get(f"{key}/{r}"))
+    return out
 
 
 def world_size() -> int:

@@ -328,6 +328,12 @@ FAULTY_SCRIPT = """
         def stuck_in_forward():
             time.sleep(600)
         stuck_in_forward()
+    if "--freeze" in sys.argv and rank == 1:
+        def frozen_in_forward():
+            os.kill(os.getpid(), signal.SIGSTOP)
+        frozen_in_forward()
+    if "--term" in sys.argv and rank == 1 and attempt == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
     dist.barrier()
     print(f"attempt {attempt} done", flush=True)
 """
@@ -375,6 +381,64 @@ def test_a_hung_rank_is_named_with_its_stack(script):
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(r"ddpkit run: rank 1 \(pid \d+\) on \S+ hung: it never reached the collective", last), last
     assert "Stack of rank 1 when it was stopped" in proc.stderr and "in stuck_in_forward" in proc.stderr
+
+
+@pytest.mark.cli
+def test_a_frozen_rank_is_named_as_hung_with_its_stack(script):
+    proc = run_cli("run", "--nproc", "2", script(FAULTY_SCRIPT), "--freeze", timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"ddpkit run: rank 1 \(pid \d+\) on \S+ hung: it was stopped by SIGSTOP and never continued, until rank 0 "
+        r"gave up waiting for it \(.*Timed out waiting 3000ms.*\); its stack is above",
+        last,
+    ), last
+    assert "Stack of rank 1 when it was stopped" in proc.stderr and "in frozen_in_forward" in proc.stderr
+    assert re.search(r"ddpkit: rank 1 \(pid \d+\) was stopped by SIGSTOP: its peers wait", proc.stderr)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_rank_sigtermed_from_outside_is_named_with_the_signal(script, restarts):
+    proc = run_cli("run", "--nproc", "2", "--max-restarts", restarts, script(FAULTY_SCRIPT), "--term")
+    said = r"was killed by SIGTERM \(not from the launcher: kill, a scheduler\?\)"
+    if restarts == "0":
+        assert proc.returncode == 1
+        last = proc.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"ddpkit run: rank 1 \(pid \d+\) on \S+ {said}", last), last
+    else:  # the restart goes on without the signal: its line says why it was needed
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        restarted = [line for line in proc.stderr.splitlines() if "restart" in line]
+        assert len(restarted) == 1 and re.search(rf"restart 1 of 1: rank 1 \(pid \d+\) {said}$", restarted[0])
+
+
+STREAM_SCRIPT = """
+    import os, torch, ddpkit
+
+    class Lines(torch.utils.data.IterableDataset):  # each rank reads a file of its own: one is shorter
+        def __iter__(self):
+            for i in range(64 - 16 * (os.environ["RANK"] == "1")):
+                yield torch.full((4,), float(i)), torch.tensor(i % 2)
+
+    with ddpkit.Runtime(device="cpu", timeout_s=4) as rt:
+        model = rt.setup(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in rt.loader(Lines(), batch_size=8):
+            rt.backward(torch.nn.functional.cross_entropy(model(x), y))
+            rt.step(opt)
+"""
+
+
+@pytest.mark.cli
+def test_a_stream_that_ends_sooner_on_one_rank_names_that_rank(script):
+    proc = run_cli("run", "--nproc", "2", script(STREAM_SCRIPT), timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"ddpkit run: rank 1 \(pid \d+\) on \S+ failed: rank 1's stream ended after 48 samples of epoch 0, while "
+        r"rank\(s\) 0 read on past that: an IterableDataset must yield the same samples on every rank .*",
+        last,
+    ), last
 
 
 @pytest.mark.cli

@@ -94,3 +94,15 @@ def test_a_runtime_refuses_launcher_variables_of_a_job_that_is_not_there(monkeyp
     monkeypatch.setenv("WORLD_SIZE", "1")  # a job of one: nothing to wait for
     with ddpkit.Runtime("ddp", device="cpu") as rt:
         assert rt.world_size == 1
+
+
+@pytest.mark.unit
+def test_a_runtime_whose_peers_never_come_says_so_at_its_timeout(monkeypatch):
+    # MASTER_PORT set too: a job that could be there, so it is waited for, up to timeout_s
+    from tests.cli.helpers import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ddpkit.UsageError, match=r"^rank 0 of 2: waited 1 s for 1 more of the job's 2 processes"):
+        ddpkit.Runtime("ddp", device="cpu", timeout_s=1.0)
+    assert not torch.distributed.is_initialized()

@@ -4,6 +4,7 @@ from outside at several moments of a real `ddpkit train`, and restarts, are in t
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -94,3 +95,74 @@ def test_a_rank_that_exits_without_an_error_is_blamed_with_its_exit_code():
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(workers.die_on_rank, 1, "exit", nproc=2, device="cpu")
     assert info.value.rank == 1 and "exited with code 3" in str(info.value), str(info.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGTSTP"])
+def test_a_frozen_rank_is_blamed_as_hung_with_its_stack_at_the_timeout(capfd, how):
+    # Stopped and never continued (an operator's SIGSTOP, Ctrl-Z's SIGTSTP to one process): it can
+    # neither dump its stack nor die of the agent's SIGTERM. Before, it was SIGKILLed after the
+    # agent's 30 s grace and reported as "killed ... (SIGKILL? out of memory?)".
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.freeze_on_rank, 1, 3.0, how, nproc=2, device="cpu")
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert err.rank == 1, str(err)
+    assert f"(pid {err.pid}) on " in str(err)
+    assert f"hung: it was stopped by {how} and never continued, until rank 0 gave up waiting for it" in str(err)
+    assert "Timed out waiting 3000ms" in str(err) and str(err).endswith("its stack is above")
+    assert err.traceback.startswith("Stack of rank 1 when it was stopped:")
+    assert "in _frozen_here" in err.traceback and "in freeze_on_rank" in err.traceback
+    # said when it happened, not only at the end
+    said = [line for line in capfd.readouterr().err.splitlines() if "was stopped by" in line]
+    assert len(said) == 1 and said[0].startswith(f"ddpkit: rank 1 (pid {err.pid}) was stopped by {how}: "), said
+    assert elapsed < 25, f"took {elapsed:.0f}s with a 3 s timeout (the agent's SIGKILL comes 30 s after)"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_rank_sigtermed_from_outside_is_named_with_the_signal(capfd, restarts):
+    # `kill PID` on one worker: before, the peer that lost its connection was blamed, or the
+    # killed rank was said to be "stopped by the launcher", also in the line of a restart.
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.die_on_rank, 1, "SIGTERM", nproc=2, device="cpu", max_restarts=restarts)
+    err = info.value
+    assert err.rank == 1 and err.exitcode == -signal.SIGTERM, str(err)
+    assert str(err).endswith("was killed by SIGTERM (not from the launcher: kill, a scheduler?)"), str(err)
+    assert "in die_on_rank" in err.traceback  # its stack, dumped as it got the signal
+    restarted = [line for line in capfd.readouterr().err.splitlines() if "restart" in line]
+    assert len(restarted) == restarts
+    for line in restarted:
+        assert re.fullmatch(
+            r"ddpkit: restart 1 of 1: rank 1 \(pid \d+\) was killed by SIGTERM \(not from the launcher: kill, a "
+            r"scheduler\?\)",
+            line,
+        ), line
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("short", [16, 3], ids=["steps fewer", "the last batch shorter"])
+def test_a_stream_that_ends_sooner_on_one_rank_names_that_rank(short):
+    # An IterableDataset that reads a file of each rank's own, one of them shorter: before, the
+    # rank that ran out left the others waiting in their next step, and rank 0 was blamed.
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.short_stream_on_rank, 1, short, 4.0, nproc=2, device="cpu")
+    err = info.value
+    assert err.rank == 1, str(err)
+    said = str(err).split(" failed: ", 1)[1]
+    if short == 16:  # two steps fewer: rank 0 is inside a step rank 1 never takes
+        assert said.startswith("rank 1's stream ended after 48 samples of epoch 0, while rank(s) 0 read on past that")
+    else:  # as many steps: the ranks compare where the stream ended
+        assert said.startswith("rank 1's stream ended after 61 samples of epoch 0, rank 0's after 64")
+    assert said.endswith(
+        "an IterableDataset must yield the same samples on every rank (ddpkit gives each rank its share of the one "
+        "stream; do not split it by rank yourself)"
+    )
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.distributed
+def test_streams_of_the_same_length_pass_the_check_at_every_epoch_end():
+    assert ddpkit.launch(workers.short_stream_on_rank, 1, 0, 4.0, nproc=2, device="cpu") == {0: 16, 1: 16}

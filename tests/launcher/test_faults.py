@@ -165,6 +165,22 @@ def test_a_sigkilled_worker_is_named_and_the_run_ends_as_if_nothing_happened(kil
     )
 
 
+@pytest.mark.parametrize("sig,said", [(signal.SIGTERM, "was killed by SIGTERM (not from the launcher: kill, a scheduler?)"),
+                                      (signal.SIGSTOP, "hung: it was stopped by SIGSTOP and never continued")])  # fmt: skip
+def test_a_signal_to_one_worker_of_a_train_names_that_worker_and_the_signal(tmp_path, sig, said):
+    # `kill PID` or `kill -STOP PID` on one worker of `ddpkit train`: that rank and the signal are
+    # named, not the peer that lost its connection to it, nor "killed by SIGKILL (out of memory?)"
+    out = tmp_path / "run"
+    proc = _start(out, "--timeout", "3")
+    _wait_for(proc, lambda: _checkpoint(4)(out), "a checkpoint")
+    victim = _workers(proc)[-1]
+    os.kill(victim, sig)
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert re.match(rf"ddpkit train: rank [01] \(pid {victim}\) on \S+ {re.escape(said)}", last), last
+
+
 @pytest.mark.parametrize(
     "sig,code,to_group",
     [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)],

@@ -28,10 +28,32 @@ import torch
 from torch.utils.data import default_collate
 
 from .. import checks
-from ..errors import UsageError
+from ..errors import RunError, UsageError
 from ..tree import empty_like_batch
 from .loader import hand_out, move
 from .samplers import GlobalBatchSampler, MicroBatch, check_global_batch
+
+# Why the ranks' streams must end at the same sample.
+_SAME_STREAM = (
+    "an IterableDataset must yield the same samples on every rank (ddpkit gives each rank its share of "
+    "the one stream; do not split it by rank yourself)"
+)
+_streams = 0  # StreamLoaders made in this process: every rank makes the same ones, in the same order
+
+
+class _Counted:
+    """An iterator that counts what it hands out."""
+
+    def __init__(self, it: Iterator[Any]):
+        self.it, self.n = it, 0
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.it)
+        self.n += 1
+        return item
 
 
 class StreamLoader:
@@ -72,6 +94,9 @@ class StreamLoader:
         self.current: MicroBatch | None = None
         self.on_batch: Any = None  # set by the Runtime: told of every micro-batch
         self.generator = None  # no DataLoader workers to seed (DistributedLoader has one)
+        global _streams
+        _streams += 1
+        self._serial, self._ends = _streams, 0  # names of the ends compared between ranks
 
     # -- what is known up front ------------------------------------------------------------
     def _sized(self) -> GlobalBatchSampler | None:
@@ -128,12 +153,38 @@ class StreamLoader:
     def _rest_of_epoch(self) -> Generator[Any, None, bool]:
         """This rank's micro-batches from global batch `position` to the end of the stream, then
         on to the next epoch; returns whether the stream had any sample left."""
-        read = False
-        for samples in self._global_batches(self._open()):
+        read, start, counted = False, self.position * self.global_batch, _Counted(self._open())
+        for samples in self._global_batches(counted):
             read = True
             yield from hand_out(self, self._micro_batches(samples))
+        self._check_same_end(start + counted.n)
         self.epoch, self.position = self.epoch + 1, 0
         return read
+
+    def _check_same_end(self, end: int) -> None:
+        """The ranks compare where the epoch's stream ended, through the job's store: a stream
+        that ends sooner on one rank (a dataset that reads a rank's own file, or splits itself
+        by rank) would otherwise leave that rank out of the others' next collective, and the
+        others be blamed for the hang. The rank whose stream ended first says so (RunError); the
+        others go on, and fail as its peers when it stops."""
+        from .. import dist
+
+        self._ends += 1
+        ends = dist.posted(f"stream-end/{self._serial}/{self._ends}", end)
+        if ends is None or (len(ends) == self.world_size and len(set(ends.values())) == 1):
+            return
+        if len(ends) < self.world_size:  # the others are still reading: inside a step without this rank
+            missing = sorted(set(range(self.world_size)) - set(ends))
+            raise RunError(
+                f"rank {self.rank}'s stream ended after {end} samples of epoch {self.epoch}, while rank(s) "
+                f"{', '.join(map(str, missing))} read on past that: {_SAME_STREAM}"
+            )
+        shortest = min(ends.values())
+        if end == shortest:
+            others = ", ".join(f"rank {r}'s after {e}" for r, e in ends.items() if e != shortest)
+            raise RunError(
+                f"rank {self.rank}'s stream ended after {end} samples of epoch {self.epoch}, {others}: {_SAME_STREAM}"
+            )
 
     def _open(self) -> Iterator[Any]:
         """The epoch's stream from global batch `position` on."""

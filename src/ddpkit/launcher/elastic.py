@@ -204,6 +204,7 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
         _env(records.LAUNCH_DIR, logs, force=True),
         _signal_handlers_kept(),
         records.ExitWatch(logs).watching(),
+        records.agent_stops(logs),
         _quiet_elastic_logs(),
         _rendezvous_events_named_by_frame(),
         _tidy_prefixes() if output == "prefixed" else contextlib.nullcontext(),

@@ -4,7 +4,8 @@ Each rank of the attempt is read from what it left (see `records`) and torch's e
 and sorted into one of these, the first being the cause:
 
 1. it raised an error of its own, was killed by a signal other than the agent's SIGTERM
-   (SIGKILL from the out-of-memory killer, SIGSEGV), or exited with a code: earliest first;
+   (SIGKILL from the out-of-memory killer, SIGSEGV), exited with a code, or was frozen (stopped
+   by SIGSTOP and never continued): earliest first;
 2. it vanished: no error, no exit status, no stack (a SIGKILL the launcher did not see);
 3. it hung: another rank timed out waiting for it in a collective, and it was still busy
    elsewhere when the agent stopped it; its stack shows where;
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import WorkerFailed
-from .records import LAUNCH_DIR, RankRecord, current_attempt, read_attempt
+from .records import LAUNCH_DIR, RankRecord, agent_stop_after, current_attempt, read_attempt
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
 _PEER_LOSS = (
@@ -56,15 +57,19 @@ class Ending:
     when: float
     traceback: str  # its own Python error, if it raised one
     stack: str  # its stack when stopped or crashed
+    frozen: str = ""  # the signal that stopped it, when it was never continued
+    outside: bool = False  # it died of SIGTERM before the agent began to stop workers
 
     @property
     def kind(self) -> str:
+        if self.frozen and self.status != 0:
+            return "frozen"
         if self.traceback:
             if _TIMEOUT.search(self.traceback):
                 return "waited"
             return "consequence" if any(m in self.traceback for m in _PEER_LOSS) else "raised"
         if self.status is not None:
-            if self.status == -signal.SIGTERM:
+            if self.status == -signal.SIGTERM and not self.outside:
                 return "stopped"
             return "ok" if self.status == 0 else ("signal" if self.status < 0 else "exited")
         if self.stack.startswith("Fatal Python error"):
@@ -110,6 +115,7 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
     """Every rank of this node's attempt: the records, torch's error files, the agent's report."""
     records = read_attempt(logs, attempt)
     errors = _error_files(logs, attempt, offset)
+    stop = agent_stop_after(logs, min((r.started for r in records.values()), default=0.0))
     out = {}
     for rank in sorted(set(records) | set(errors) | set(reported)):
         rec = records.get(rank, RankRecord(rank))
@@ -119,7 +125,9 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
         status = rec.status if rec.status is not None else exitcode
         if rec.done and status is None:
             status = 0
-        out[rank] = Ending(rank, rec.pid or pid, status, min(rec.ended, when), tb, rec.stack)
+        ended = rec.frozen_at if rec.frozen else min(rec.ended, when)  # a frozen rank stopped working then
+        outside = stop is not None and status == -signal.SIGTERM and rec.ended < stop
+        out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen, outside)
     return out
 
 
@@ -130,7 +138,7 @@ def blame(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], of
     waited = any(e.kind == "waited" for e in ranks)
 
     def order(e: Ending) -> tuple[int, float, int]:
-        if e.kind in ("raised", "signal", "exited"):
+        if e.kind in ("raised", "signal", "exited", "frozen"):
             return (0, e.when, e.rank)
         if e.kind == "vanished":
             return (1, e.when, e.rank)
@@ -146,28 +154,43 @@ def describe(cause: Ending, everyone: dict[int, Ending]) -> tuple[str, str]:
     """What happened to the causing rank ("failed: ValueError: boom", "was killed by SIGKILL
     (out of memory?)") and the trace to show with it."""
     kind = cause.kind
-    last = cause.traceback.strip().splitlines()[-1] if cause.traceback.strip() else ""
+    last = _last_line(cause.traceback)
     if kind == "raised" and last.startswith(_WHOLE):  # errors.RunError: its message says it all
         return f"failed: {last.removeprefix(_WHOLE)}", ""
     if kind in ("raised", "waited", "consequence"):
         return f"failed: {last}", cause.traceback
     if kind == "signal":
         name = _signal_name(-cause.status) if cause.status is not None else _crash_name(cause.stack)
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        hints = {"SIGKILL": " (out of memory?)", "SIGTERM": " (not from the launcher: kill, a scheduler?)"}
+        hint = hints.get(name, "")
         return f"was killed by {name}{hint}", cause.stack
     if kind == "exited":
         return f"exited with code {cause.status} without a Python error", ""
     if kind == "vanished":
         return "was killed by a signal it could not catch (SIGKILL? out of memory?)", ""
     waiter = min((e for e in everyone.values() if e.kind == "waited"), key=lambda e: (e.when, e.rank), default=None)
-    if waiter is not None:
-        error = waiter.traceback.strip().splitlines()[-1]
+    if kind == "frozen":
+        why = (
+            f"rank {waiter.rank} gave up waiting for it ({_last_line(waiter.traceback)})" if waiter else "the run ended"
+        )
+        stack = f"Stack of rank {cause.rank} when it was stopped:\n{cause.stack}" if cause.stack else ""
         return (
-            f"hung: it never reached the collective that rank {waiter.rank} gave up waiting for ({error}); "
+            f"hung: it was stopped by {cause.frozen} and never continued, until {why}"
+            + ("; its stack is above" if stack else ""),
+            stack,
+        )
+    if waiter is not None:
+        return (
+            f"hung: it never reached the collective that rank {waiter.rank} gave up waiting for "
+            f"({_last_line(waiter.traceback)}); "
             f"its stack when stopped is above",
             f"Stack of rank {cause.rank} when it was stopped:\n{cause.stack}",
         )
     return "was stopped by the launcher", cause.stack
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
 
 
 def _error_files(logs: str, attempt: int, offset: int) -> dict[int, tuple[float, str]]:

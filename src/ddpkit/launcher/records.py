@@ -10,7 +10,12 @@ folder per attempt (the agent's restart count):
   agent's stop signal) or crashes (SIGSEGV, SIGABRT, ...): where a hung rank was stuck;
 - `rank-R.done`: it returned normally;
 - `rank-R.exit`: how it ended, from the parent (`ExitWatch`): the exit status peeked with
-  `waitid(WNOWAIT)` when SIGCHLD arrives, so that the agent still reaps it as usual.
+  `waitid(WNOWAIT)` when SIGCHLD arrives, so that the agent still reaps it as usual;
+- `rank-R.frozen`: it was stopped by a signal (SIGSTOP, Ctrl-Z's SIGTSTP) and not continued,
+  from the parent too: a frozen rank cannot dump its stack nor die of the agent's SIGTERM.
+
+And the launcher notes in `stops` when its agent begins to stop the workers (`AgentStops`): a
+worker that died of SIGTERM before then got it from outside (`kill`, a scheduler).
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ class RankRecord:
     ended: float = float("inf")  # when the parent saw it end (time.time())
     stack: str = ""
     done: bool = False
+    frozen: str = ""  # the signal that stopped it, if it was stopped and not continued
+    frozen_at: float = float("inf")
+    started: float = float("inf")  # when it wrote its pid
 
 
 def read_attempt(root: str, attempt: int) -> dict[int, RankRecord]:
@@ -113,9 +121,10 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
 
     pid = text("pid")
     try:
-        exit_ = json.loads(text("exit") or "{}")
-    except ValueError:
-        exit_ = {}
+        started = os.path.getmtime(os.path.join(folder, f"rank-{rank}.pid"))
+    except OSError:
+        started = float("inf")
+    exit_, frozen = _json(text("exit")), _json(text("frozen"))
     return RankRecord(
         rank=rank,
         pid=int(pid) if pid.isdigit() else None,
@@ -123,7 +132,61 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
         ended=exit_.get("time", float("inf")),
         stack=text("stack").strip(),
         done=os.path.exists(os.path.join(folder, f"rank-{rank}.done")),
+        frozen=str(frozen.get("signal", "")),
+        frozen_at=frozen.get("time", float("inf")),
+        started=started,
     )
+
+
+STOPS = "stops"  # in a launch's folder: when its agent began to stop workers, a time a line
+
+
+@contextlib.contextmanager
+def agent_stops(root: str) -> Iterator[None]:
+    """While the agent runs, note in `root`/STOPS each time it begins to stop its workers (its
+    process context's `close`: after a failure, before a restart, at the end). The file exists
+    from the start: its absence means the stops went unrecorded (a torch without that method)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        yield
+        return
+    own = getattr(PContext, "close", None)
+    if own is None:
+        yield
+        return
+    path = os.path.join(root, STOPS)
+
+    def close(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(f"{time.time()}\n")
+        return own(self, *args, **kwargs)
+
+    open(path, "a").close()
+    PContext.close = close
+    try:
+        yield
+    finally:
+        PContext.close = own
+
+
+def agent_stop_after(root: str, since: float) -> float | None:
+    """When the agent first began to stop workers at or after `since`: infinity if it has not,
+    None if its stops were not recorded."""
+    try:
+        with open(os.path.join(root, STOPS)) as f:
+            times = [float(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return min((t for t in times if t >= since), default=float("inf"))
+
+
+def _json(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class ExitWatch:
@@ -132,11 +195,19 @@ class ExitWatch:
     On SIGCHLD, peek at every known worker's exit status with `waitid(..., WNOWAIT)`: the
     status stays for the agent, which reaps its children as before. Only from the main thread
     (where Python runs signal handlers); elsewhere the records simply lack exit statuses.
+
+    SIGCHLD also comes when a worker is stopped by a signal, or continued. A stopped worker is
+    recorded (`rank-R.frozen`) and said at once: its peers will wait for it until their
+    collective timeout. Once one of the attempt's workers has failed the attempt is over, and
+    a worker still stopped is ended as the agent would end it, with SIGTERM, then continued so
+    that it can take it: it dumps the stack it was frozen in and dies at once, instead of being
+    SIGKILLed after the agent's 30 s grace with no stack at all.
     """
 
     def __init__(self, root: str):
         self.root = root
         self.seen: set[str] = set()  # pid files done with (a pid may come back in a later attempt)
+        self.ended: set[str] = set()  # stopped workers this watch ended: continued by it, still frozen
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -151,6 +222,8 @@ class ExitWatch:
             self._on_child()  # a last look, for a child that ended just now
 
     def _on_child(self, *_: Any) -> None:
+        frozen: dict[str, int] = {}  # the workers stopped now: record path -> pid
+        failed = False  # a worker of this launch ended with an error
         for path in glob.glob(os.path.join(self.root, "attempt-*", "rank-*.pid")):
             if path in self.seen:
                 continue
@@ -163,10 +236,57 @@ class ExitWatch:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:  # already reaped, or not our child (another node's)
                 continue
-            if info is None:  # still running
+            record = path[: -len(".pid")]
+            if info is None:  # still running, or stopped
+                if self._stopped(record, pid):
+                    frozen[record] = pid
                 continue
             self.seen.add(path)
             killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
             status = -info.si_status if killed else info.si_status
-            with open(path[: -len(".pid")] + ".exit", "w") as f:
+            failed = failed or status != 0
+            with open(record + ".exit", "w") as f:
                 json.dump({"status": status, "time": time.time()}, f)
+        if failed:
+            for record, pid in frozen.items():
+                self.ended.add(record)
+                _end_frozen(pid)
+
+    def _stopped(self, record: str, pid: int) -> bool:
+        """Whether worker `pid` is stopped now; its `.frozen` record says so, written when it
+        is first seen stopped (and said on stderr), removed when it is seen continued."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WCONTINUED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        path = record + ".frozen"
+        if info is None or info.si_code != os.CLD_STOPPED:
+            if info is not None and record not in self.ended and os.path.exists(path):  # continued (SIGCONT)
+                os.remove(path)
+            return False
+        if not os.path.exists(path):
+            name = _signal_name(info.si_status)
+            with open(path, "w") as f:
+                json.dump({"signal": name, "time": time.time()}, f)
+            rank = os.path.basename(record).removeprefix("rank-")
+            print(
+                f"ddpkit: rank {rank} (pid {pid}) was stopped by {name}: its peers wait for it until their "
+                "collective timeout (SIGCONT it to go on)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
+
+
+def _end_frozen(pid: int) -> None:
+    """End a stopped worker as the agent would, and let it run to take the signal."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
