@@ -108,3 +108,20 @@ def test_a_master_port_another_program_holds_is_one_line_and_exit_2(tmp_path):
         "there. Choose a free port (ddpkit run picks one itself)"
     ]
     assert not [f for f in (tmp_path / "out").rglob("*") if f.is_file()]  # nothing written
+
+
+def test_a_node_waiting_for_the_others_says_so_and_a_signal_ends_it(tmp_path):
+    # `ddpkit run --nnodes 2` on one machine only: the agent's rendezvous waits for the other
+    # node, in Python (interruptible), and now says what for
+    script = tmp_path / "hi.py"
+    script.write_text("print('hi')\n")
+    argv = ["--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd = [sys.executable, "-m", "ddpkit", "run", *argv, "--node-rank", "0", str(script)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    said = _first_line(proc)
+    assert said.startswith("ddpkit: this node has waited 5 s for the job's 2 nodes to gather at 127.0.0.1:"), said
+    assert said.endswith("(--nnodes 2, --master-addr, --master-port; Ctrl-C stops)"), said
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["ddpkit run: interrupted"] and "hi" not in out

@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
@@ -159,7 +160,7 @@ def _elastic(
     logs = tempfile.mkdtemp(prefix="ddpkit-launch-", dir=log_dir)
     config = _launch_config(topo, logs, output, start_method, show_ranks)
     try:
-        with _launching(topo.nproc, logs, output, start_method), preloaded(preload):
+        with _launching(topo.nproc, logs, output, start_method), preloaded(preload), _said_while_gathering(topo, logs):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         raise as_worker_failed(err, logs, _last_attempt(logs)) from None
@@ -211,6 +212,49 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
         main_hidden() if start_method == "spawn" else gc_frozen(),
     ):
         yield
+
+
+# How long the nodes of a job may take to gather before each launcher says it waits, and then
+# how often it says it again (the same as a process started by hand: dist.WAIT_SAID_*).
+GATHER_SAID_AFTER_S, GATHER_SAID_EVERY_S = 5.0, 60.0
+
+
+@contextlib.contextmanager
+def _said_while_gathering(topo: Topology, logs: str) -> Iterator[None]:
+    """With several nodes, say on stderr what this node waits for while the agent's rendezvous
+    gathers them (before its first worker starts): after GATHER_SAID_AFTER_S, then every
+    GATHER_SAID_EVERY_S. The rendezvous itself runs in Python in the agent: Ctrl-C and SIGTERM
+    end it as at any other time."""
+    low, high = topo.nodes.range()
+    if high == 1:
+        yield
+        return
+    nodes = str(low) if low == high else f"{low} to {high}"
+    where = topo.rendezvous.get("rdzv_endpoint", "?")
+    done, started = threading.Event(), time.monotonic()
+
+    def say() -> None:
+        wait = GATHER_SAID_AFTER_S
+        while not done.wait(wait) and not _workers_started(logs):
+            print(
+                f"ddpkit: this node has waited {time.monotonic() - started:.0f} s for the job's {nodes} nodes to "
+                f"gather at {where} (--nnodes {topo.nodes.nnodes}, --master-addr, --master-port; Ctrl-C stops)",
+                file=sys.stderr,
+                flush=True,
+            )
+            wait = GATHER_SAID_EVERY_S
+
+    thread = threading.Thread(target=say, name="ddpkit-gathering", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _workers_started(logs: str) -> bool:
+    """Whether the agent has started workers: its folder of an attempt, or a worker's record."""
+    return bool(glob.glob(os.path.join(logs, "*", "attempt_*")) or glob.glob(os.path.join(logs, "attempt-*")))
 
 
 def _streams(output: str, n: int, show_ranks: set[int] | None) -> dict[str, Any]:
