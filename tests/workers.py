@@ -578,21 +578,27 @@ class _RankStream(torch.utils.data.IterableDataset):
     """A stream of `n` samples on every rank but `short_rank`, where it has `short` fewer:
     a dataset that reads a file of the rank's own, one of them cut short."""
 
-    def __init__(self, n: int, short_rank: int, short: int):
-        self.n, self.short_rank, self.short = n, short_rank, short
+    def __init__(self, n: int, short_rank: int, short: int, lag_s: float = 0.0):
+        self.n, self.short_rank, self.short, self.lag_s = n, short_rank, short, lag_s
 
     def __iter__(self):
-        n = self.n - (self.short if int(os.environ.get("RANK", "0")) == self.short_rank else 0)
+        import time
+
+        rank = int(os.environ.get("RANK", "0"))
+        n = self.n - (self.short if rank == self.short_rank else 0)
         for i in range(n):
             yield torch.full((4,), float(i)), torch.tensor(i % 2)
+        if rank == 0:  # late to the end of every epoch; after the last one, the first to leave
+            time.sleep(self.lag_s)
 
 
-def short_stream_on_rank(short_rank: int, short: int, timeout_s: float = 600.0) -> int:
-    """Two epochs over a stream that ends `short` samples sooner on `short_rank`."""
+def short_stream_on_rank(short_rank: int, short: int, timeout_s: float = 600.0, lag_s: float = 0.0) -> int:
+    """Two epochs over a stream that ends `short` samples sooner on `short_rank`; rank 0 comes
+    to the end of each `lag_s` seconds after the others."""
     with ddpkit.Runtime(device="cpu", timeout_s=timeout_s, seed=0) as rt:
         model = rt.setup(torch.nn.Linear(4, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = rt.loader(_RankStream(64, short_rank, short), batch_size=8)
+        loader = rt.loader(_RankStream(64, short_rank, short, lag_s), batch_size=8)
         steps = 0
         for _ in range(2):
             for x, y in loader:

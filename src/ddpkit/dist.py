@@ -207,17 +207,16 @@ def rendezvous(env: DistEnv, timeout_s: float) -> Any:
     """The store through which `env`'s processes meet, once all `env.world_size` have joined
     it: rank 0 hosts it at MASTER_ADDR:MASTER_PORT, the others connect to it.
 
-    The wait is a loop of short calls, so a signal handler runs within a second or two: Ctrl-C
-    and SIGTERM end it (torch's own rendezvous waits in C++ for the whole timeout, signals held).
-    After `WAIT_SAID_AFTER_S` every waiting process says on stderr what it waits for. A job that
-    does not gather within `timeout_s`, or a port another program holds, is a UsageError: the
-    environment describes a job that is not there."""
+    The wait is a loop of short calls, so a signal handler runs within a fraction of a second:
+    Ctrl-C and SIGTERM end it (torch's own rendezvous waits in C++ for the whole timeout, signals
+    held). After `WAIT_SAID_AFTER_S` a waiting process says on stderr what it waits for (every
+    one that was started by hand; rank 0 alone among a launcher's workers). A job that does not
+    gather within `timeout_s`, or a port another program holds, is a UsageError: the environment
+    describes a job that is not there."""
     global _rendezvous_count
     _rendezvous_count += 1
-    where = f"{env.master_addr}:{env.master_port}"
-    who = f"rank {env.rank} of {env.world_size}"
-    said = "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" if env.source == "torchrun" else "srun's SLURM_* variables"
-    clock = _WaitClock(who, said, timeout_s)
+    clock = _WaitClock(env, timeout_s)
+    key = f"ddpkit/joined/{_rendezvous_count}"
     if env.rank == 0:
         try:
             store = tdist.TCPStore(
@@ -231,28 +230,54 @@ def rendezvous(env: DistEnv, timeout_s: float) -> Any:
             )
         except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
             raise _cannot_host(env, err) from None
-    else:
-        # torch's client retries a refused connection in C++ for the whole timeout, logging each
-        # try: a plain connection, tried once a second, finds out when rank 0's store is up.
-        while not _accepts(env.master_addr, env.master_port):
-            clock.tick(f"rank 0's store at {where} to answer", where)
+        _join(store, key, env, clock)
+        return store
+    while True:
+        store = _connect(env, clock)
         try:
-            timeout = timedelta(seconds=timeout_s)
-            store = tdist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-        except (RuntimeError, OSError) as err:
-            from .checks import cut
-            from .errors import UsageError
+            _join(store, key, env, clock)
+            return store
+        except RuntimeError:  # rank 0's store went away (a Runtime before this one, closing): again
+            clock.tick(f"rank 0's store at {clock.where} to answer")
 
-            raise UsageError(
-                f"{who}: {where} (MASTER_ADDR:MASTER_PORT) answers, but not as rank 0's store: {cut(str(err))}"
-            ) from None
-    key = f"ddpkit/joined/{_rendezvous_count}"
+
+def _join(store: Any, key: str, env: DistEnv, clock: _WaitClock) -> None:
+    """Count this process into `key` and wait until the whole job has."""
     joined = store.add(key, 1)
     while joined < env.world_size:
-        missing = env.world_size - joined
-        clock.tick(f"{missing} more of the job's {env.world_size} processes to join at {where}", where)
+        clock.tick(f"{env.world_size - joined} more of the job's {env.world_size} processes to join at {clock.where}")
         joined = store.add(key, 0)
-    return store
+
+
+def _connect(env: DistEnv, clock: _WaitClock) -> Any:
+    """A client of rank 0's store. torch's client retries a refused connection in C++ for the
+    whole timeout, logging each try, and waits for a handshake that a program other than the
+    store never sends: a plain connection finds out when something listens, and the client is
+    made in a thread of its own (the call lets go of the GIL) while this one waits."""
+    while True:
+        while not _accepts(env.master_addr, env.master_port):
+            clock.tick(f"rank 0's store at {clock.where} to answer")
+        made: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=_client, args=(env, clock.timeout_s, made), name="ddpkit-store-client", daemon=True
+        )
+        thread.start()
+        while thread.is_alive():  # left behind if it never returns: a daemon, it does not hold the exit
+            clock.tick(f"an answer from {clock.where}, which accepts connections but may not be rank 0's store")
+            thread.join(0.0)
+        if "store" in made:
+            return made["store"]
+        clock.tick(f"rank 0's store at {clock.where} to answer")  # refused after all: it may be going
+
+
+def _client(env: DistEnv, timeout_s: float, made: dict[str, Any]) -> None:
+    """Connect to rank 0's store: `made['store']`, or `made['error']`."""
+    try:
+        made["store"] = tdist.TCPStore(
+            env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+    except (RuntimeError, OSError) as err:
+        made["error"] = err
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -268,23 +293,36 @@ class _WaitClock:
     """Paces a wait loop: sleeps a little, says what is awaited once it has taken a while, and
     gives up at the timeout."""
 
-    def __init__(self, who: str, said: str, timeout_s: float):
-        self.who, self.said, self.timeout_s = who, said, timeout_s
+    def __init__(self, env: DistEnv, timeout_s: float):
+        self.timeout_s, self.where = timeout_s, f"{env.master_addr}:{env.master_port}"
+        self.who = f"rank {env.rank} of {env.world_size}"
+        self.launched = "TORCHELASTIC_RUN_ID" in os.environ  # a launcher's worker: its peers were all started
+        if self.launched:
+            self.said = "its launcher's workers"
+        elif env.source == "torchrun":
+            self.said = "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+        else:
+            self.said = "srun's SLURM_* variables"
+        self.says = env.rank == 0 or not self.launched  # one line for a launcher's job, not one per worker
         self.start = time.monotonic()
         self.next_said = self.start + WAIT_SAID_AFTER_S
 
-    def tick(self, awaited: str, where: str) -> None:
+    def tick(self, awaited: str) -> None:
         now = time.monotonic()
         waited = now - self.start
         if waited > self.timeout_s:
             from .errors import UsageError
 
+            hint = (
+                "A worker did not reach its process group in time"
+                if self.launched
+                else "Start every process of it, or unset those variables to run alone"
+            )
             raise UsageError(
                 f"{self.who}: waited {waited:.0f} s for {awaited}; the job its environment describes "
-                f"({self.said}, meeting at {where}) did not gather. Start every process of it, or unset "
-                "those variables to run alone"
+                f"({self.said}, meeting at {self.where}) did not gather. {hint}"
             )
-        if now >= self.next_said:
+        if self.says and now >= self.next_said:
             print(
                 f"ddpkit: {self.who} has waited {waited:.0f} s for {awaited} (Ctrl-C stops)",
                 file=sys.stderr,
@@ -328,35 +366,65 @@ def background_group() -> Any:
     return _background[1]
 
 
-def posted(name: str, value: int, wait_s: float | None = None) -> dict[int, int] | None:
-    """Every rank's `value` for `name`, by rank, exchanged through the job's store rather than a
-    collective: a rank may call this while the others are inside a collective of the training
-    (where a collective of its own would be mismatched with theirs). Waits up to `wait_s`
-    (default: half the process group's timeout) for every rank to post; the ranks that did not
-    are missing from the result. Each `name` may be posted once per job. None when there is
-    no store to post to (one process, or torch without one)."""
+def compare_everywhere(name: str, value: int, wait_s: float | None = None) -> dict[int, int] | None:
+    """Whether every rank has the same `value` for `name`, found through the job's store rather
+    than a collective: a rank may call this while the others are inside a collective of the
+    training (where a collective of its own would be mismatched with theirs).
+
+    None when every rank posted the same value (or there is no store to post to: one process,
+    or a torch without one). Otherwise every rank's value that was posted, by rank: all of them
+    when they differ, fewer when some rank did not post within `wait_s` (default: nine tenths of
+    the store's timeout, the process group's, so that a rank waiting here gives up just before
+    its peers' collective would). A healthy call costs each rank a few store requests, whatever
+    the number of ranks; the values are read only when they differ. Each `name` is posted once."""
     if world_size() == 1:
         return None
     try:
         store = tdist.distributed_c10d._get_default_store()  # private: a torch without it has no check
     except (AttributeError, RuntimeError, ValueError):
         return None
-    # init_process_group gives the store the group's timeout
-    wait_s = store.timeout.total_seconds() / 2 if wait_s is None else wait_s
+    wait_s = compare_wait_s() if wait_s is None else wait_s
     # (a restarted job's workers may share the store with the attempt before: torchrun's agent store)
-    key = f"ddpkit/posted/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
-    store.set(f"{key}/{rank()}", str(int(value)))
-    count = store.add(f"{key}/count", 1)
-    deadline, pause = time.monotonic() + wait_s, 0.001
+    key = f"ddpkit/compared/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    mine = str(int(value))
+    store.set(f"{key}/{rank()}", mine)
+    if store.compare_set(f"{key}/first", "", mine) != mine.encode():  # another rank's came first, and differs
+        store.set(f"{key}/differ", "1")
+    deadline = time.monotonic() + wait_s
+    count = _counted(store, f"{key}/count", deadline)  # after the flag: whoever counts all has seen it
+    if count < world_size():
+        return _values(store, key)
+    values = _values(store, key) if store.check([f"{key}/differ"]) else None
+    # Rank 0 may host the store (ddpkit's own rendezvous), which goes when its process does: it
+    # leaves once every rank has read what it needs from it.
+    if rank() == 0:
+        _counted(store, f"{key}/read", deadline)
+    else:
+        store.add(f"{key}/read", 1)
+    return values
+
+
+def _values(store: Any, key: str) -> dict[int, int]:
+    keys = [f"{key}/{r}" for r in range(world_size())]
+    posted = [r for r in range(world_size()) if store.check([keys[r]])]
+    return {r: int(v) for r, v in zip(posted, store.multi_get([keys[r] for r in posted]))}
+
+
+def _counted(store: Any, key: str, deadline: float) -> int:
+    """Count this rank into `key`, then wait until every rank has or the deadline passes (an
+    ever slower poll, at most 20 a second); returns the count."""
+    count, pause = store.add(key, 1), 0.001
     while count < world_size() and time.monotonic() < deadline:
         time.sleep(pause)
-        pause = min(pause * 2, 0.2)
-        count = store.add(f"{key}/count", 0)
-    out = {}
-    for r in range(world_size()):
-        if store.check([f"{key}/{r}"]):
-            out[r] = int(store.get(f"{key}/{r}"))
-    return out
+        pause = min(pause * 2, 0.05)
+        count = store.add(key, 0)
+    return count
+
+
+def compare_wait_s() -> float:
+    """How long `compare_everywhere` waits for the other ranks by default: nine tenths of the
+    job's store timeout (the process group's)."""
+    return tdist.distributed_c10d._get_default_store().timeout.total_seconds() * 0.9
 
 
 def world_size() -> int:

@@ -38,7 +38,7 @@ _SAME_STREAM = (
     "an IterableDataset must yield the same samples on every rank (ddpkit gives each rank its share of "
     "the one stream; do not split it by rank yourself)"
 )
-_streams = 0  # StreamLoaders made in this process: every rank makes the same ones, in the same order
+_ends: dict[str, int] = {}  # ends of streams compared between ranks by this process, by what was compared
 
 
 class _Counted:
@@ -94,9 +94,6 @@ class StreamLoader:
         self.current: MicroBatch | None = None
         self.on_batch: Any = None  # set by the Runtime: told of every micro-batch
         self.generator = None  # no DataLoader workers to seed (DistributedLoader has one)
-        global _streams
-        _streams += 1
-        self._serial, self._ends = _streams, 0  # names of the ends compared between ranks
 
     # -- what is known up front ------------------------------------------------------------
     def _sized(self) -> GlobalBatchSampler | None:
@@ -169,15 +166,19 @@ class StreamLoader:
         others go on, and fail as its peers when it stops."""
         from .. import dist
 
-        self._ends += 1
-        ends = dist.posted(f"stream-end/{self._serial}/{self._ends}", end)
-        if ends is None or (len(ends) == self.world_size and len(set(ends.values())) == 1):
+        # Named by what every rank's loader of this stream shares, and how many ends of such a
+        # loader this process has seen: not by the order loaders were made, which may differ.
+        what = f"{type(self.dataset).__qualname__}/{self.global_batch}/{self.epoch}"
+        _ends[what] = seen = _ends.get(what, 0) + 1
+        ends = dist.compare_everywhere(f"stream-end/{what}/{seen}", end)
+        if ends is None:
             return
         if len(ends) < self.world_size:  # the others are still reading: inside a step without this rank
             missing = sorted(set(range(self.world_size)) - set(ends))
             raise RunError(
                 f"rank {self.rank}'s stream ended after {end} samples of epoch {self.epoch}, while rank(s) "
-                f"{', '.join(map(str, missing))} read on past that: {_SAME_STREAM}"
+                f"{', '.join(map(str, missing))} did not reach the end of theirs in "
+                f"{dist.compare_wait_s():.0f} s (they read on past it, or are that far behind): {_SAME_STREAM}"
             )
         shortest = min(ends.values())
         if end == shortest:

@@ -15,6 +15,7 @@ and sorted into one of these, the first being the cause:
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -126,8 +127,15 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
         if rec.done and status is None:
             status = 0
         ended = rec.frozen_at if rec.frozen else min(rec.ended, when)  # a frozen rank stopped working then
-        outside = stop is not None and status == -signal.SIGTERM and rec.ended < stop
-        out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen, outside)
+        out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen)
+    # A SIGTERM came from outside when it killed a rank before anything else ended: the agent
+    # stops workers only once one has ended (torch's process context SIGTERMs the rest as it
+    # notices a failure, before its `close`, which `stops` records), or begun to stop them.
+    for rank, e in out.items():
+        if stop is None or e.status != -signal.SIGTERM or not e.when < stop:
+            continue
+        if all(o.when > e.when for o in out.values() if o.rank != rank and o.kind != "ok"):
+            out[rank] = dataclasses.replace(e, outside=True)
     return out
 
 

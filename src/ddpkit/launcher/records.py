@@ -208,6 +208,7 @@ class ExitWatch:
         self.root = root
         self.seen: set[str] = set()  # pid files done with (a pid may come back in a later attempt)
         self.ended: set[str] = set()  # stopped workers this watch ended: continued by it, still frozen
+        self.failing: set[str] = set()  # attempt folders in which a worker has ended without success
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -223,7 +224,6 @@ class ExitWatch:
 
     def _on_child(self, *_: Any) -> None:
         frozen: dict[str, int] = {}  # the workers stopped now: record path -> pid
-        failed = False  # a worker of this launch ended with an error
         for path in glob.glob(os.path.join(self.root, "attempt-*", "rank-*.pid")):
             if path in self.seen:
                 continue
@@ -232,11 +232,13 @@ class ExitWatch:
                     pid = int(f.read())
             except (OSError, ValueError):
                 continue
+            record, attempt = path[: -len(".pid")], os.path.dirname(path)
             try:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:  # already reaped, or not our child (another node's)
+            except ChildProcessError:  # already reaped (by the agent, before this look), or another node's
+                if not os.path.exists(record + ".done"):
+                    self.failing.add(attempt)
                 continue
-            record = path[: -len(".pid")]
             if info is None:  # still running, or stopped
                 if self._stopped(record, pid):
                     frozen[record] = pid
@@ -244,11 +246,12 @@ class ExitWatch:
             self.seen.add(path)
             killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
             status = -info.si_status if killed else info.si_status
-            failed = failed or status != 0
+            if status != 0:
+                self.failing.add(attempt)
             with open(record + ".exit", "w") as f:
                 json.dump({"status": status, "time": time.time()}, f)
-        if failed:
-            for record, pid in frozen.items():
+        for record, pid in frozen.items():  # in an attempt that is over: ended, with their stacks
+            if os.path.dirname(record) in self.failing and record not in self.ended:
                 self.ended.add(record)
                 _end_frozen(pid)
 
@@ -264,17 +267,21 @@ class ExitWatch:
             if info is not None and record not in self.ended and os.path.exists(path):  # continued (SIGCONT)
                 os.remove(path)
             return False
-        if not os.path.exists(path):
-            name = _signal_name(info.si_status)
-            with open(path, "w") as f:
-                json.dump({"signal": name, "time": time.time()}, f)
-            rank = os.path.basename(record).removeprefix("rank-")
-            print(
-                f"ddpkit: rank {rank} (pid {pid}) was stopped by {name}: its peers wait for it until their "
-                "collective timeout (SIGCONT it to go on)",
-                file=sys.stderr,
-                flush=True,
-            )
+        name = _signal_name(info.si_status)
+        try:  # made once (this handler may run inside itself): its maker alone says it
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return True
+        with os.fdopen(fd, "w") as f:
+            json.dump({"signal": name, "time": time.time()}, f)
+        rank = os.path.basename(record).removeprefix("rank-")
+        line = (
+            f"ddpkit: rank {rank} (pid {pid}) was stopped by {name}: its peers wait for it until their "
+            "collective timeout (SIGCONT it to go on)\n"
+        )
+        # os.write, not print: this runs in a signal handler, perhaps inside a write to stderr
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stderr without a descriptor)
+            os.write(sys.stderr.fileno(), line.encode())
         return True
 
 
