@@ -125,3 +125,23 @@ def test_a_node_waiting_for_the_others_says_so_and_a_signal_ends_it(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err.strip().splitlines() == ["ddpkit run: interrupted"] and "hi" not in out
+
+
+def test_a_rank_whose_master_port_reaches_another_program_says_so_and_gives_up_at_the_timeout(tmp_path):
+    # It accepts the connection but never answers torch's handshake: that wait was in C++, for
+    # ever (a signal did nothing); now it is ddpkit's wait like any other
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(16)
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        proc = _train(1, port, tmp_path / "out", "--timeout", "3")
+        err = proc.communicate(timeout=60)[1]
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 2, err[-2000:]
+    lines = [line for line in err.strip().splitlines() if line.startswith("ddpkit")]
+    assert lines == [
+        f"ddpkit train: error: rank 1 of 2: waited 3 s for an answer from 127.0.0.1:{port}, which accepts connections "
+        "but may not be rank 0's store; the job its environment describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
+        f"meeting at 127.0.0.1:{port}) did not gather. Start every process of it, or unset those variables to run alone"
+    ], err[-2000:]
