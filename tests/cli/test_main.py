@@ -88,3 +88,28 @@ def test_a_reader_gone_at_the_end_is_exit_141(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141, err
     assert "Exception ignored" not in err and "Traceback" not in err
+
+
+def test_train_help_gives_every_flag_its_own_text_and_one_default(cli):
+    # A newcomer read `--text-path` with no text (its text sat under --seq-len), "(default:
+    # runs/<date>-<time>) (default: None)" and an internal "TrainConfig ['cfg']:" header
+    proc = cli("train", "--help", env={"COLUMNS": "200"})
+    ok(proc)
+    assert "TrainConfig" not in proc.stdout and "['cfg']" not in proc.stdout
+    assert "(default: None)" not in proc.stdout
+    options = proc.stdout.split("\noptions:\n", 1)[1]
+    entries: dict[str, str] = {}
+    for line in options.splitlines():
+        if line.startswith("  -"):  # a flag's first line: its names, then the start of its text
+            names, _, text = line.strip().partition("  ")
+            flag = names.split()[0].rstrip(",")
+            entries[flag] = text.strip()
+        elif line.startswith("    ") and entries:
+            entries[flag] += " " + line.strip()
+    assert len(entries) > 60 and "--text-path" in entries and "--seq-len" in entries
+    for flag, text in entries.items():
+        assert text, f"{flag} has no help text"
+        assert text.count("(default") <= 1, f"{flag}: {text}"
+    assert entries["--text-path"].startswith("--data text: a text file, or a directory of them")
+    assert entries["--seq-len"].startswith("--data text: bytes per sequence")
+    assert entries["--out"] == "output directory (default: runs/<date>-<time>)"

@@ -58,12 +58,21 @@ def _parser(defaults: Any) -> Any:
     from ..trainer.config import TrainConfig
 
     class Parser(OneLineErrors, simple_parsing.ArgumentParser):
-        pass
+        def _preprocessing(self, *args: Any, **kwargs: Any) -> Any:
+            # simple-parsing makes the dataclass's group when it parses or prints help: it is
+            # titled by the class and its destination ("TrainConfig ['cfg']") and repeats the
+            # command's description. Every flag is an option of the command.
+            out = super()._preprocessing(*args, **kwargs)
+            for group in self._action_groups:
+                if group.title and group.title.startswith(TrainConfig.__name__):
+                    group.title, group.description = "training options", None
+            return out
 
     parser = Parser(
         prog="ddpkit train",
         description=TrainConfig.__doc__,
         add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
+        formatter_class=_one_default_formatter(),
     )
     parser.add_argument(
         "--config",
@@ -72,3 +81,18 @@ def _parser(defaults: Any) -> Any:
     )
     parser.add_arguments(TrainConfig, dest="cfg", default=defaults)
     return parser
+
+
+def _one_default_formatter() -> type:
+    import simple_parsing
+
+    class OneDefault(simple_parsing.SimpleHelpFormatter):
+        """A flag whose help says its default in words ("(default: runs/<date>-<time>)") does
+        not get argparse's "(default: None)" after it; a flag without a default gets none."""
+
+        def _get_help_string(self, action: argparse.Action) -> str | None:
+            if action.default is None or (action.help and "(default" in action.help):
+                return action.help
+            return super()._get_help_string(action)
+
+    return OneDefault

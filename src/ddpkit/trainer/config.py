@@ -61,9 +61,8 @@ class TrainConfig:
     synthetic_shape: str = "3,32,32"  # synthetic data: C,H,W of one sample
     synthetic_size: int = 4096  # synthetic data: training samples (test gets a fifth as many)
     num_classes: int = 10  # synthetic data: number of classes
-    text_path: str | None = (
-        None  # --data text: a text file, or a directory of them (default: the Python standard library's sources)
-    )
+    # --data text: a text file, or a directory of them (default: the Python standard library's sources)
+    text_path: str | None = None
     seq_len: int = 128  # --data text: bytes per sequence, the gpt model's context length
     gpt_width: int = 128  # --model gpt: embedding width
     gpt_depth: int = 4  # --model gpt: transformer blocks (each one fsdp shard unit)
