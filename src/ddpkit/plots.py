@@ -27,19 +27,25 @@ def curves_margins(title: str) -> dict[str, float]:
 
 
 def save_figure(
-    fig: Any, path: str, dpi: int = 100, margins: dict[str, float] | None = None, close: bool = True
+    fig: Any,
+    path: str,
+    dpi: int = 100,
+    margins: dict[str, float] | None = None,
+    close: bool = True,
+    metadata: dict[str, str] | None = None,
 ) -> None:
     """Lay out (tightly, or with the given `margins`: fractions of the figure), write
     (atomically, never through a link: see files.atomic_write) in the format the file name says
     (PNG without one), and free the figure (pyplot keeps every open one alive) unless `close`
-    is False (a figure to draw again)."""
+    is False (a figure to draw again). `metadata`: text to keep in the file (matplotlib's
+    savefig metadata)."""
     if margins is None:
         fig.tight_layout()
     else:
         fig.subplots_adjust(**margins)
     try:
         with atomic_write(path, "wb") as f:
-            fig.savefig(f, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=dpi)
+            fig.savefig(f, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=dpi, metadata=metadata)
     finally:
         if close:
             pyplot().close(fig)
@@ -124,7 +130,9 @@ def plot_token_curves(steps: list[dict[str, Any]], history: list[dict[str, Any]]
     save_figure(fig, path, dpi=100, margins=curves_margins(title))
 
 
-def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str = "") -> None:
+def plot_runs(
+    runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str = "", metadata: dict[str, str] | None = None
+) -> None:
     """Several runs' loss and accuracy per epoch on one figure: one color per run, train
     dashed, test solid. `runs` is (label, epoch records) per run."""
     from matplotlib.ticker import MaxNLocator
@@ -164,4 +172,4 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: st
     ax_acc.legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    save_figure(fig, path, dpi=100)
+    save_figure(fig, path, dpi=100, metadata=metadata)

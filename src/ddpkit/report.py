@@ -26,6 +26,22 @@ COLUMNS = (
 )
 
 
+# Written into every plot's PNG text: the plot that `ddpkit report` may replace by default.
+MARK = {"Software": "ddpkit report"}
+
+
+def wrote(path: str) -> bool:
+    """Whether the file at `path` is a PNG that ddpkit report drew: its text chunk, which
+    matplotlib writes before the image data, names it."""
+    chunk = b"tEXtSoftware\x00" + MARK["Software"].encode()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and chunk in head
+
+
 def load_run(path: str) -> dict[str, Any]:
     """One run directory: its results, epoch records and a label. UsageError when it is not one."""
     for name in ("metrics.jsonl", "results.json"):
@@ -79,7 +95,7 @@ def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None =
     runs = [load_run(d) for d in dirs]
     rows = table_rows(runs)
     print(render(rows))
-    plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report")
+    plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report", metadata=MARK)
     print(f"plot: {out}", file=sys.stderr)
     if json_path:
         write_json(json_path, {"runs": rows, "plot": out})

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.cli.argv_runner import run_batch
+from tests.cli.helpers import ok
 from tests.conftest import PNG_MAGIC, run_cli
 from tests.data.helpers import write_mnist
 
@@ -511,14 +512,23 @@ def test_bare_commands_print_their_usage_on_stderr_and_exit_2(results):
     assert listed["code"] == 0 and "loader" in listed["stdout"] and not listed["stderr"], listed
 
 
-def test_report_never_replaces_its_default_file_but_replaces_a_named_one(inputs, tmp_path):
-    (tmp_path / "report.png").write_bytes(b"someone's plot")
+def test_report_replaces_its_own_default_file_but_no_one_elses_unless_named(inputs, tmp_path):
+    # Run twice, as a newcomer does: the second call replaces the plot the first one drew
+    for _ in range(2):
+        ok(run_cli("report", inputs["RUN"], cwd=str(tmp_path)))
+    assert (tmp_path / "report.png").read_bytes().startswith(PNG_MAGIC)
+    (tmp_path / "report.png").write_bytes(b"someone's plot")  # a file ddpkit report did not draw
     proc = run_cli("report", inputs["RUN"], cwd=str(tmp_path))
     assert proc.returncode == 2 and not proc.stdout, proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "report.png exists" in lines[0] and "--out" in lines[0], proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "ddpkit report: error: ./report.png exists and was not drawn by ddpkit report; name the plot with --out "
+        "FILE.png (an --out that exists is replaced)"
+    ]
     assert (tmp_path / "report.png").read_bytes() == b"someone's plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.png"]
+    # a run that is not there is said first, whatever is in the way of the plot
+    proc = run_cli("report", str(tmp_path / "nothere"), cwd=str(tmp_path))
+    assert proc.returncode == 2 and "nothere: no metrics.jsonl" in proc.stderr and "report.png" not in proc.stderr
     proc = run_cli("report", inputs["RUN"], "--out", "report.png", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "report.png").read_bytes().startswith(PNG_MAGIC)

@@ -13,14 +13,20 @@ DEFAULT_OUT = "report.png"
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..report import report
+    from ..report import load_run, report, wrote
 
     a = _parser().parse_args(argv)
+    for path in a.dirs:  # what was asked about comes first: a missing run before a plot in the way
+        load_run(path)
     out = a.out or DEFAULT_OUT
-    if a.out is None and os.path.lexists(out):
-        # The default name is a convenience, not a request to replace a file that is there:
-        # an earlier report (or anyone's report.png) stays unless --out names it.
-        raise UsageError(f"./{out} exists; name the plot with --out FILE.png (an --out that exists is replaced)")
+    if a.out is None and os.path.lexists(out) and not wrote(out):
+        # The default name is a convenience, not a request to replace a file that is there: a
+        # report.png that ddpkit report drew (its PNG says so) is replaced, anyone else's stays
+        # unless --out names it.
+        raise UsageError(
+            f"./{out} exists and was not drawn by ddpkit report; name the plot with --out FILE.png "
+            "(an --out that exists is replaced)"
+        )
     for flag, path in (("--out", out), ("--json", a.json)):
         if path:  # checked before reading the runs and drawing: not an IsADirectoryError after the work
             checks.output_file(flag, path)
@@ -38,7 +44,7 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--out",
         metavar="FILE.png",
-        help=f"the plot (default ./{DEFAULT_OUT}, which is never replaced: to replace a plot, name it)",
+        help=f"the plot (default ./{DEFAULT_OUT}, replaced only if ddpkit report drew it: to replace another file, name it)",
     )
     p.add_argument("--json", metavar="FILE", help="also write the table as JSON (replaced if it exists)")
     return p
