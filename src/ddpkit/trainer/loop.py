@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+import sys
 import time
 from typing import Any
 
@@ -154,6 +155,7 @@ class Loop:
         self.tally = Tally(rt.device)
         self.log_steps = LogSteps(cfg.log_every)  # their records wait for the next check
         self.progress_note: str | None = None  # the last step record's loss and speed, for the bar
+        self.progress_said = time.monotonic()  # when the last progress line was printed (no terminal)
         # First step whose loss was not finite, on this rank (-1: none; not watched with
         # --on-nonfinite skip). On the device, filled from the tally: no synchronization per step.
         self.first_bad = torch.full((), -1, dtype=torch.long, device=rt.device)
@@ -272,6 +274,21 @@ class Loop:
             return {**self.carried, "measured_by": "the attempt before the restart"}
         return {**self.figures(), "measured_by": "this attempt"}
 
+    def say_progress(self, batches: Any) -> None:
+        """Without a progress bar (stderr is not a terminal: a log file, a batch job), rank 0
+        prints a line with the bar's facts every --progress-every seconds, at a log step."""
+        every = self.cfg.progress_every
+        if not (self.rt.is_main and self.cfg.progress and every and self.progress_note):
+            return
+        if not getattr(batches, "disable", True):  # the bar is shown: it says all this
+            return
+        now = time.monotonic()
+        if now - self.progress_said >= every:
+            self.progress_said = now
+            print(
+                _progress_line(self.cfg, self.run, self.train_loader, self.progress_note), file=sys.stderr, flush=True
+            )
+
     def train_epoch(self, out: Outputs) -> bool:
         """Train until the epoch ends (True) or --max-steps is reached (False). The epoch's
         loss and accuracy stay on the device, a row per micro-batch (see tally); the check at
@@ -322,6 +339,7 @@ class Loop:
                     self.check_finite(out)
                     if self.progress_note and hasattr(batches, "set_postfix"):
                         batches.set_postfix_str(self.progress_note)
+                    self.say_progress(batches)
             if self.stopped() and self.train_loader.position < self.train_loader.steps_per_epoch:
                 return False  # stopped inside the epoch; at its last step the loop ends it as usual
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
@@ -542,6 +560,13 @@ def early_stop_line(stopper: EarlyStopping, epoch: int) -> str:
         f"early stop after epoch {epoch}: the test loss has not improved{by} for {stopper.bad_checks} "
         f"epoch{'s' if stopper.bad_checks != 1 else ''} (best {stopper.best:.4f})"
     )
+
+
+def _progress_line(cfg: Any, run: Any, loader: Any, note: str) -> str:
+    """'ddpkit train: epoch 2/10, step 120/230 of it (52%), loss 0.8123, 7,041 samples/s'."""
+    of = loader.steps_per_epoch
+    where = f"step {loader.position}/{of} of it ({100 * loader.position / of:.0f}%)" if of else f"step {run.step}"
+    return f"ddpkit train: epoch {run.epoch + 1}/{cfg.epochs}, {where}, {note}"
 
 
 def progress_label(loss: float, rate: float) -> str:

@@ -76,6 +76,7 @@ POSITIVE = (
 )
 AT_LEAST_ZERO = (
     "checkpoint_every",
+    "progress_every",
     "warmup_epochs",
     "crop_padding",
     "weight_decay",
