@@ -173,3 +173,36 @@ def plot_runs(
     if title:
         fig.suptitle(title)
     save_figure(fig, path, dpi=100, metadata=metadata)
+
+
+def plot_steps(
+    runs: list[tuple[str, list[dict[str, Any]]]],
+    names: list[str],
+    path: str,
+    title: str = "",
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Several runs' logged metrics against the step: one panel per metric in `names`, one
+    color per run. `runs` is (label, step records) per run; a run that did not log a metric is
+    absent from its panel."""
+    plt = pyplot()
+    columns = min(3, max(1, len(names)))
+    rows = max(1, math.ceil(len(names) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, names):
+        for i, (label, records) in enumerate(runs):
+            points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, color=colors[i % len(colors)], marker="o", markersize=2, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.set_visible(False)
+    if names:
+        axes.flat[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    save_figure(fig, path, dpi=100, metadata=metadata)

@@ -43,21 +43,51 @@ def wrote(path: str) -> bool:
 
 
 def load_run(path: str) -> dict[str, Any]:
-    """One run directory: its results, epoch records and a label. UsageError when it is not one."""
-    for name in ("metrics.jsonl", "results.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise UsageError(f"{path}: no {name} (not the --out directory of a finished `ddpkit train` run)")
+    """One run directory: its results, its records and a label. UsageError when it is none.
+
+    A `ddpkit train --out` directory has results.json and metrics.jsonl (its epoch records are
+    plotted); a Runtime's `log_dir` has metrics.jsonl alone, the `rt.log` records, {"step": N,
+    **metrics} (its metrics are plotted against the step)."""
+    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        raise UsageError(
+            f"{path}: no metrics.jsonl (neither the --out directory of a `ddpkit train` run nor a Runtime's log_dir)"
+        )
+    trained = os.path.isfile(os.path.join(path, "results.json"))
     try:
-        with open(os.path.join(path, "results.json")) as f:
-            results = json.load(f)
+        results = {}
+        if trained:
+            with open(os.path.join(path, "results.json")) as f:
+                results = json.load(f)
         with open(os.path.join(path, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
     except ValueError as err:
         raise UsageError(f"{path}: unreadable results.json or metrics.jsonl ({err})") from None
     if not isinstance(results, dict):
         raise UsageError(f"{path}/results.json: expected a JSON object")
-    epochs = [r for r in records if isinstance(r, dict) and r.get("type") == "epoch"]
-    return {"dir": path, "label": _label(path, results), "results": results, "epochs": epochs}
+    records = [r for r in records if isinstance(r, dict)]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    steps = [r for r in records if _is_count(r.get("step")) and r.get("type") in (None, "step")]
+    if not trained and not steps:
+        raise UsageError(f"{path}/metrics.jsonl: no records of rt.log (each a JSON object with a step)")
+    label = _label(path, results)
+    return {"dir": path, "label": label, "results": results, "epochs": epochs, "steps": steps, "trained": trained}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def metric_names(runs: list[dict[str, Any]], most: int = 6) -> list[str]:
+    """The numeric metrics of the runs' step records, in the order first seen, at most `most`
+    (the step, the record's type and its epoch are not metrics)."""
+    names: list[str] = []
+    for run in runs:
+        for record in run["steps"]:
+            for key, value in record.items():
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and key not in ("step", "epoch", "type") and key not in names:
+                    names.append(key)
+    return names[:most]
 
 
 def _label(path: str, results: dict[str, Any]) -> str:
@@ -73,6 +103,28 @@ def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"run": run["dir"], **{key: run["results"].get(key) for _, key, _ in COLUMNS[1:]}} for run in runs]
 
 
+def _log_row(run: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A run's last step and each metric's last logged value."""
+    row: dict[str, Any] = {"run": run["dir"], "steps": max((r["step"] for r in run["steps"]), default=None)}
+    for name in names:
+        logged = [r[name] for r in run["steps"] if isinstance(r.get(name), (int, float))]
+        row[name] = logged[-1] if logged else None
+    return row
+
+
+def _render_log(rows: list[dict[str, Any]], names: list[str]) -> str:
+    header = ["run", "last step", *(f"{n} (last)" for n in names)]
+    cells = [header]
+    for row in rows:
+        values = [row["steps"], *(row[n] for n in names)]
+        cells.append(
+            [row["run"], *("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values)]
+        )
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     cells = [[h for h, _, _ in COLUMNS]]
     cells += [["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS] for row in rows]
@@ -84,7 +136,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None = None) -> None:
     """Print the runs' table, draw their curves to `out`, and write the table to `json_path`."""
-    from .plots import plot_runs
+    from .plots import plot_runs, plot_steps
 
     if not out.lower().endswith(".png"):
         raise UsageError(f"--out {out}: expected a .png file name")
@@ -93,9 +145,15 @@ def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None =
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{flag} {path}: no such directory {folder}")
     runs = [load_run(d) for d in dirs]
-    rows = table_rows(runs)
-    print(render(rows))
-    plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report", metadata=MARK)
+    if all(run["trained"] for run in runs):
+        rows = table_rows(runs)
+        print(render(rows))
+        plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report", metadata=MARK)
+    else:  # a Runtime's log among them: what every run logged, against the step
+        names = metric_names(runs)
+        rows = [_log_row(run, names) for run in runs]
+        print(_render_log(rows, names))
+        plot_steps([(run["label"], run["steps"]) for run in runs], names, out, "ddpkit report", MARK)
     print(f"plot: {out}", file=sys.stderr)
     if json_path:
         write_json(json_path, {"runs": rows, "plot": out})

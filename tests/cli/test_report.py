@@ -42,3 +42,37 @@ def test_report_bad_dir_is_one_line(runs, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and str(bad) in lines[0], proc.stderr
         assert not (tmp_path / "r.png").exists()
+
+
+def _logged(path, losses: list[float]) -> None:
+    """A Runtime's log_dir, written by a real Runtime's rt.log (one process)."""
+    import ddpkit
+
+    with ddpkit.Runtime(device="cpu", log_dir=str(path)) as rt:
+        for step, loss in enumerate(losses):
+            rt.log(step * 10, loss=loss, accuracy=1 - loss / 4, note="text is not plotted")
+
+
+def test_report_on_runtime_log_dirs_plots_what_was_logged_against_the_step(tmp_path):
+    # users of their own loop want the same report: their log_dir has metrics.jsonl and no results.json
+    _logged(tmp_path / "a", [2.0, 1.0, 0.5])
+    _logged(tmp_path / "b", [3.0, 1.5])
+    png, out_json = tmp_path / "r.png", tmp_path / "r.json"
+    proc = run_cli("report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png), "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    rows = json.loads(out_json.read_text())["runs"]
+    assert rows == [
+        {"run": str(tmp_path / "a"), "steps": 20, "loss": 0.5, "accuracy": 0.875},
+        {"run": str(tmp_path / "b"), "steps": 10, "loss": 1.5, "accuracy": 0.625},
+    ]
+    header, *lines = proc.stdout.splitlines()
+    assert header.split() == ["run", "last", "step", "loss", "(last)", "accuracy", "(last)"]
+    assert lines[0].split() == [str(tmp_path / "a"), "20", "0.5", "0.875"]
+    # a directory with metrics.jsonl but no record of rt.log is refused in one line
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "metrics.jsonl").write_text('{"type": "something else"}\n')
+    bad = run_cli("report", str(tmp_path / "c"), "--out", str(tmp_path / "c.png"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"ddpkit report: error: {tmp_path / 'c'}/metrics.jsonl: no records of rt.log (each a JSON object with a step)"
+    ]

@@ -37,10 +37,17 @@ def main(argv: Sequence[str]) -> int:
 def _parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="ddpkit report",
-        description="Compare runs of `ddpkit train --out DIR`: every run's "
-        "loss and accuracy per epoch on one plot, and a table of their results.",
+        description="Compare runs of `ddpkit train --out DIR`: every run's loss and accuracy per epoch on one "
+        "plot, and a table of their results. A Runtime's log_dir among them: every run's rt.log metrics against "
+        "the step, and a table of their last values.",
     )
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (each with metrics.jsonl and results.json)")
+    p.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="run directories: a ddpkit train --out (metrics.jsonl and results.json) or a Runtime's log_dir "
+        "(metrics.jsonl)",
+    )
     p.add_argument(
         "--out",
         metavar="FILE.png",
