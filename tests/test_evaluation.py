@@ -8,9 +8,7 @@ import pytest
 import ddpkit
 from tests import workers
 
-pytestmark = pytest.mark.distributed
-
-
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "strategy,nproc,n", [("ddp", 2, 37), ("ddp", 3, 37), ("ddp", 3, 1), ("fsdp", 3, 37), ("fsdp", 3, 1)]
 )  # fsdp: ranks with a batch fewer (or none) run forwards on empty batches to keep in step
@@ -23,3 +21,42 @@ def test_odd_test_set_counted_exactly_once(strategy, nproc, n):
         assert r["samples"] == n
         assert r["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-12)
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "strategy,nproc,names,keys",
+    [
+        ("ddp", 2, ("input", "target"), None),  # found by their usual names
+        ("fsdp", 3, ("input_ids", "labels"), None),  # fsdp: an empty batch is a dict too
+        ("ddp", 2, ("features", "class"), ("features", "class")),  # named with keys=
+    ],
+)
+def test_batches_that_are_mappings_give_the_result_of_pairs(strategy, nproc, names, keys):
+    # a custom collate's dicts were refused ("evaluate needs batches of (input, target)")
+    reference = workers.evaluate_odd(37)
+    out = ddpkit.launch(workers.evaluate_odd, 37, strategy, names, keys, nproc=nproc)
+    for r in out.values():
+        assert r["samples"] == 37
+        assert r["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-12)
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "names,keys,said",
+    [
+        (("features", "class"), None, "has no input entry; name its input and target"),
+        (("input", "class"), None, "has no target entry; name its input and target"),
+        (("input", "target"), ("input", "labels"), "has no entry 'labels'; name its input and target"),
+    ],
+)
+def test_a_mapping_without_a_known_or_named_entry_is_one_clear_usage_error(names, keys, said):
+    with pytest.raises(ddpkit.UsageError, match=rf"^evaluate: a batch that is a mapping \(.*\) {said}: rt.evaluate"):
+        workers.evaluate_odd(5, "ddp", names, keys)
+
+
+@pytest.mark.unit
+def test_keys_that_are_not_two_names_are_refused():
+    with pytest.raises(ddpkit.UsageError, match=r"rt.evaluate\(keys=...\): expected \(input name, target name\)"):
+        workers.evaluate_odd(5, "ddp", ("a", "b"), "ab")

@@ -57,12 +57,29 @@ def train_steps(steps: int = 5, global_batch: int = 12, precision: str = "fp32")
         }
 
 
-def evaluate_odd(n: int, strategy: str = "ddp") -> dict:
-    """Evaluate a fixed model on a dataset of odd size `n`."""
+class _Named(torch.utils.data.Dataset):
+    """A dataset of (input, target) pairs given as dicts under `names`, as a custom dataset
+    or collate gives them."""
+
+    def __init__(self, pairs: torch.utils.data.Dataset, names: tuple[str, str]):
+        self.pairs, self.names = pairs, names
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.pairs[i]
+        return {self.names[0]: x, self.names[1]: y, "index": i}
+
+
+def evaluate_odd(n: int, strategy: str = "ddp", names: tuple[str, str] | None = None, keys=None) -> dict:
+    """Evaluate a fixed model on a dataset of odd size `n`; with `names`, its samples are dicts
+    (passed `keys`, or found by their names)."""
     with ddpkit.Runtime(strategy, device="cpu") as rt:
         model = rt.setup(toy_model(seed=7))
-        result = rt.evaluate(model, toy_data(n, seed=3), batch_size=4)
-        shard = len(rt.eval_loader(toy_data(n, seed=3), batch_size=4).sampler)
+        data = toy_data(n, seed=3) if names is None else _Named(toy_data(n, seed=3), names)
+        result = rt.evaluate(model, data, batch_size=4, keys=keys)
+        shard = len(rt.eval_loader(data, batch_size=4).sampler)
         return {**result, "shard": shard}
 
 

@@ -57,9 +57,11 @@ def evaluate(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     metrics: Mapping[str, Metric] | None = None,
     outputs: Callable[[Any, Any], Any] | None = None,
+    keys: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """`model` over all of `loader`'s dataset: accuracy (classification only), loss, samples,
-    each of `metrics` and the gathered `outputs` (see the module's docstring)."""
+    each of `metrics` and the gathered `outputs` (see the module's docstring). `keys`: the
+    names of the input and the target in batches that are mappings (see `_pair`)."""
     metrics = dict(metrics or {})
     if RESULT_KEYS.intersection(metrics):
         raise UsageError(f"evaluate: the metric names {sorted(RESULT_KEYS)} are taken by the results")
@@ -71,7 +73,7 @@ def evaluate(
         own = (_metric_sum(name, fn(out, y), len(y)) for name, fn in metrics.items())
         return (*_batch_sums(out, y, loss_fn), *own)
 
-    sums = _sums(model, loader, precision, measure, 5 + len(metrics))
+    sums = _sums(model, loader, precision, measure, 5 + len(metrics), keys)
     result = _summary(*sums[:5], with_loss=loss_fn is not None)
     result.update({name: total / max(1, result["samples"]) for name, total in zip(metrics, sums[5:])})
     if outputs is not None:
@@ -116,14 +118,39 @@ def _summary(loss: float, correct: float, count: float, samples: float, unfit: f
     return result
 
 
-def _pair(batch: Any) -> tuple[Any, Any]:
-    """An evaluation batch's (input, target)."""
+# The names a mapping batch's input and target are looked for under, in this order, when
+# evaluate is not told them (`keys=`): the usual ones of custom collates and of Hugging Face.
+INPUT_KEYS = ("input", "inputs", "x", "input_ids", "pixel_values", "image", "images")
+TARGET_KEYS = ("target", "targets", "y", "labels", "label")
+
+
+def _pair(batch: Any, keys: tuple[str, str] | None = None) -> tuple[Any, Any]:
+    """An evaluation batch's (input, target): a pair, or a mapping's entries named `keys`
+    (default: the first of INPUT_KEYS and of TARGET_KEYS it has)."""
+    if isinstance(batch, Mapping):
+        names = keys or (_first(batch, INPUT_KEYS), _first(batch, TARGET_KEYS))
+        missing = [name for name in names if name is None or name not in batch]
+        if missing:
+            have = ", ".join(map(repr, list(batch)[:8]))
+            said = f"no {'input' if names[0] in missing else 'target'} entry"
+            if keys:
+                said = f"no entry {missing[0]!r}"
+            raise UsageError(
+                f"evaluate: a batch that is a mapping ({have}) has {said}; name its input and target: "
+                "rt.evaluate(..., keys=('input_ids', 'labels'))"
+            )
+        return batch[names[0]], batch[names[1]]
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
         raise UsageError(
-            f"evaluate needs batches of (input, target), not {what}; a pass of your own with rt.gather takes any batch"
+            f"evaluate needs batches of (input, target), or mappings with both, not {what}; a pass of your own "
+            "with rt.gather takes any batch"
         )
     return batch[0], batch[1]
+
+
+def _first(batch: Mapping[str, Any], names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if name in batch), None)
 
 
 def _metric_sum(name: str, value: Any, n: int) -> torch.Tensor:
@@ -176,7 +203,14 @@ def perplexity(loss: float) -> float:
     return math.inf if loss > 709 else math.exp(loss)
 
 
-def _sums(model: nn.Module, loader: DistributedLoader, precision: Precision, measure: Measure, n: int) -> list[float]:
+def _sums(
+    model: nn.Module,
+    loader: DistributedLoader,
+    precision: Precision,
+    measure: Measure,
+    n: int,
+    keys: tuple[str, str] | None = None,
+) -> list[float]:
     """The `n` sums of `measure(output, target)` over every batch of every rank's share of
     `loader`: added up on the device, all-reduced once at the end."""
     if not isinstance(getattr(loader, "sampler", None), ShardSampler):
@@ -190,14 +224,14 @@ def _sums(model: nn.Module, loader: DistributedLoader, precision: Precision, mea
     net.eval()
     sums: list[Any] = [0] * n
     for batch in loader:
-        x, y = _pair(batch)
+        x, y = _pair(batch, keys)
         with precision.autocast():
             out = outputs_to_fp32(net(x))
         sums = [total + value for total, value in zip(sums, measure(out, y))]
     if is_sharded(net):  # ranks' batch counts differ by at most one; rank 0 has the most
         for _ in range(loader.sampler.most_batches() - len(loader)):
             with precision.autocast():
-                net(loader.empty_batch()[0])
+                net(_pair(loader.empty_batch(), keys)[0])
     net.train(was_training)
     sums_t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loader.device) for v in sums])
     return dist.all_reduce(sums_t).tolist()

@@ -579,9 +579,14 @@ class Runtime:
         batch_size: int | None = None,
         metrics: dict[str, Callable[[Any, Any], torch.Tensor]] | None = None,
         outputs: Callable[[Any, Any], Any] | None = None,
+        keys: tuple[str, str] | None = None,
     ) -> dict[str, Any]:
         """`model` over ALL of `data` (a Dataset, a DataLoader, or a loader from `eval_loader()`),
-        on every rank.
+        on every rank. Its batches are (input, target) pairs, or mappings (a custom collate's
+        dicts): `keys` names their input and target entries, such as ('input_ids', 'labels');
+        by default the first present of 'input', 'inputs', 'x', 'input_ids', 'pixel_values',
+        'image', 'images' and of 'target', 'targets', 'y', 'labels', 'label'. The model is
+        called with the input alone.
 
         Each sample is seen by exactly one rank and the sums are all-reduced, so `samples`
         equals len(dataset) for any world size. Returns `accuracy` (only for classification:
@@ -592,7 +597,11 @@ class Runtime:
         `gather` takes them), `outputs`: those values of every sample once, in dataset order.
         """
         loader = data if isinstance(data, DistributedLoader) else self.eval_loader(data, batch_size)
-        return evaluate(model, loader, self.precision, loss_fn, metrics, outputs)
+        if keys is not None and not (
+            isinstance(keys, (tuple, list)) and len(keys) == 2 and all(isinstance(k, str) for k in keys)
+        ):
+            raise UsageError(f"rt.evaluate(keys=...): expected (input name, target name), got {checks.shown(keys)}")
+        return evaluate(model, loader, self.precision, loss_fn, metrics, outputs, tuple(keys) if keys else None)
 
     def gather(self, values: Any) -> Any:
         """Per-sample values of every rank's `eval_loader()` share, each sample once and in
