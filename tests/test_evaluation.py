@@ -8,6 +8,7 @@ import pytest
 import ddpkit
 from tests import workers
 
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "strategy,nproc,n", [("ddp", 2, 37), ("ddp", 3, 37), ("ddp", 3, 1), ("fsdp", 3, 37), ("fsdp", 3, 1)]

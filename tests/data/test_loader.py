@@ -162,3 +162,25 @@ def test_augmented_training_same_on_both_loaders_and_resumes_bit_identically(tmp
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     _, resumed_w, _ = run_train(tmp_path, "resumed", *AUG, "--nproc", "2", "--resume", "auto")
     assert all(torch.equal(resumed_w[k], dev_w[k]) for k in dev_w)  # mid-epoch resume, augmentation and all
+
+
+@pytest.mark.unit
+def test_an_evaluation_pass_leaves_the_process_random_stream_as_it_was():
+    # A DataLoader's pass draws its workers' base seed from torch's stream unless it has a
+    # generator: an evaluation between steps moved the training's stream, so a full state saved
+    # before it resumed to other dropout masks than the run that went on
+    import ddpkit
+
+    class Pairs(torch.utils.data.Dataset):  # not device-resident: read through a DataLoader
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int):
+            return torch.full((4,), float(i)), torch.tensor(i % 2)
+
+    with ddpkit.Runtime(device="cpu", seed=0) as rt:
+        model = rt.setup(torch.nn.Linear(4, 2))
+        before = torch.get_rng_state()
+        result = rt.evaluate(model, Pairs(), batch_size=4)
+        assert result["samples"] == 10
+        assert torch.equal(torch.get_rng_state(), before)

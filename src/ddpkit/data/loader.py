@@ -422,12 +422,18 @@ def eval_loader(
             dataset, sampler, device, resident=Resident(dataset, device, channels_last=channels_last)
         )
     chosen = dict(dataloader or {})
+    # Each pass of a DataLoader draws its workers' base seed from its generator, else from the
+    # process's torch stream: an evaluation between two steps would move the training's random
+    # stream, and a full state saved before it would not resume what followed. Its own
+    # generator (seeded by the rank: reproducible) leaves the process's stream alone.
+    generator = chosen.pop("generator", None) or torch.Generator().manual_seed(rank)
     loader = DataLoader(
         dataset,
         batch_size=batch,
         sampler=sampler,
         collate_fn=_Collate(dataset, collate_fn),
         worker_init_fn=SeedWorker(chosen.pop("worker_init_fn", None)),
+        generator=generator,
         **loader_options(dataset, device, num_workers, local_world_size, chosen),
     )
     return DistributedLoader(dataset, sampler, device, loader=loader, channels_last=channels_last)
