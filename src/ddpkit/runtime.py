@@ -142,6 +142,7 @@ class Runtime:
         checks.thread_count_variable()
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
+        """The device this rank computes on: `cuda:LOCAL_RANK`, or `cpu`."""
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Without this every process starts one thread per core and they fight over them.
             torch.set_num_threads(max(1, cpu_count() // self.env.local_world_size))
@@ -158,6 +159,7 @@ class Runtime:
             self.ddp_options.check_device(self.device.type)
             self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
+            """The precision in use: its `dtype`, `autocast()` and the fp16 scaler."""
             self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
             self._log_with = tracking.check_log_with(log_dir, log_with)  # every rank: all fail alike
             if log_dir is not None and self.is_main:
@@ -165,7 +167,8 @@ class Runtime:
         except BaseException:
             self.close()
             raise
-        self.strategy = self._strategy.name  # the strategy that runs: 'ddp' on one process is 'single'
+        self.strategy = self._strategy.name
+        """The strategy that runs: 'ddp', 'fsdp', 'dp', or 'single' ('ddp' on one process)."""
         if self.strategy == "fsdp" and self.device.type == "cpu":
             # Before the model exists: fsdp's gathered parameters, freed after each use, go back
             # to the system instead of piling up in glibc's heap (see ddpkit.allocator).
