@@ -113,7 +113,9 @@ def test_a_frozen_rank_is_blamed_as_hung_with_its_stack_at_the_timeout(capfd, ho
     assert f"hung: it was stopped by {how} and never continued, until rank 0 gave up waiting for it" in str(err)
     assert "Timed out waiting 3000ms" in str(err) and str(err).endswith("its stack is above")
     assert err.traceback.startswith("Stack of rank 1 when it was stopped:")
-    assert "in _frozen_here" in err.traceback and "in freeze_on_rank" in err.traceback
+    # where it froze: continued to take the SIGTERM, another thread of it may dump the stack a
+    # moment after the main thread went on from _frozen_here
+    assert "in freeze_on_rank" in err.traceback
     # said when it happened, not only at the end
     said = [line for line in capfd.readouterr().err.splitlines() if "was stopped by" in line]
     assert len(said) == 1 and said[0].startswith(f"ddpkit: rank 1 (pid {err.pid}) was stopped by {how}: "), said

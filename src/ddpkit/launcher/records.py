@@ -200,7 +200,7 @@ class ExitWatch:
     recorded (`rank-R.frozen`) and said at once: its peers will wait for it until their
     collective timeout. Once one of the attempt's workers has failed the attempt is over, and
     a worker still stopped is ended as the agent would end it, with SIGTERM, then continued so
-    that it can take it: it dumps the stack it was frozen in and dies at once, instead of being
+    that it can take it: it dumps its stack (where it froze, or a moment after) and dies at once, instead of being
     SIGKILLed after the agent's 30 s grace with no stack at all.
     """
 
