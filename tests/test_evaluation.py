@@ -43,11 +43,21 @@ def test_batches_that_are_mappings_give_the_result_of_pairs(strategy, nproc, nam
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-6)
 
 
+@pytest.mark.distributed
+def test_a_custom_collate_that_renames_entries_serves_the_empty_batches_of_fsdp_too():
+    # 37 samples in batches of 8 over 3 ranks: a rank with a batch fewer runs an empty one, which
+    # came from the dataset's own entries ('ids', 'y'), not the collate's: "no entry 'input_ids'"
+    reference = workers.evaluate_odd(37)
+    out = ddpkit.launch(workers.evaluate_collated, 37, nproc=3)
+    for r in out.values():
+        assert r["samples"] == 37 and r["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-12)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "names,keys,said",
     [
-        (("features", "class"), None, "has no input entry; name its input and target"),
+        (("features", "class"), None, "has no input and no target entry; name its input and target"),
         (("input", "class"), None, "has no target entry; name its input and target"),
         (("input", "target"), ("input", "labels"), "has no entry 'labels'; name its input and target"),
     ],

@@ -72,6 +72,23 @@ class _Named(torch.utils.data.Dataset):
         return {self.names[0]: x, self.names[1]: y, "index": i}
 
 
+def _renamed(samples: list[dict]) -> dict:
+    """A custom collate whose batches name their entries otherwise than the samples do."""
+    batch = torch.utils.data.default_collate(samples)
+    return {"input_ids": batch["ids"], "labels": batch["y"]}
+
+
+def evaluate_collated(n: int, strategy: str = "fsdp") -> dict:
+    """evaluate_odd's model and data through a DataLoader whose collate renames the entries:
+    under fsdp a rank with a batch fewer runs its empty one through that collate too."""
+    with ddpkit.Runtime(strategy, device="cpu") as rt:
+        model = rt.setup(toy_model(seed=7))
+        loader = torch.utils.data.DataLoader(
+            _Named(toy_data(n, seed=3), ("ids", "y")), batch_size=8, collate_fn=_renamed
+        )
+        return rt.evaluate(model, loader, keys=("input_ids", "labels"))
+
+
 def evaluate_odd(n: int, strategy: str = "ddp", names: tuple[str, str] | None = None, keys=None) -> dict:
     """Evaluate a fixed model on a dataset of odd size `n`; with `names`, its samples are dicts
     (passed `keys`, or found by their names)."""

@@ -132,7 +132,7 @@ def _pair(batch: Any, keys: tuple[str, str] | None = None) -> tuple[Any, Any]:
         missing = [name for name in names if name is None or name not in batch]
         if missing:
             have = ", ".join(map(repr, list(batch)[:8]))
-            said = f"no {'input' if names[0] in missing else 'target'} entry"
+            said = "no " + " and no ".join(w for w, n in zip(("input", "target"), names) if n in missing) + " entry"
             if keys:
                 said = f"no entry {missing[0]!r}"
             raise UsageError(

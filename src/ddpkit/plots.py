@@ -192,7 +192,7 @@ def plot_steps(
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes.flat, names):
         for i, (label, records) in enumerate(runs):
-            points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+            points = [(r["step"], r[name]) for r in records if type(r.get(name)) in (int, float)]  # not bools
             if points:
                 steps, values = zip(*points)
                 ax.plot(steps, values, color=colors[i % len(colors)], marker="o", markersize=2, label=label)

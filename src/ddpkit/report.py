@@ -4,6 +4,7 @@ on one plot and their results in one table (and optionally one JSON file)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 
 from .errors import UsageError
 from .files import write_json
+from .tracking import read_records
 
 # (column header, results.json key or row key, format)
 COLUMNS = (
@@ -32,7 +34,10 @@ MARK = {"Software": "ddpkit report"}
 
 def wrote(path: str) -> bool:
     """Whether the file at `path` is a PNG that ddpkit report drew: its text chunk, which
-    matplotlib writes before the image data, names it."""
+    matplotlib writes before the image data, names it. A link is not (replacing it would put a
+    file in its place and leave what it points to as it was)."""
+    if os.path.islink(path):
+        return False
     chunk = b"tEXtSoftware\x00" + MARK["Software"].encode()
     try:
         with open(path, "rb") as f:
@@ -58,15 +63,16 @@ def load_run(path: str) -> dict[str, Any]:
         if trained:
             with open(os.path.join(path, "results.json")) as f:
                 results = json.load(f)
-        with open(os.path.join(path, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
     except ValueError as err:
-        raise UsageError(f"{path}: unreadable results.json or metrics.jsonl ({err})") from None
+        raise UsageError(f"{path}: unreadable results.json ({err})") from None
     if not isinstance(results, dict):
         raise UsageError(f"{path}/results.json: expected a JSON object")
-    records = [r for r in records if isinstance(r, dict)]
+    # As a run reads its own log back: a line that is not a JSON object (a torn last one, of a
+    # run still going or stopped by a full disk) is left out.
+    records = read_records(os.path.join(path, "metrics.jsonl"), lambda r: True)
     epochs = [r for r in records if r.get("type") == "epoch"]
-    steps = [r for r in records if _is_count(r.get("step")) and r.get("type") in (None, "step")]
+    # a train run's step records have a type; a Runtime's are rt.log's, whatever their names
+    steps = [r for r in records if _is_count(r.get("step")) and (not trained or r.get("type") == "step")]
     if not trained and not steps:
         raise UsageError(f"{path}/metrics.jsonl: no records of rt.log (each a JSON object with a step)")
     label = _label(path, results)
@@ -77,15 +83,19 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def metric_names(runs: list[dict[str, Any]], most: int = 6) -> list[str]:
     """The numeric metrics of the runs' step records, in the order first seen, at most `most`
-    (the step, the record's type and its epoch are not metrics)."""
+    (the step is not one, nor a train run's record type and epoch)."""
     names: list[str] = []
     for run in runs:
         for record in run["steps"]:
             for key, value in record.items():
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if number and key not in ("step", "epoch", "type") and key not in names:
+                internal = key == "step" or (run["trained"] and key in ("epoch", "type"))
+                if _number(value) and not internal and key not in names:
                     names.append(key)
     return names[:most]
 
@@ -104,22 +114,24 @@ def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _log_row(run: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A run's last step and each metric's last logged value."""
-    row: dict[str, Any] = {"run": run["dir"], "steps": max((r["step"] for r in run["steps"]), default=None)}
+    """A run's last step and each metric's last logged value: under "last", so that a metric
+    may have any name. A last value that was not finite (rt.log writes NaN and inf as null) is
+    NaN, not the finite one before it; a metric the run never logged is absent."""
+    last: dict[str, Any] = {}
     for name in names:
-        logged = [r[name] for r in run["steps"] if isinstance(r.get(name), (int, float))]
-        row[name] = logged[-1] if logged else None
-    return row
+        logged = [r[name] for r in run["steps"] if name in r and (r[name] is None or _number(r[name]))]
+        if logged:
+            last[name] = math.nan if logged[-1] is None else logged[-1]
+    return {"run": run["dir"], "last_step": max((r["step"] for r in run["steps"]), default=None), "last": last}
 
 
 def _render_log(rows: list[dict[str, Any]], names: list[str]) -> str:
     header = ["run", "last step", *(f"{n} (last)" for n in names)]
     cells = [header]
     for row in rows:
-        values = [row["steps"], *(row[n] for n in names)]
-        cells.append(
-            [row["run"], *("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values)]
-        )
+        values = [row["last_step"], *(row["last"].get(n) for n in names)]
+        shown = ["-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values]
+        cells.append([row["run"], *shown])
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
@@ -134,8 +146,11 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None = None) -> None:
-    """Print the runs' table, draw their curves to `out`, and write the table to `json_path`."""
+def report(
+    dirs: Sequence[str], out: str = "report.png", json_path: str | None = None, runs: list[dict[str, Any]] | None = None
+) -> None:
+    """Print the runs' table, draw their curves to `out`, and write the table to `json_path`.
+    `runs`: the directories already read with `load_run` (else they are read here)."""
     from .plots import plot_runs, plot_steps
 
     if not out.lower().endswith(".png"):
@@ -144,13 +159,15 @@ def report(dirs: Sequence[str], out: str = "report.png", json_path: str | None =
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{flag} {path}: no such directory {folder}")
-    runs = [load_run(d) for d in dirs]
+    runs = runs if runs is not None else [load_run(d) for d in dirs]
     if all(run["trained"] for run in runs):
         rows = table_rows(runs)
         print(render(rows))
         plot_runs([(run["label"], run["epochs"]) for run in runs], out, title="ddpkit report", metadata=MARK)
     else:  # a Runtime's log among them: what every run logged, against the step
         names = metric_names(runs)
+        if not names:
+            raise UsageError(f"{', '.join(dirs)}: no number was logged with rt.log, nothing to plot")
         rows = [_log_row(run, names) for run in runs]
         print(_render_log(rows, names))
         plot_steps([(run["label"], run["steps"]) for run in runs], names, out, "ddpkit report", MARK)

@@ -63,8 +63,8 @@ def test_report_on_runtime_log_dirs_plots_what_was_logged_against_the_step(tmp_p
     assert png.read_bytes().startswith(PNG_MAGIC)
     rows = json.loads(out_json.read_text())["runs"]
     assert rows == [
-        {"run": str(tmp_path / "a"), "steps": 20, "loss": 0.5, "accuracy": 0.875},
-        {"run": str(tmp_path / "b"), "steps": 10, "loss": 1.5, "accuracy": 0.625},
+        {"run": str(tmp_path / "a"), "last_step": 20, "last": {"loss": 0.5, "accuracy": 0.875}},
+        {"run": str(tmp_path / "b"), "last_step": 10, "last": {"loss": 1.5, "accuracy": 0.625}},
     ]
     header, *lines = proc.stdout.splitlines()
     assert header.split() == ["run", "last", "step", "loss", "(last)", "accuracy", "(last)"]
@@ -75,4 +75,31 @@ def test_report_on_runtime_log_dirs_plots_what_was_logged_against_the_step(tmp_p
     bad = run_cli("report", str(tmp_path / "c"), "--out", str(tmp_path / "c.png"))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"ddpkit report: error: {tmp_path / 'c'}/metrics.jsonl: no records of rt.log (each a JSON object with a step)"
+    ]
+
+
+def test_report_on_a_log_dir_takes_any_metric_name_a_torn_last_line_and_a_last_value_that_is_not_finite(tmp_path):
+    import math
+
+    import ddpkit
+
+    with ddpkit.Runtime(device="cpu", log_dir=str(tmp_path / "a")) as rt:
+        rt.log(1, run=3, steps=300, type="eval", loss=0.5, flag=True)  # names the report uses itself
+        rt.log(2, run=4, steps=301, type="eval", loss=math.inf)  # written as null: the run diverged
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 0.')  # torn: a run stopped by a full disk
+    out_json = tmp_path / "r.json"
+    proc = run_cli("report", str(tmp_path / "a"), "--out", str(tmp_path / "r.png"), "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out_json.read_text())["runs"]
+    assert row["run"] == str(tmp_path / "a") and row["last_step"] == 2
+    assert row["last"]["run"] == 4 and row["last"]["steps"] == 301
+    assert row["last"]["loss"] is None or math.isnan(row["last"]["loss"])  # not the finite 0.5 before it
+    assert "flag" not in row["last"] and "type" not in row["last"]  # not numbers
+    # only text was logged: nothing to plot, said in one line
+    with ddpkit.Runtime(device="cpu", log_dir=str(tmp_path / "t")) as rt:
+        rt.log(1, note="text")
+    bad = run_cli("report", str(tmp_path / "t"), "--out", str(tmp_path / "t.png"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"ddpkit report: error: {tmp_path / 't'}: no number was logged with rt.log, nothing to plot"
     ]

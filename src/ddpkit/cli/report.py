@@ -16,8 +16,7 @@ def main(argv: Sequence[str]) -> int:
     from ..report import load_run, report, wrote
 
     a = _parser().parse_args(argv)
-    for path in a.dirs:  # what was asked about comes first: a missing run before a plot in the way
-        load_run(path)
+    runs = [load_run(path) for path in a.dirs]  # the runs first: a missing one before a plot in the way
     out = a.out or DEFAULT_OUT
     if a.out is None and os.path.lexists(out) and not wrote(out):
         # The default name is a convenience, not a request to replace a file that is there: a
@@ -30,7 +29,7 @@ def main(argv: Sequence[str]) -> int:
     for flag, path in (("--out", out), ("--json", a.json)):
         if path:  # checked before reading the runs and drawing: not an IsADirectoryError after the work
             checks.output_file(flag, path)
-    report(a.dirs, out, a.json)
+    report(a.dirs, out, a.json, runs)
     return 0
 
 

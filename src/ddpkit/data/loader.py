@@ -236,7 +236,8 @@ class DistributedLoader:
         keep in step with the others: fsdp's evaluation)."""
         if self.resident is not None:
             return self.resident.batch(torch.zeros(0, dtype=torch.long, device=self.device))
-        return move(_Collate(self.dataset)([]), self.device, self.channels_last)
+        collate = self.loader.collate_fn if self.loader is not None else _Collate(self.dataset)
+        return move(collate([]), self.device, self.channels_last)  # the user's collate's shape
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -426,7 +427,8 @@ def eval_loader(
     # process's torch stream: an evaluation between two steps would move the training's random
     # stream, and a full state saved before it would not resume what followed. Its own
     # generator (seeded by the rank: reproducible) leaves the process's stream alone.
-    generator = chosen.pop("generator", None) or torch.Generator().manual_seed(rank)
+    chosen.pop("generator", None)
+    generator = torch.Generator().manual_seed(rank)
     loader = DataLoader(
         dataset,
         batch_size=batch,

@@ -68,7 +68,8 @@ class TrainConfig:
     gpt_depth: int = 4  # --model gpt: transformer blocks (each one fsdp shard unit)
     gpt_heads: int = 4  # --model gpt: attention heads (--gpt-width must be a multiple)
     progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
-    # without a terminal (a log file, a batch job): a progress line every N seconds (0: none)
+    # with --progress and no terminal (a log file, a batch job): a progress line at most every N
+    # seconds, at a log step (0: none)
     progress_every: float = 30.0
     tensorboard: bool = False  # also write TensorBoard event files to --out/tensorboard
     mlflow: bool = False  # also log to MLflow: a local store in --out/mlflow unless MLFLOW_TRACKING_URI is set

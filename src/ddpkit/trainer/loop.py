@@ -564,8 +564,8 @@ def early_stop_line(stopper: EarlyStopping, epoch: int) -> str:
 
 def _progress_line(cfg: Any, run: Any, loader: Any, note: str) -> str:
     """'ddpkit train: epoch 2/10, step 120/230 of it (52%), loss 0.8123, 7,041 samples/s'."""
-    of = loader.steps_per_epoch
-    where = f"step {loader.position}/{of} of it ({100 * loader.position / of:.0f}%)" if of else f"step {run.step}"
+    of = loader.steps_per_epoch  # ddpkit train's loaders are map-style: the epoch's length is known
+    where = f"step {loader.position}/{of} of it ({100 * loader.position / max(1, of):.0f}%)"
     return f"ddpkit train: epoch {run.epoch + 1}/{cfg.epochs}, {where}, {note}"
 
 
