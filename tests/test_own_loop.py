@@ -341,9 +341,9 @@ def test_a_name_mlflow_would_refuse_is_refused_before_anything_is_written(tmp_pa
         (lambda rt, d: rt.loader(d, batch_size=2, collate_fn=3), "collate_fn must be"),
         (lambda rt, d: rt.loader(5, batch_size=2), "not int"),
         (lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), rt.loader(d, batch_size=2)), "not a training loader"),
-        (
-            lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), DataLoader(d, batch_size=2, collate_fn=dict_batch)),
-            "not a dict",
+        (  # a mapping whose entries have no usual name: evaluate asks for keys=
+            lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), DataLoader(d, batch_size=2, collate_fn=ab_batch)),
+            r"a batch that is a mapping \('a', 'b'\) has no input and no target entry; name its input and",
         ),
         (lambda rt, d: rt.evaluate(torch.nn.Linear(1, 1), d, metrics={"m": lambda o, y: 1.0}), "returned float"),
         (lambda rt, d: rt.eval_loader(DataLoader(Stream(), batch_size=4)), "map-style"),
@@ -365,6 +365,11 @@ def test_bad_loader_and_evaluation_input_is_one_line(call, says):
     with ddpkit.Runtime(device="cpu") as rt, pytest.raises(UsageError, match=says) as err:
         call(rt, data)
     assert "\n" not in str(err.value)
+
+
+def ab_batch(samples):
+    xs, ys = zip(*samples)
+    return {"a": torch.stack(xs), "b": torch.stack(ys)}
 
 
 def dict_batch(samples):

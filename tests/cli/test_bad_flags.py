@@ -52,6 +52,7 @@ ZERO_OK = {
         "--crop-padding",
         "--label-smoothing",
         "--early-stop-min-delta",
+        "--progress-every",  # no progress lines
     },
     "run": {"--node-rank", "--master-port", "--max-restarts", "--shutdown-timeout"},
     "find-batch-size": {"--warmup", "--plateau"},

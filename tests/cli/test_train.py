@@ -359,13 +359,15 @@ def test_a_global_batch_larger_than_the_training_set_is_trained_with_a_warning(t
 def test_without_a_terminal_progress_lines_come_at_the_interval_asked(tmp_path):
     # stderr is a pipe here, as in a log file or a batch job: no bar, and before, nothing at all
     # between the first line and the end (minutes on a gpt run)
-    proc = run_cli("train", "--epochs", "4", "--progress-every", "0.2", "--out", str(tmp_path / "a"))
+    # (lines come at checks, at least 0.5 s apart within an epoch: 6 epochs of 90 steps give several)
+    flags = ("--epochs", "6", "--batch-size", "16")
+    proc = run_cli("train", *flags, "--progress-every", "0.2", "--out", str(tmp_path / "a"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit train: epoch ")]
     assert lines, proc.stderr
     for line in lines:
         assert re.fullmatch(
-            r"ddpkit train: epoch [1-4]/4, step \d+/23 of it \(\d+%\), loss \d+\.\d{4}, [\d,]+ samples/s", line
+            r"ddpkit train: epoch [1-6]/6, step \d+/90 of it \(\d+%\), loss \d+\.\d{4}, [\d,]+ samples/s", line
         ), line
-    quiet = run_cli("train", "--epochs", "4", "--progress-every", "0", "--out", str(tmp_path / "b"))
+    quiet = run_cli("train", *flags, "--progress-every", "0", "--out", str(tmp_path / "b"))
     assert quiet.returncode == 0 and "ddpkit train: epoch " not in quiet.stderr, quiet.stderr
