@@ -142,18 +142,28 @@ def _answered(proc: subprocess.Popen, request: str) -> bool:
     """True once the helper says it wrote the file for `request`; False if it failed, left
     or did not answer in time. (An answer to another request, one a worker that was since
     restarted sent, is skipped.)"""
+    # Read from the descriptor, not the buffered file: its readline() may take two answers off
+    # the pipe and return one, and select() then waits for the other, which is already read,
+    # until the deadline (after a restart, both attempts' rank 0 asked for a figure: a minute).
     deadline = time.monotonic() + ANSWER_TIMEOUT_S
     fd = proc.stdout.fileno()
-    while (left := deadline - time.monotonic()) > 0:
-        if not select.select([fd], [], [], left)[0]:
+    while True:
+        while b"\n" in _unread:
+            line, _, rest = bytes(_unread).partition(b"\n")
+            _unread[:] = rest
+            answer = json.loads(line)
+            if answer.get("id") == request:
+                return answer.get("ok") is True
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             return False
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 65536)
+        if not chunk:
             return False
-        answer = json.loads(line)
-        if answer.get("id") == request:
-            return answer.get("ok") is True
-    return False
+        _unread.extend(chunk)
+
+
+_unread = bytearray()  # what was read of the helper's answers and not yet taken
 
 
 def serve() -> None:

@@ -102,3 +102,29 @@ def test_a_failing_block_kills_the_helper(tmp_path):
     assert proc.returncode is not None and proc.returncode < 0  # killed, not left behind
     with pytest.raises(ValueError, match="unknown plot"):
         plotter.draw_later("plot_runs", [], str(tmp_path / "x.png"), "")
+
+
+@pytest.mark.unit
+def test_an_answer_read_off_the_pipe_with_another_is_not_waited_for_again(monkeypatch):
+    # After a restart both attempts' rank 0 asked for the curves: the helper's two answers came
+    # in one read, the buffered readline returned the first, and select() waited for the second,
+    # already read, until the one-minute deadline
+    import os
+    import time
+    import types
+
+    from ddpkit import plotter
+
+    monkeypatch.setattr(plotter, "ANSWER_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(plotter, "_unread", bytearray())
+    read, write = os.pipe()
+    os.write(write, b'{"id": "1-0", "ok": true}\n{"id": "2-0", "ok": true}\n')
+    helper = types.SimpleNamespace(stdout=os.fdopen(read, "rb"))
+    started = time.monotonic()
+    assert plotter._answered(helper, "2-0") is True
+    assert time.monotonic() - started < 1.0
+    os.write(write, b'{"id": "3-0", "ok": false}\n')
+    assert plotter._answered(helper, "3-0") is False  # the helper could not draw it
+    os.close(write)
+    assert plotter._answered(helper, "4-0") is False  # gone: no answer will come
+    helper.stdout.close()
