@@ -427,8 +427,7 @@ def eval_loader(
     # process's torch stream: an evaluation between two steps would move the training's random
     # stream, and a full state saved before it would not resume what followed. Its own
     # generator (seeded by the rank: reproducible) leaves the process's stream alone.
-    chosen.pop("generator", None)
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(rank)  # (`source` never keeps a loader's own)
     loader = DataLoader(
         dataset,
         batch_size=batch,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import WorkerFailed
-from .records import LAUNCH_DIR, RankRecord, agent_stop_after, current_attempt, read_attempt
+from .records import LAUNCH_DIR, RankRecord, agent_stop_after, current_attempt, read_attempt, signal_name
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
 _PEER_LOSS = (
@@ -168,7 +168,7 @@ def describe(cause: Ending, everyone: dict[int, Ending]) -> tuple[str, str]:
     if kind in ("raised", "waited", "consequence"):
         return f"failed: {last}", cause.traceback
     if kind == "signal":
-        name = _signal_name(-cause.status) if cause.status is not None else _crash_name(cause.stack)
+        name = signal_name(-cause.status) if cause.status is not None else _crash_name(cause.stack)
         hints = {"SIGKILL": " (out of memory?)", "SIGTERM": " (not from the launcher: kill, a scheduler?)"}
         hint = hints.get(name, "")
         return f"was killed by {name}{hint}", cause.stack
@@ -220,13 +220,6 @@ def _error_files(logs: str, attempt: int, offset: int) -> dict[int, tuple[float,
 def _traceback_of(error_file_data: Any) -> str:
     data = error_file_data.get("message", {}) if isinstance(error_file_data, dict) else {}
     return data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def _crash_name(stack: str) -> str:

@@ -267,7 +267,7 @@ class ExitWatch:
             if info is not None and record not in self.ended and os.path.exists(path):  # continued (SIGCONT)
                 os.remove(path)
             return False
-        name = _signal_name(info.si_status)
+        name = signal_name(info.si_status)
         try:  # made once (this handler may run inside itself): its maker alone says it
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
@@ -292,7 +292,8 @@ def _end_frozen(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
+    """'SIGKILL' for 9; 'signal 64' for a number that names none."""
     try:
         return signal.Signals(number).name
     except ValueError:
