@@ -7,39 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cli  # a subprocess: the mkdocs command
 
 
-def test_docs_build_strictly_without_warnings(tmp_path):
+def test_docs_build_strictly_without_warnings(site_build):
     # mkdocs and mkdocstrings are test dependencies: missing, they fail this test, not skip it.
     for module in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python"):
         assert importlib.util.find_spec(module), f"{module} is not installed: pip install -e '.[test]'"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mkdocs",
-            "build",
-            "--strict",
-            "--site-dir",
-            str(tmp_path / "site"),
-        ],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
-    site = tmp_path / "site"
+    # built once for the docs tests (tests/docs/conftest.py): test_screens.py reads the same site
+    assert site_build.proc.returncode == 0, site_build.failure()
+    site = site_build.site
     assert (site / "index.html").is_file()
     pages = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("index.html")}
     for name, html in pages.items():  # offline: nothing highlighted in the browser, nothing fetched
