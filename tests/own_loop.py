@@ -284,3 +284,36 @@ def compiled_steps() -> list[torch.Tensor]:
                     rt.backward(model(x).pow(2).mean())
             rt.step(opt)
         return [p.detach().clone() for p in rt.unwrap(model).parameters()]
+
+
+class Dropping(nn.Module):
+    """Dropout twice: an nn.Dropout module (setup() replaces it) and ddpkit.dropout called in the
+    forward (the functional form), the second at one site called twice."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.a, self.drop, self.b = nn.Linear(6, 16), nn.Dropout(p), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.a(x).relu())
+        invariant = not isinstance(self.drop, nn.Dropout)  # (setup() replaced it)
+        for _ in range(2):
+            h = ddpkit.dropout(h, self.p, self.training) if invariant else F.dropout(h, self.p, self.training)
+        return self.b(h)
+
+
+def dropout_loop(p: float = 0.3, invariant: bool = True, micro: int | None = None, epochs: int = 3) -> torch.Tensor:
+    """Regression with dropout in global batches of 10 (an uneven last one: 34 samples), in
+    micro-batches of `micro`: the weights at the end."""
+    with ddpkit.Runtime(device="cpu", seed=5, invariant_dropout=invariant) as rt:
+        model = rt.build(lambda: Dropping(p))
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(34, 6, generator=g), torch.randn(34, 1, generator=g))
+        loader = rt.loader(data, batch_size=10, micro_batch_size=micro)
+        for _ in range(epochs):
+            for x, y in loader:
+                rt.backward(F.mse_loss(model(x), y))
+                rt.step(opt)
+        return params(model)

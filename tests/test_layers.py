@@ -23,6 +23,7 @@ LAYERS = {
         "tree",
         "device",
         "seed",
+        "draws",
         "dist",
         "log",
         "tracking",

@@ -170,14 +170,31 @@ def test_a_closed_runtime_keeps_no_model_alive_whose_buckets_it_never_settled():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_custom_loop_stopped_mid_epoch_resumes_within_rounding_on_another_n(tmp_path):
-    # No dropout: its masks differ between process counts anyway.
+    # With dropout: setup() puts ddpkit's in the model, whose masks are keyed by the step and the
+    # sample's place in the global batch, not by the rank. A run without dropout ends elsewhere.
     path = str(tmp_path / "state.pt")
-    base = ddpkit.launch(own_loop.custom_loop, None, 12, path, nproc=2)
-    ddpkit.launch(own_loop.custom_loop, 7, 12, path, nproc=2)
+    base = ddpkit.launch(own_loop.custom_loop, None, 12, path, dropout=0.3, nproc=2)
+    ddpkit.launch(own_loop.custom_loop, 7, 12, path, dropout=0.3, nproc=2)
     for nproc in (1, 3):
-        other = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, nproc=nproc)
+        other = ddpkit.launch(own_loop.custom_loop, None, 12, path, resume=True, dropout=0.3, nproc=nproc)
         torch.testing.assert_close(other[0]["params"], base[0]["params"], rtol=0, atol=WORLD_SIZE_ATOL)
         assert other[0]["position"] == base[0]["position"]
+    plain = ddpkit.launch(own_loop.custom_loop, None, 12, path + ".plain", nproc=1)
+    assert (plain[0]["params"] - base[0]["params"]).abs().max() > 1e-2  # the dropout changed the weights
+
+
+@pytest.mark.distributed
+def test_dropout_ends_the_same_on_1_2_and_3_processes_with_micro_batches():
+    # nn.Dropout (replaced by setup()) and ddpkit.dropout in the forward, at one site twice.
+    one = own_loop.dropout_loop()
+    for nproc, micro in ((2, 2), (3, 1), (3, None)):
+        out = ddpkit.launch(own_loop.dropout_loop, micro=micro, nproc=nproc)
+        for r in range(nproc):
+            torch.testing.assert_close(out[r], one, rtol=0, atol=1e-5)
+    # The test can fail: torch's dropout on 2 processes, and no dropout at all, end elsewhere.
+    with_torch = ddpkit.launch(own_loop.dropout_loop, invariant=False, nproc=2)
+    assert (with_torch[0] - one).abs().max() > 1e-2
+    assert (own_loop.dropout_loop(p=0.0) - one).abs().max() > 1e-2
 
 
 @pytest.mark.distributed

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EMA", "EarlyStopping", "Runtime", "launch", "UsageError", "WorkerFailed", "__version__"]
+__all__ = [
+    "EMA",
+    "Dropout",
+    "EarlyStopping",
+    "Runtime",
+    "dropout",
+    "launch",
+    "UsageError",
+    "WorkerFailed",
+    "__version__",
+]
 
 from .errors import UsageError, WorkerFailed
 from .version import __version__
@@ -30,6 +40,10 @@ def __getattr__(name: str) -> Any:
         from .early_stopping import EarlyStopping
 
         return EarlyStopping
+    if name in ("Dropout", "dropout"):
+        from . import draws
+
+        return getattr(draws, name)
     if name == "launch":
         from .launcher import launch
 

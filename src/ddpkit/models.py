@@ -206,16 +206,17 @@ class Block(nn.Module):
     x + MLP(norm(x)) with a 4x wider GELU hidden layer. LayerNorm, not BatchNorm: each token is
     normalized on its own, so nothing depends on how the batch is split over processes."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.drop = nn.Dropout(dropout)  # (rt.setup puts ddpkit's in its place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class Embedding(nn.Module):
@@ -250,18 +251,19 @@ class GPT(nn.Sequential):
     then `head`; (B, T) token ids (T <= context) to logits (B, T, vocab).
 
     Being a sequence of its stages, each block is a direct child, hence its own shard unit
-    under fsdp (the embedding and the head are units too). No dropout: a step depends on its
-    batch alone. Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
+    under fsdp (the embedding and the head are units too). `dropout` (default none) drops on each
+    block's attention and MLP outputs, as GPT-2 does; under a Runtime the masks do not depend on
+    the number of processes (see `ddpkit.draws`). Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
     stream scaled by 1/sqrt(2 * depth), biases zero, LayerNorms one and zero.
     """
 
-    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int):
+    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int, dropout: float = 0.0):
         for name, value in (("width", width), ("depth", depth), ("heads", heads), ("context", context)):
             if value < 1:
                 raise ValueError(f"gpt: {name} must be positive, got {value}")
         if width % heads:
             raise ValueError(f"gpt: the width ({width}) must be a multiple of the number of heads ({heads})")
-        blocks = [(f"block{i}", Block(width, heads)) for i in range(depth)]
+        blocks = [(f"block{i}", Block(width, heads, dropout)) for i in range(depth)]
         super().__init__(
             OrderedDict([("embed", Embedding(vocab, context, width)), *blocks, ("head", Head(width, vocab))])
         )
@@ -282,11 +284,16 @@ GPT_WIDTH, GPT_DEPTH, GPT_HEADS = 128, 4, 4
 
 
 def gpt(
-    in_shape: tuple[int, ...], num_classes: int, width: int = GPT_WIDTH, depth: int = GPT_DEPTH, heads: int = GPT_HEADS
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    width: int = GPT_WIDTH,
+    depth: int = GPT_DEPTH,
+    heads: int = GPT_HEADS,
+    dropout: float = 0.0,
 ) -> nn.Module:
     """The byte-level language model: `in_shape` is (context,), `num_classes` the vocabulary
     (256 for bytes). See `GPT`."""
-    return GPT(num_classes, in_shape[0], width, depth, heads)
+    return GPT(num_classes, in_shape[0], width, depth, heads, dropout)
 
 
 def gpt_parameters(context: int, vocab: int, width: int, depth: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import allocator, checkpoint, checks, dist, tracking
+from . import allocator, checkpoint, checks, dist, draws, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
@@ -99,6 +100,9 @@ class Runtime:
             or after `load_state()` kept up to the restored step), and the trackers' runs.
         log_with: trackers besides: "tensorboard", "mlflow" (a local store in log_dir unless
             MLFLOW_TRACKING_URI is set), "wandb" (offline in log_dir unless WANDB_MODE is set).
+        invariant_dropout: setup() puts `ddpkit.Dropout` in place of the model's nn.Dropout
+            (and Dropout1d/2d/3d) modules, whose masks do not depend on the number of
+            processes (see `ddpkit.draws`); False keeps torch's, drawn from each rank's stream.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class Runtime:
         cudnn_benchmark: bool | None = None,
         log_dir: str | os.PathLike | None = None,
         log_with: Sequence[str] = (),
+        invariant_dropout: bool = True,
     ):
         self._model: nn.Module | None = None
         # What save_state() holds without being told: every model and optimizer given to
@@ -135,6 +140,9 @@ class Runtime:
         self._logged = False  # rt.log was called: too late for load_state to say where the log goes on
         self._acc: Accumulation | None = None  # made once the world size is known
         self._check_compiled = False  # from setup() with compile until the first step (see step)
+        # What keys ddpkit.Dropout's masks besides the step and the sample: the seed, or (without
+        # one) a number rank 0 draws at the first setup() and save_state keeps.
+        self.invariant_dropout, self._draw_seed = invariant_dropout, seed
         self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
         # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
         # layout (strategy.settled_backward), until it has.
@@ -211,6 +219,7 @@ class Runtime:
             self._acc.leave()
             self._acc.no_sync = None
         self._model = self._settle = None  # the caller may drop the model: do not keep it alive
+        draws.follow(None)
         self._models, self._optimizers, self._loaders = [], [], []
         if self._owns_group:
             dist.teardown()
@@ -297,6 +306,8 @@ class Runtime:
         """
         self._check_compiled = bool(self.compile)
         self._replan()
+        if self.invariant_dropout:
+            self._follow_draws(model)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._strategy.adopt(optimizers)
         self._model = wrapped
@@ -313,6 +324,23 @@ class Runtime:
             # augmentation, sampling) each rank draws from its own stream.
             seed_rank(self.seed, self.rank)
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    def _follow_draws(self, model: nn.Module) -> None:
+        """Put ddpkit's dropout in the model, keyed by this run (see ddpkit.draws), and say on
+        rank 0 what still draws from the rank's own stream."""
+        left = draws.replace_dropout(model)
+        if left:
+            print0(
+                f"ddpkit: {', '.join(left)}: still drawn from each rank's own stream, so it depends on the "
+                "number of processes (ddpkit.dropout in your forward is the invariant form)",
+                file=sys.stderr,
+            )
+        if self._draw_seed is None:
+            self._draw_seed = self.broadcast_object(random.SystemRandom().getrandbits(63) if self.is_main else None)
+        acc = self._acc
+        draws.follow(
+            draws.Source(self._draw_seed, lambda: self._steps, lambda: acc.micro, self.rank, lambda: acc.handed)
+        )
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
@@ -768,8 +796,9 @@ class Runtime:
         On the same number of processes every rank gets its own random streams back, so the
         run goes on bit-identical. Saved by another number of processes, each rank starts a
         fresh stream derived from the seed, its rank and the step: sampling, the global batches
-        and the weights carry on as before (equal within float rounding), and random draws in
-        the loop (dropout) differ, as they do between process counts anyway."""
+        and the weights carry on as before (equal within float rounding), ddpkit's dropout
+        included (its masks are keyed by the step, not drawn); random draws of your own in the
+        loop differ, as they do between process counts anyway."""
         self._check_extra("load_state", extra)
         if not self._models or self._logged:
             raise UsageError(
@@ -785,6 +814,7 @@ class Runtime:
             raise UsageError(f"rt.load_state: {err.args[0]}") from None
         run = state["runtime"]
         self._steps = int(run["steps"])
+        self._draw_seed = int(run.get("draw_seed", self._draw_seed or 0))  # (a checkpoint older than it: none)
         generators = [loader.generator for loader in self._loaders]
         restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
         if self._log_dir is not None:  # the log will keep its records up to this step, and go on
@@ -821,5 +851,9 @@ class Runtime:
         state["precision"] = self.precision
         if gather:
             generators = [loader.generator for loader in self._loaders]
-            state["runtime"] = {"steps": self._steps, "rng": gather_rng_states(self.device, generators)}
+            state["runtime"] = {
+                "steps": self._steps,
+                "rng": gather_rng_states(self.device, generators),
+                "draw_seed": self._draw_seed,
+            }
         return state

@@ -53,6 +53,7 @@ ZERO_OK = {
         "--label-smoothing",
         "--early-stop-min-delta",
         "--progress-every",  # no progress lines
+        "--gpt-dropout",
     },
     "run": {"--node-rank", "--master-port", "--max-restarts", "--shutdown-timeout"},
     "find-batch-size": {"--warmup", "--plateau"},
@@ -225,6 +226,7 @@ CONTEXT = {
     ("train", "--crop-padding"): ("--augment", "crop"),
     ("train", "--text-path"): ("--model", "gpt"),  # its recipe has --data text
     ("train", "--gpt-width"): ("--model", "gpt"),
+    ("train", "--gpt-dropout"): ("--model", "gpt"),
     ("train", "--seq-len"): ("--model", "gpt"),
     ("find-batch-size", "--synthetic-shape"): ("--data", "synthetic"),
     ("find-batch-size", "--num-classes"): ("--data", "synthetic"),

@@ -1,6 +1,7 @@
 """`ddpkit train --model gpt --data text --strategy fsdp --nproc 2` end to end on a small folder
 of uneven text files: it trains, evaluates every test token exactly once (loss per token and
-perplexity), writes its outputs, and model.pt loads into the bare model."""
+perplexity), writes its outputs, and model.pt loads into the bare model; with --gpt-dropout it
+ends on one process where it ends on two."""
 
 from __future__ import annotations
 
@@ -26,15 +27,26 @@ def test_gpt_trains_under_fsdp_on_two_processes(tmp_path):
     corpus.mkdir()
     for i, n in enumerate((700, 130, 2000, 45)):  # documents of uneven length
         (corpus / f"doc{i}.txt").write_bytes(bytes((97 + (j * j + i) % 26) for j in range(n)))
-    out = tmp_path / "out"
-    # (--model gpt brings --data text; named here as a user would.)
-    proc = run_cli(
-        "train", "--model", "gpt", "--data", "text", "--text-path", str(corpus), *SHAPE,
-        "--strategy", "fsdp", "--nproc", "2", "--device", "cpu", "--batch-size", "9",
-        "--micro-batch-size", "2", "--epochs", "2", "--log-every", "3", "--out", str(out),
-    )  # fmt: skip
-    ok(proc)
-    results = json.loads((out / "results.json").read_text())
+
+    def train(nproc: int, dropout: str) -> tuple[object, dict]:
+        out = tmp_path / f"out{nproc}-{dropout}"
+        # (--model gpt brings --data text; named here as a user would.)
+        proc = run_cli(
+            "train", "--model", "gpt", "--data", "text", "--text-path", str(corpus), *SHAPE,
+            "--strategy", "fsdp", "--nproc", str(nproc), "--device", "cpu", "--batch-size", "9",
+            "--micro-batch-size", "2", "--epochs", "2", "--log-every", "3", "--gpt-dropout", dropout,
+            "--out", str(out),
+        )  # fmt: skip
+        ok(proc)
+        return proc, json.loads((out / "results.json").read_text())
+
+    proc, results = train(2, "0.2")
+    out = tmp_path / "out2-0.2"
+    # The dropout's masks do not depend on the number of processes: one process ends where two
+    # do, within rounding; without dropout the run ends elsewhere.
+    one = train(1, "0.2")[1]
+    assert one["test_loss"] == pytest.approx(results["test_loss"], rel=1e-5, abs=0)
+    assert abs(train(1, "0")[1]["test_loss"] - results["test_loss"]) > 1e-3
     _, test = text.text(str(corpus), 32)
     assert results["strategy"] == "fsdp" and results["world_size"] == 2
     assert results["test_tokens"] == test.tokens() and results["test_samples"] == len(test)  # each counted once

@@ -80,6 +80,7 @@ class MicroBatch:
     last: bool  # the last micro-batch of this rank for this optimizer step
     tokens: int | None = None  # tokens in it, on this rank
     step_tokens: int | None = None  # tokens in the whole global batch
+    start: int = 0  # its first sample's position in the global batch (what keys ddpkit.Dropout's masks)
 
     @property
     def count(self) -> int:
@@ -198,10 +199,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         starts = list(range(offset, offset + size, micro)) or [offset]
         # Empty micro-batches first (never the last, which reduces): under lockstep every rank
         # runs as many forwards per step as the rank with the largest share.
-        layout = [(offset, offset, MicroBatch(0, batch_len, False))] * self._padding(batch_len, len(starts))
+        layout = [(offset, offset, MicroBatch(0, batch_len, False, start=offset))] * self._padding(batch_len, len(starts))
         for i, start in enumerate(starts):
             stop = min(start + micro, offset + size)
-            layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1)))
+            layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1, start=start)))
         return tuple(layout)
 
     def _padding(self, batch_len: int, count: int) -> int:

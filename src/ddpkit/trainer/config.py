@@ -67,6 +67,9 @@ class TrainConfig:
     gpt_width: int = 128  # --model gpt: embedding width
     gpt_depth: int = 4  # --model gpt: transformer blocks (each one fsdp shard unit)
     gpt_heads: int = 4  # --model gpt: attention heads (--gpt-width must be a multiple)
+    # --model gpt: dropout on each block's attention and MLP outputs (GPT-2's), whose masks do not
+    # depend on the number of processes
+    gpt_dropout: float = 0.0
     progress: bool = True  # progress bar on rank 0 (only when stderr is a terminal)
     # with --progress and no terminal (a log file, a batch job): a progress line at most every N
     # seconds, at a log step (0: none)
@@ -140,7 +143,7 @@ def model_options(cfg: TrainConfig) -> dict[str, Any]:
     """What `models.build` passes the model's builder besides its shape: the gpt flags."""
     if cfg.model != "gpt":
         return {}
-    return {"width": cfg.gpt_width, "depth": cfg.gpt_depth, "heads": cfg.gpt_heads}
+    return {"width": cfg.gpt_width, "depth": cfg.gpt_depth, "heads": cfg.gpt_heads, "dropout": cfg.gpt_dropout}
 
 
 def recipe(model: str, device_type: str) -> dict[str, Any]:

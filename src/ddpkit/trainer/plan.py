@@ -83,7 +83,7 @@ AT_LEAST_ZERO = (
     "num_workers",
     "early_stop_min_delta",
 )
-FRACTIONS = ("momentum", "label_smoothing")  # in [0, 1)
+FRACTIONS = ("momentum", "label_smoothing", "gpt_dropout")  # in [0, 1)
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def check_resumable(
     # What decides the data order and the parameters: changing them mid-run trains something else.
     # (--nproc, --micro-batch-size and --precision may change: they do not.)
     for key in RESUME_MUST_MATCH:
-        saved = run.get(key, None if key == "ema" else getattr(cfg, key))  # older checkpoints: trained without --ema
+        saved = run.get(key, BEFORE.get(key, getattr(cfg, key)))
         if saved != getattr(cfg, key):
             flag, now = checks.flag(key), getattr(cfg, key)
             trained = f"without {flag}" if saved is None else f"with {flag} {saved}"
@@ -309,6 +309,8 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 # changes every update as --label-smoothing does: set, changed or dropped mid-run, the result
 # is a run nobody asked for (a checkpoint from before it existed holds none: not checked).
 # --ema likewise: a changed decay mid-run averages into weights no run with either decay has.
+# What a checkpoint older than a setting was trained with: without --ema, without --gpt-dropout.
+BEFORE = {"ema": None, "gpt_dropout": 0.0}
 RESUME_MUST_MATCH = (
     "model",
     "optimizer",
@@ -334,6 +336,7 @@ RESUME_MUST_MATCH = (
     "gpt_width",
     "gpt_depth",
     "gpt_heads",
+    "gpt_dropout",
 )
 
 
