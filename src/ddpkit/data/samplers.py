@@ -199,7 +199,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         starts = list(range(offset, offset + size, micro)) or [offset]
         # Empty micro-batches first (never the last, which reduces): under lockstep every rank
         # runs as many forwards per step as the rank with the largest share.
-        layout = [(offset, offset, MicroBatch(0, batch_len, False, start=offset))] * self._padding(batch_len, len(starts))
+        layout = [(offset, offset, MicroBatch(0, batch_len, False, start=offset))] * self._padding(
+            batch_len, len(starts)
+        )
         for i, start in enumerate(starts):
             stop = min(start + micro, offset + size)
             layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1, start=start)))
