@@ -114,8 +114,9 @@ def plot(record: dict[str, Any], path: str) -> None:
     ax.set_xlabel("step time, ms (median over rounds; whiskers min-max)")
     verdict = "met" if r["goal_met"] else "not met"
     ax.set_title(
-        f"{r['model']}, batch {r['batch']}, {r['threads']} threads: ddpkit's dropout "
-        f"{r['ddpkit_over_torch'] * 100:+.1f}% of a step vs torch's (goal <= {r['goal'] * 100:.0f}%: {verdict})",
+        f"{r['model']}, batch {r['batch']}, {r['threads']} threads, dropout {r['dropout']}\n"
+        f"ddpkit's dropout {r['ddpkit_over_torch'] * 100:+.1f}% of a step vs torch's "
+        f"(goal <= {r['goal'] * 100:.0f}%: {verdict})",
         fontsize=9,
     )
     save_figure(fig, path, dpi=120)

@@ -24,6 +24,12 @@ import pytest
 
 from ddpkit.dist import LAUNCH_VARS, environ_outside_job
 
+# The suite's runs take their share of the cores whatever else the machine does (ddpkit would
+# otherwise give fewer threads to a run started while another test's processes are busy, and the
+# thread count changes the last bits that bit-identity tests compare). tests/core/test_threads.py
+# and tests/cli/test_threads.py run the choice by load itself.
+os.environ.setdefault("DDPKIT_THREADS", "share")
+
 KINDS = ("unit", "distributed", "cli")
 
 

@@ -24,6 +24,7 @@ LAYERS = {
         "device",
         "seed",
         "draws",
+        "threads",
         "dist",
         "log",
         "tracking",

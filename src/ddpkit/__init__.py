@@ -23,6 +23,7 @@ __all__ = [
     "__version__",
 ]
 
+from . import threads as _threads  # noqa: F401 - its load reading starts at `import ddpkit`
 from .errors import UsageError, WorkerFailed
 from .version import __version__
 

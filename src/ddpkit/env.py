@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from . import dist
+from . import dist, threads
 from .device import auto_nproc, cpu_count
 from .version import __version__
 
@@ -71,6 +71,7 @@ def report() -> dict[str, Any]:
             "usable_cores": cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "train_threads": _train_threads(auto_nproc("cpu")),
         },
         "distributed_backends": backends,
         "launch_environment": {"source": denv.source, "rank": denv.rank, "world_size": denv.world_size},
@@ -106,6 +107,8 @@ def render(r: dict[str, Any]) -> str:
         )
     cpu = r["cpu"]
     lines.append(f"CPU cores: {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process")
+    chosen = cpu["train_threads"]
+    lines.append(f"torch threads per process of a CPU ddpkit train here now: {chosen['count']} ({chosen['why']})")
     lines.append(
         "distributed backends: "
         + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["distributed_backends"].items())
@@ -119,6 +122,16 @@ def render(r: dict[str, Any]) -> str:
         f"(backend {d['backend']}, strategy {d['strategy']}, precision {d['precision']})"
     )
     return "\n".join(lines)
+
+
+def _train_threads(nproc: int) -> dict[str, Any]:
+    """The threads each of `nproc` CPU processes of `ddpkit train` would run now, and why: the
+    user's OMP_NUM_THREADS, or ddpkit's choice from the cores and the load since start-up."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    if given:
+        return {"count": int(given), "why": f"OMP_NUM_THREADS={given} (yours)"}
+    count, why = threads.choose(nproc)
+    return {"count": count, "why": why}
 
 
 def _cpu_model() -> str:

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import allocator, checkpoint, checks, dist, draws, tracking
+from . import allocator, checkpoint, checks, dist, draws, threads, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
 from .data.adopt import Adopted, source
-from .device import DEVICES, cpu_count
+from .device import DEVICES
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
 from .evaluation import evaluate
@@ -151,9 +151,11 @@ class Runtime:
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
         """The device this rank computes on: `cuda:LOCAL_RANK`, or `cpu`."""
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Without this every process starts one thread per core and they fight over them.
-            torch.set_num_threads(max(1, cpu_count() // self.env.local_world_size))
+        self.threads = None
+        """Why this process runs the torch threads it does, on CPU (see `ddpkit.threads`)."""
+        if self.device.type == "cpu":
+            # Not one thread per core in every process, nor on cores other programs keep busy.
+            self.threads = threads.apply(self.env.local_world_size, say=self.env.rank == 0)
         try:
             fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
         except TypeError as err:  # an unknown field

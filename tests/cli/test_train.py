@@ -31,6 +31,8 @@ pytestmark = pytest.mark.cli
 
 
 RESULT_KEYS = (
+    "threads",
+    "threads_why",
     "test_accuracy",
     "test_samples",
     "train_samples",

@@ -23,12 +23,13 @@ def test_two_commands_started_together_are_timed_until_both_have_exited(tmp_path
 
 @pytest.mark.unit
 def test_the_report_says_whether_the_goal_is_met(tmp_path):
-    medians = {"default": (8.0, 2.5), "one": (4.0, 3.0), "passive": (5.0, 3.0)}
+    medians = {"default": (8.0, 2.5), "share": (20.0, 2.4), "one": (4.0, 3.0)}
     cases = {}
     for setting, (together, alone) in medians.items():
         cases[f"{setting} together"] = stats([together, together * 1.1])
         cases[f"{setting} alone"] = stats([alone, alone * 1.1])
     med = {k: v["median"] for k, v in cases.items()}
+    alone = med["default alone"] / med["share alone"]
     result = {
         "cores": 2,
         "rounds": 2,
@@ -36,11 +37,14 @@ def test_the_report_says_whether_the_goal_is_met(tmp_path):
         "together_goal": busy.TOGETHER_GOAL,
         "default_together_over_one_together": med["default together"] / med["one together"],
         "together_goal_met": False,
-        "passive_together_over_one_together": med["passive together"] / med["one together"],
+        "share_together_over_one_together": med["share together"] / med["one together"],
+        "alone_default_over_share": alone,
+        "alone_goal": busy.ALONE_NOISE,
+        "alone_goal_met": alone <= busy.ALONE_NOISE,
         "alone_default_over_one": med["default alone"] / med["one alone"],
-        "alone_passive_over_default": med["passive alone"] / med["default alone"],
     }
     rows = dict(busy.summary(result))
     assert rows["default together / one together"] == "2.00x (goal <= 1.3: not met)"
+    assert rows["default alone / share alone"] == "1.04x (goal <= 1.05: met)"
     busy.plot({"result": result}, str(tmp_path / "busy.png"))
     assert (tmp_path / "busy.png").read_bytes().startswith(PNG_MAGIC)

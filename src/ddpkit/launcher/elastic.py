@@ -31,9 +31,8 @@ from typing import Any, TextIO
 
 import cloudpickle
 
-from .. import checks
+from .. import checks, threads
 from .. import device as devices
-from ..device import threads_per_process
 from ..errors import Interrupted, UsageError
 from . import records
 from .failures import as_worker_failed
@@ -200,7 +199,7 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
     stale peer addresses (pytorch/pytorch#135712): each attempt's workers get a store of their
     own. The workers keep their records in `logs` (see `records`)."""
     with (
-        _env("OMP_NUM_THREADS", str(threads_per_process(n))),
+        _threads(n),
         _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
         _env(records.LAUNCH_DIR, logs, force=True),
         _signal_handlers_kept(),
@@ -395,6 +394,18 @@ def method_name(depth: int = 2) -> str:
         return sys._getframe(depth).f_code.co_name
     except ValueError:
         return "no_method_name"
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """The workers' OMP_NUM_THREADS, unless the user set it: chosen here, where the load reading
+    spans this process's start-up (see ddpkit.threads), with why in DDPKIT_THREADS_CHOSEN."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    count, why = threads.choose(n)
+    with _env("OMP_NUM_THREADS", str(count)), _env(threads.CHOSEN, why, force=True):
+        yield
 
 
 @contextlib.contextmanager

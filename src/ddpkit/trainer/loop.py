@@ -530,6 +530,8 @@ class Loop:
             "samples_per_second": rate,
             "wall_seconds": wall,
             "device": rt.device.type,
+            "threads": torch.get_num_threads(),
+            "threads_why": rt.threads,
             "strategy": rt.strategy,
             "precision": cfg.precision,
             "seed": cfg.seed,

@@ -1,0 +1,56 @@
+"""The thread choice through the commands: `ddpkit env` says what a CPU `ddpkit train` would run
+now and why, and `ddpkit train` started while another program keeps a core busy runs fewer
+threads (results.json says how many and why). A user's OMP_NUM_THREADS wins."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ddpkit.threads import usable_cores
+from tests.cli.helpers import ok
+from tests.conftest import run_cli
+from tests.spinner import outside_spinner
+
+pytestmark = pytest.mark.cli
+
+AUTO = {"DDPKIT_THREADS": ""}  # not the suite's "share": ddpkit's own choice by load
+
+
+def _env(**extra: str) -> dict:
+    proc = run_cli("env", "--json", env={**AUTO, **extra})
+    ok(proc)
+    return json.loads(proc.stdout)["cpu"]["train_threads"]
+
+
+def test_env_says_the_threads_chosen_now_and_why():
+    cores = usable_cores()
+    quiet = _env()
+    assert quiet["count"] == cores and "other programs kept" in quiet["why"]
+    with outside_spinner():
+        time.sleep(0.3)
+        busy = _env()
+    assert busy["count"] == max(1, cores - 1), busy
+    if cores > 1:
+        assert busy["why"].startswith(f"its share of the {cores} usable cores, less the"), busy
+    assert _env(OMP_NUM_THREADS="3") == {"count": 3, "why": "OMP_NUM_THREADS=3 (yours)"}
+    text = run_cli("env", env=AUTO)
+    ok(text)
+    assert "torch threads per process of a CPU ddpkit train here now:" in text.stdout
+
+
+def test_train_beside_a_busy_program_runs_fewer_threads_and_says_why(tmp_path):
+    cores = usable_cores()
+    args = ("train", "--device", "cpu", "--nproc", "1", "--epochs", "1", "--max-steps", "3")
+    with outside_spinner():
+        time.sleep(0.3)
+        proc = run_cli(*args, "--out", str(tmp_path / "busy"), env=AUTO)
+    ok(proc)
+    r = json.loads((tmp_path / "busy" / "results.json").read_text())
+    assert r["threads"] == max(1, cores - 1), r["threads_why"]
+    assert r["threads_why"].startswith(f"its share of the {cores} usable core")
+    ok(run_cli(*args, "--out", str(tmp_path / "mine"), env={**AUTO, "OMP_NUM_THREADS": "1"}))
+    r = json.loads((tmp_path / "mine" / "results.json").read_text())
+    assert r["threads"] == 1 and r["threads_why"] == "OMP_NUM_THREADS=1 (yours)"

@@ -1,0 +1,93 @@
+"""ddpkit.threads: each CPU process's torch threads, its share of the usable cores less those
+other programs keep busy. A real busy process is the load: one outside this process tree
+counts, a child of this process (as ddpkit's helper and workers are) does not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ddpkit import threads
+from tests.spinner import SPIN, outside_spinner
+
+pytestmark = pytest.mark.unit
+
+
+def _busy_over(seconds: float) -> float:
+    start = threads.read()
+    time.sleep(seconds)
+    busy, window = threads.others_busy(since=start)
+    assert window >= seconds
+    return busy
+
+
+def test_a_program_outside_counts_as_busy_and_a_child_does_not():
+    child = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        time.sleep(0.2)  # past its start-up
+        assert _busy_over(0.6) < 0.4  # our own child spins: not another program's load
+    finally:
+        child.kill()
+        child.wait()
+    with outside_spinner():
+        time.sleep(0.2)
+        assert _busy_over(0.6) > 0.6  # about one core
+
+
+def test_the_choice_gives_fewer_threads_when_other_programs_keep_cores_busy(monkeypatch):
+    monkeypatch.delenv(threads.MODE, raising=False)
+    cores = threads.usable_cores()
+    with outside_spinner():
+        time.sleep(0.2)
+        monkeypatch.setattr(threads, "_start", threads.read())
+        time.sleep(0.6)
+        count, why = threads.choose(1)
+    assert count == max(1, cores - 1) and f"its share of the {cores} usable core" in why
+    if cores > 1:
+        assert "less the" in why and "other programs kept busy" in why
+    monkeypatch.setenv(threads.MODE, "share")
+    assert threads.choose(1) == (
+        cores,
+        f"its share of the {cores} usable core{'s' if cores > 1 else ''}, whatever the load (DDPKIT_THREADS=share)",
+    )
+    assert threads.choose(10 * cores)[0] == 1
+
+
+def test_a_short_window_says_nothing_of_the_load(monkeypatch):
+    monkeypatch.delenv(threads.MODE, raising=False)
+    monkeypatch.setattr(threads, "_start", threads.read())
+    assert threads.others_busy() is None
+    cores = threads.usable_cores()
+    assert threads.choose(1) == (cores, f"its share of the {cores} usable core{'s' if cores > 1 else ''}")
+
+
+def test_a_users_count_is_kept_and_said_when_threads_must_wait(monkeypatch, capsys):
+    before = torch.get_num_threads()
+    cores = threads.usable_cores()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        assert threads.apply(cores, say=True) == "OMP_NUM_THREADS=2 (yours)"
+        assert torch.get_num_threads() == 2
+        err = capsys.readouterr().err
+        assert f"OMP_NUM_THREADS=2: 2 threads in each of {cores} process" in err and "wait for each other" in err
+        assert threads.apply(cores, say=False) == "OMP_NUM_THREADS=2 (yours)" and not capsys.readouterr().err
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        torch.set_num_threads(cores + 1)  # torch.set_num_threads of the user's: neither torch's count nor ours
+        assert threads.apply(1) == "torch.set_num_threads (yours)" and torch.get_num_threads() == cores + 1
+        torch.set_num_threads(cores)  # torch's own count: ddpkit chooses, and knows its choice after
+        monkeypatch.setenv(threads.MODE, "share")
+        assert "whatever the load" in threads.apply(2) and torch.get_num_threads() == max(1, cores // 2)
+        assert "whatever the load" in threads.apply(2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_launchers_choice_reaches_the_workers_as_its_reason(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(threads.CHOSEN, "its share of the 2 usable cores")
+    assert threads.apply(2) == "its share of the 2 usable cores"
