@@ -10,7 +10,10 @@ Runtime, one process, its own loader, in three cases:
 
 Each round times `--steps` optimizer steps of every case, in an order rotated from round to
 round, after warm-up steps; a case's figure is its median step time over the rounds. The goal
-of issue 27: ddpkit's dropout costs at most 2% of a step more than torch's.
+of issue 27: ddpkit's dropout costs at most 2% of a step more than torch's. On a GPU a larger
+model makes the step the GPU's work, not its launches:
+
+    python -m benchmarks dropout --device cuda --width 1024 --depth 8 --context 1024 --batch 8
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per case and round (default 10)")
     parser.add_argument("--batch", type=int, default=32, help="global batch, in sequences (default 32)")
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--width", type=int, default=0, help="the gpt model's width (default: its own, 128)")
+    parser.add_argument("--depth", type=int, default=0, help="the gpt model's blocks (default: its own, 4)")
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
@@ -39,16 +44,19 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     from ddpkit.errors import UsageError
     from ddpkit.models import GPT_DEPTH, GPT_HEADS, GPT_WIDTH, gpt
 
-    steps, batch, context = (int(opts.extra.get(k) or d) for k, d in (("steps", 10), ("batch", 32), ("context", 128)))
-    if min(steps, batch, context) < 1:
-        raise UsageError("--steps, --batch and --context must be positive")
+    sizes = (("steps", 10), ("batch", 32), ("context", 128), ("width", GPT_WIDTH), ("depth", GPT_DEPTH))
+    steps, batch, context, width, depth = (int(opts.extra.get(k) or d) for k, d in sizes)
+    if min(steps, batch, context, width, depth) < 1:
+        raise UsageError("--steps, --batch, --context, --width and --depth must be positive")
+    if width % GPT_HEADS:
+        raise UsageError(f"--width {width} must be a multiple of the model's {GPT_HEADS} heads")
     rounds = opts.reps(default=7, quick=2)
     tokens = torch.randint(0, 256, (batch * (steps + 2) * 2, context + 1), generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
     runs = {}
     for name, (p, invariant) in CASES.items():
         rt = Runtime(device=device, seed=0, invariant_dropout=invariant)
-        model = gpt((context,), 256, GPT_WIDTH, GPT_DEPTH, GPT_HEADS, dropout=p)
+        model = gpt((context,), 256, width, depth, GPT_HEADS, dropout=p)
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         runs[name] = (rt, model, opt, rt.loader(data, batch_size=batch))
     times: dict[str, list[float]] = {name: [] for name in CASES}
@@ -64,7 +72,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     median = {name: c["median"] for name, c in cases.items()}
     over_torch = (median["ddpkit"] - median["torch"]) / median["torch"]
     return {
-        "model": f"gpt width {GPT_WIDTH}, depth {GPT_DEPTH}, heads {GPT_HEADS}, context {context}",
+        "model": f"gpt width {width}, depth {depth}, heads {GPT_HEADS}, context {context}",
         "batch": batch,
         "dropout": 0.1,
         "threads": torch.get_num_threads(),

@@ -160,6 +160,19 @@ def test_fsdp2_in_a_one_rank_group_trains_and_resumes_from_dcp(tmp_path, precisi
 
 
 @pytest.mark.unit
+def test_ddpkits_dropout_masks_on_the_device_are_the_cpus_bit_for_bit():
+    # The hash wraps int32 multiplies: the device's kernels must wrap as the CPU's do, at every
+    # length (vectorized bodies and their tails), or 1 GPU and 1 CPU would drop other elements.
+    from ddpkit import draws
+
+    for per_row in (1, 2, 37, 4096, 100_003):
+        rows = torch.arange(5, 21)
+        cpu, scale = draws.keep_mask(rows, per_row, 0x9E3779B9, 0.3)
+        here, same_scale = draws.keep_mask(rows.to(HERE), per_row, 0x9E3779B9, 0.3)
+        assert torch.equal(here.cpu(), cpu) and same_scale == scale, per_row
+
+
+@pytest.mark.unit
 def test_evaluate_on_the_device_matches_the_cpu():
     dataset = workers.toy_data(203, seed=4)  # an odd size: the last batch is short
     results = []
