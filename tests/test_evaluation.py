@@ -71,3 +71,30 @@ def test_a_mapping_without_a_known_or_named_entry_is_one_clear_usage_error(names
 def test_keys_that_are_not_two_names_are_refused():
     with pytest.raises(ddpkit.UsageError, match=r"rt.evaluate\(keys=...\): expected \(input name, target name\)"):
         workers.evaluate_odd(5, "ddp", ("a", "b"), "ab")
+
+
+@pytest.mark.unit
+def test_a_mappings_named_inputs_reach_the_model_as_keyword_arguments():
+    # keys=(("input_ids", "attention_mask"), "labels"): the mask was dropped before (the model
+    # got the input entry alone); the result is that of the masked inputs as pairs.
+    out = workers.evaluate_masked(37)
+    assert out["named"]["samples"] == 37
+    assert out["named"]["accuracy"] == out["pairs"]["accuracy"]
+    assert out["named"]["loss"] == pytest.approx(out["pairs"]["loss"], rel=1e-6)
+    unmasked = workers.evaluate_odd(37)
+    assert unmasked["loss"] != pytest.approx(out["named"]["loss"], rel=1e-3)  # the mask mattered
+
+
+@pytest.mark.distributed
+def test_named_inputs_under_fsdp_on_three_ranks_serve_the_empty_batches_too():
+    reference = workers.evaluate_masked(37)["named"]
+    for r in ddpkit.launch(workers.evaluate_masked, 37, "fsdp", nproc=3).values():
+        assert r["named"]["samples"] == 37 and r["named"]["accuracy"] == reference["accuracy"]
+        assert r["named"]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("keys", [((), "y"), (("a", 1), "y"), (("a",), ("y",)), "ab", ("a", "b", "c")])
+def test_keys_of_any_other_shape_are_refused(keys):
+    with pytest.raises(ddpkit.UsageError, match=r"rt.evaluate\(keys=...\): expected \(input name, target name\)"):
+        workers.evaluate_odd(5, "ddp", ("a", "b"), keys)

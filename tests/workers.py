@@ -89,6 +89,53 @@ def evaluate_collated(n: int, strategy: str = "fsdp") -> dict:
         return rt.evaluate(model, loader, keys=("input_ids", "labels"))
 
 
+class _MaskedInputs(torch.utils.data.Dataset):
+    """toy_data as dicts of 'input_ids', an 'attention_mask' that zeroes every third feature
+    of odd samples, and 'labels'; `masked()` is the same as (input * mask, target) pairs."""
+
+    def __init__(self, n: int):
+        self.pairs = toy_data(n, seed=3)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def mask(self, i: int) -> torch.Tensor:
+        m = torch.ones(6)
+        if i % 2:
+            m[::3] = 0
+        return m
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.pairs[i]
+        return {"input_ids": x, "attention_mask": self.mask(i), "labels": y}
+
+    def masked(self) -> TensorDataset:
+        xs = torch.stack([self.pairs[i][0] * self.mask(i) for i in range(len(self))])
+        return TensorDataset(xs, self.pairs.tensors[1])
+
+
+class _TakesAMask(nn.Module):
+    """toy_model called as a Hugging Face model is: with keyword arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = toy_model(seed=7)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids * attention_mask)
+
+
+def evaluate_masked(n: int, strategy: str = "ddp") -> dict:
+    """rt.evaluate with keys=(('input_ids', 'attention_mask'), 'labels'): the model gets both
+    entries as keyword arguments; and the same model on the masked pairs, for reference."""
+    with ddpkit.Runtime(strategy, device="cpu") as rt:
+        model = rt.setup(_TakesAMask())
+        data = _MaskedInputs(n)
+        named = rt.evaluate(model, data, batch_size=8, keys=(("input_ids", "attention_mask"), "labels"))
+        pairs = rt.evaluate(rt.unwrap(model).net, data.masked(), batch_size=8) if strategy != "fsdp" else None
+        return {"named": named, "pairs": pairs}
+
+
 def evaluate_odd(n: int, strategy: str = "ddp", names: tuple[str, str] | None = None, keys=None) -> dict:
     """Evaluate a fixed model on a dataset of odd size `n`; with `names`, its samples are dicts
     (passed `keys`, or found by their names)."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dist
+from . import checks, dist
 from .data import IGNORE, DistributedLoader, ShardSampler
 from .errors import UsageError
 from .gather import Collector, gather
@@ -124,12 +124,47 @@ INPUT_KEYS = ("input", "inputs", "x", "input_ids", "pixel_values", "image", "ima
 TARGET_KEYS = ("target", "targets", "y", "labels", "label")
 
 
-def _pair(batch: Any, keys: tuple[str, str] | None = None) -> tuple[Any, Any]:
+Keys = tuple[str | tuple[str, ...], str]  # (the input's name, or the names of the model's inputs; the target's)
+
+
+class Inputs(dict):
+    """A mapping batch's entries that the model takes as keyword arguments (`keys=((a, b), y)`)."""
+
+
+def evaluation_keys(keys: Any) -> Keys | None:
+    """`rt.evaluate(keys=...)` checked: (input name, target name), or ((input names...), target
+    name); a UsageError otherwise."""
+    if keys is None:
+        return None
+    if isinstance(keys, (tuple, list)) and len(keys) == 2 and isinstance(keys[1], str):
+        first = keys[0]
+        if isinstance(first, str):
+            return first, keys[1]
+        if isinstance(first, (tuple, list)) and first and all(isinstance(k, str) for k in first):
+            return tuple(first), keys[1]
+    raise UsageError(
+        "rt.evaluate(keys=...): expected (input name, target name) or ((input names, ...), target name), "
+        f"got {checks.shown(keys)}"
+    )
+
+
+def call(net: Any, x: Any) -> Any:
+    """The model on an evaluation batch's input: `net(x)`, or `net(**x)` for several named inputs."""
+    return net(**x) if isinstance(x, Inputs) else net(x)
+
+
+def _pair(batch: Any, keys: Keys | None = None) -> tuple[Any, Any]:
     """An evaluation batch's (input, target): a pair, or a mapping's entries named `keys`
-    (default: the first of INPUT_KEYS and of TARGET_KEYS it has)."""
+    (default: the first of INPUT_KEYS and of TARGET_KEYS it has); several input names give the
+    entries as `Inputs`, for the model's keyword arguments."""
     if isinstance(batch, Mapping):
         names = keys or (_first(batch, INPUT_KEYS), _first(batch, TARGET_KEYS))
-        missing = [name for name in names if name is None or name not in batch]
+        if isinstance(names[0], tuple):
+            missing = [name for name in (*names[0], names[1]) if name not in batch]
+            if not missing:
+                return Inputs((name, batch[name]) for name in names[0]), batch[names[1]]
+        else:
+            missing = [name for name in names if name is None or name not in batch]
         if missing:
             have = ", ".join(map(repr, list(batch)[:8]))
             said = "no " + " and no ".join(w for w, n in zip(("input", "target"), names) if n in missing) + " entry"
@@ -226,12 +261,12 @@ def _sums(
     for batch in loader:
         x, y = _pair(batch, keys)
         with precision.autocast():
-            out = outputs_to_fp32(net(x))
+            out = outputs_to_fp32(call(net, x))
         sums = [total + value for total, value in zip(sums, measure(out, y))]
     if is_sharded(net):  # ranks' batch counts differ by at most one; rank 0 has the most
         for _ in range(loader.sampler.most_batches() - len(loader)):
             with precision.autocast():
-                net(_pair(loader.empty_batch(), keys)[0])
+                call(net, _pair(loader.empty_batch(), keys)[0])
     net.train(was_training)
     sums_t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loader.device) for v in sums])
     return dist.all_reduce(sums_t).tolist()

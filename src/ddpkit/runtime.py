@@ -36,7 +36,7 @@ from .data.adopt import Adopted, source
 from .device import DEVICES
 from .device import resolve as resolve_device
 from .errors import UsageError, usage_errors
-from .evaluation import evaluate
+from .evaluation import evaluate, evaluation_keys
 from .files import check_writable
 from .gather import gather
 from .log import print0
@@ -612,14 +612,16 @@ class Runtime:
         batch_size: int | None = None,
         metrics: dict[str, Callable[[Any, Any], torch.Tensor]] | None = None,
         outputs: Callable[[Any, Any], Any] | None = None,
-        keys: tuple[str, str] | None = None,
+        keys: tuple[Any, str] | None = None,
     ) -> dict[str, Any]:
         """`model` over ALL of `data` (a Dataset, a DataLoader, or a loader from `eval_loader()`),
         on every rank. Its batches are (input, target) pairs, or mappings (a custom collate's
         dicts): `keys` names their input and target entries, such as ('input_ids', 'labels');
         by default the first present of 'input', 'inputs', 'x', 'input_ids', 'pixel_values',
         'image', 'images' and of 'target', 'targets', 'y', 'labels', 'label'. The model is
-        called with the input alone.
+        called with the input alone; a tuple of names as the input, such as
+        `keys=(('input_ids', 'attention_mask'), 'labels')`, calls it with those entries as
+        keyword arguments.
 
         Each sample is seen by exactly one rank and the sums are all-reduced, so `samples`
         equals len(dataset) for any world size. Returns `accuracy` (only for classification:
@@ -630,11 +632,7 @@ class Runtime:
         `gather` takes them), `outputs`: those values of every sample once, in dataset order.
         """
         loader = data if isinstance(data, DistributedLoader) else self.eval_loader(data, batch_size)
-        if keys is not None and not (
-            isinstance(keys, (tuple, list)) and len(keys) == 2 and all(isinstance(k, str) for k in keys)
-        ):
-            raise UsageError(f"rt.evaluate(keys=...): expected (input name, target name), got {checks.shown(keys)}")
-        return evaluate(model, loader, self.precision, loss_fn, metrics, outputs, tuple(keys) if keys else None)
+        return evaluate(model, loader, self.precision, loss_fn, metrics, outputs, evaluation_keys(keys))
 
     def gather(self, values: Any) -> Any:
         """Per-sample values of every rank's `eval_loader()` share, each sample once and in
