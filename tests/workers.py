@@ -690,3 +690,9 @@ def short_stream_on_rank(short_rank: int, short: int, timeout_s: float = 600.0, 
                 rt.step(opt)
                 steps += 1
         return steps
+
+
+def thread_facts() -> dict:
+    """This worker's torch threads and why the Runtime says it runs that many."""
+    with ddpkit.Runtime(device="cpu") as rt:
+        return {"threads": torch.get_num_threads(), "why": rt.threads, "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}

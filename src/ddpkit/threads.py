@@ -8,7 +8,9 @@ together took 64 s where each alone takes 2.6 s, and 3.5 s at one thread each
 (affinity, a cgroup's CPU quota), less the cores other programs kept busy meanwhile: what
 /proc/stat counts on those cores since `import ddpkit`, minus this process and its children
 (ddpkit's own helper and workers). The reading needs a window: in `ddpkit train` and `ddpkit
-run` it is the time torch took to import; shorter than MIN_WINDOW_S, the share is used alone.
+run` it is the time torch took to import. A window shorter than MIN_WINDOW_S (a script that
+makes its Runtime right after `import ddpkit`) is waited out; one older than MAX_WINDOW_S (a
+notebook's import an hour ago) says little of now, and a fresh one is read instead.
 
 A user's OMP_NUM_THREADS, or a count set by `torch.set_num_threads`, is kept; `DDPKIT_THREADS=
 share` asks for the share of the cores whatever the load (reruns then use the same count).
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 from .device import cpu_count
 
-MIN_WINDOW_S = 0.25  # a shorter reading of the load says little: the share alone
+MIN_WINDOW_S = 0.25  # a shorter reading of the load says little: waited out
+MAX_WINDOW_S = 10.0  # an older start says little of now: read afresh
 MODE = "DDPKIT_THREADS"  # "share": the share of the cores, whatever the load
 CHOSEN = "DDPKIT_THREADS_CHOSEN"  # set with OMP_NUM_THREADS by ddpkit's launcher: why that count
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -118,11 +121,19 @@ _start = read()  # at `import ddpkit`: the window's start
 
 
 def others_busy(since: Reading | None = None) -> tuple[float, float] | None:
-    """(cores other programs kept busy since `since` (default: import), the window in s), or
-    None when there is no reading or the window is too short to say."""
+    """(cores other programs kept busy since `since` (default: `import ddpkit`), the window in s),
+    or None where /proc cannot say. A window under MIN_WINDOW_S is waited out; one over
+    MAX_WINDOW_S is replaced by a fresh one of MIN_WINDOW_S."""
     start, now = since or _start, read()
-    if start is None or now is None or now.at - start.at < MIN_WINDOW_S:
+    if start is None or now is None:
         return None
+    if now.at - start.at > MAX_WINDOW_S:
+        start = now
+    if now.at - start.at < MIN_WINDOW_S:
+        time.sleep(MIN_WINDOW_S - (now.at - start.at))
+        now = read()
+        if now is None:
+            return None
     seconds = now.at - start.at
     busy = (now.busy - start.busy) - (now.own - start.own)
     return max(0.0, busy / _TICK / seconds), seconds

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
+import ddpkit
 from ddpkit.threads import usable_cores
+from tests import workers
 from tests.cli.helpers import ok
 from tests.conftest import run_cli
 from tests.spinner import outside_spinner
@@ -54,3 +56,16 @@ def test_train_beside_a_busy_program_runs_fewer_threads_and_says_why(tmp_path):
     ok(run_cli(*args, "--out", str(tmp_path / "mine"), env={**AUTO, "OMP_NUM_THREADS": "1"}))
     r = json.loads((tmp_path / "mine" / "results.json").read_text())
     assert r["threads"] == 1 and r["threads_why"] == "OMP_NUM_THREADS=1 (yours)"
+
+
+@pytest.mark.distributed
+def test_launched_workers_run_the_launchers_choice_and_say_why(monkeypatch):
+    monkeypatch.delenv("DDPKIT_THREADS", raising=False)
+    cores = usable_cores()
+    with outside_spinner():
+        time.sleep(0.3)
+        out = ddpkit.launch(workers.thread_facts, nproc=2, device="cpu")
+    expected = max(1, min(cores // 2, (cores - 1) // 2))
+    for r in out.values():
+        assert r["threads"] == int(r["OMP_NUM_THREADS"]) == expected, r
+        assert r["why"].startswith(f"its share of the {cores} usable cores among 2 processes"), r

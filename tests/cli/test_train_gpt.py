@@ -43,10 +43,9 @@ def test_gpt_trains_under_fsdp_on_two_processes(tmp_path):
     proc, results = train(2, "0.2")
     out = tmp_path / "out2-0.2"
     # The dropout's masks do not depend on the number of processes: one process ends where two
-    # do, within rounding; without dropout the run ends elsewhere.
+    # do, within rounding (that dropout changes a run: tests/test_own_loop.py).
     one = train(1, "0.2")[1]
     assert one["test_loss"] == pytest.approx(results["test_loss"], rel=1e-5, abs=0)
-    assert abs(train(1, "0")[1]["test_loss"] - results["test_loss"]) > 1e-3
     _, test = text.text(str(corpus), 32)
     assert results["strategy"] == "fsdp" and results["world_size"] == 2
     assert results["test_tokens"] == test.tokens() and results["test_samples"] == len(test)  # each counted once

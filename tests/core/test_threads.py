@@ -57,12 +57,16 @@ def test_the_choice_gives_fewer_threads_when_other_programs_keep_cores_busy(monk
     assert threads.choose(10 * cores)[0] == 1
 
 
-def test_a_short_window_says_nothing_of_the_load(monkeypatch):
-    monkeypatch.delenv(threads.MODE, raising=False)
+def test_a_short_window_is_waited_out_and_an_old_one_read_afresh(monkeypatch):
+    # Right after the import (a script's Runtime) the reading waits until it says something;
+    # long after it (a notebook) the load of long ago is not today's.
     monkeypatch.setattr(threads, "_start", threads.read())
-    assert threads.others_busy() is None
-    cores = threads.usable_cores()
-    assert threads.choose(1) == (cores, f"its share of the {cores} usable core{'s' if cores > 1 else ''}")
+    t = time.monotonic()
+    _, window = threads.others_busy()
+    assert window >= threads.MIN_WINDOW_S and time.monotonic() - t >= threads.MIN_WINDOW_S * 0.9
+    old = threads.Reading(time.monotonic() - 3600, 0, 0)  # an hour ago, "every core busy since"
+    busy, window = threads.others_busy(since=old)
+    assert threads.MIN_WINDOW_S <= window < 2 and busy < threads.usable_cores()
 
 
 def test_a_users_count_is_kept_and_said_when_threads_must_wait(monkeypatch, capsys):
