@@ -297,7 +297,7 @@ class Dropping(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(self.a(x).relu())
-        invariant = not isinstance(self.drop, nn.Dropout)  # (setup() replaced it)
+        invariant = isinstance(self.drop, ddpkit.Dropout)  # (setup() replaced it)
         for _ in range(2):
             h = ddpkit.dropout(h, self.p, self.training) if invariant else F.dropout(h, self.p, self.training)
         return self.b(h)

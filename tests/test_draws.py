@@ -19,13 +19,19 @@ from ddpkit.data.samplers import MicroBatch
 pytestmark = pytest.mark.unit
 
 
+def stand_in(state: dict, rank: int = 0) -> draws.Source:
+    """Keys of a stand-in for the Runtime: step, micro-batch and forward are read from `state`."""
+    return draws.Source(lambda: 7, lambda: state["step"], lambda: state["micro"], rank, lambda: state["forward"])
+
+
 @pytest.fixture
 def source():
-    """Draws keyed by a stand-in for the Runtime: step, micro-batch and forward are settable."""
     state = {"step": 0, "micro": None, "forward": 0}
-    draws.follow(draws.Source(7, lambda: state["step"], lambda: state["micro"], 0, lambda: state["forward"]))
+    src = stand_in(state)
+    draws.follow(src)
+    state["source"] = src
     yield state
-    draws.follow(None)
+    draws.leave(src)
 
 
 def test_the_hash_on_tensors_is_the_hash_on_integers_at_every_length():
@@ -95,26 +101,71 @@ def test_an_input_without_the_batch_says_once_that_its_masks_depend_on_the_rank(
     assert err.count("dropout at weights") == 1 and "depend on the rank" in err
 
 
-def test_the_gradient_is_the_mask_and_a_checkpointed_forward_replays_its_masks(source):
-    torch.manual_seed(0)
-    layer = nn.Linear(20, 20)
+def test_the_gradient_is_the_mask(source):
     x = torch.randn(6, 20, requires_grad=True)
     source["micro"] = MicroBatch(6, 6, True, start=0)
     out = ddpkit.dropout(x, 0.5, site="g")
     out.sum().backward()
     torch.testing.assert_close(x.grad, (out.detach() != 0).float() * 2, rtol=0, atol=0)
 
-    def block(h):
-        return ddpkit.dropout(layer(h).relu(), 0.5, site="c") * 3
 
+class Blocks(nn.Module):
+    """Three blocks, each calling ddpkit.dropout at one line of code: a site per block (by the
+    block's name in the model), called once per forward."""
+
+    def __init__(self, checkpointed: str | None):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointed is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointed == "reentrant")
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(20, 20)
+
+    def forward(self, x):
+        return ddpkit.dropout(self.layer(x).relu(), 0.5) + x
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_a_checkpointed_forward_replays_each_blocks_masks(source, how):
+    # The same line in every block is a site per block: its recomputation, which runs the
+    # blocks in reverse order, gets each block's masks back. (One site across blocks got the
+    # masks of another block: wrong gradients, nothing said.)
     grads = []
-    for wrapped in (False, True):
+    for checkpointed in (None, how):
+        torch.manual_seed(0)
+        model = Blocks(checkpointed)
+        draws.replace_dropout(model, source["source"])
+        x = torch.randn(6, 20, requires_grad=True)
+        source["micro"] = MicroBatch(6, 6, True, start=0)
         source["forward"] += 1
-        layer.zero_grad()
-        y = checkpoint(block, x, use_reentrant=False) if wrapped else block(x)
-        y.pow(2).sum().backward()
-        grads.append(layer.weight.grad.clone())
-    assert torch.equal(grads[0], grads[1])
+        model(x).pow(2).sum().backward()
+        grads.append([b.layer.weight.grad for b in model.blocks])
+    for plain, replayed in zip(*grads):
+        assert torch.equal(plain, replayed)
+
+
+def test_a_site_called_in_several_checkpointed_regions_is_said(source, capsys):
+    shared = ddpkit.Dropout(0.5, "shared")
+    shared.source = source["source"]
+    layers = [nn.Linear(8, 8) for _ in range(2)]
+    x = torch.randn(4, 8, requires_grad=True)
+    source["micro"] = MicroBatch(4, 4, True, start=0)
+    h = x
+    for layer in layers:
+        h = checkpoint(lambda t, layer=layer: shared(layer(t)), h, use_reentrant=False)
+    h.sum().backward()
+    assert "dropout at shared (recomputed): called 2 times in a forward" in capsys.readouterr().err
 
 
 def test_without_a_runtime_it_is_torchs_dropout():
@@ -123,8 +174,17 @@ def test_without_a_runtime_it_is_torchs_dropout():
     torch.manual_seed(3)
     assert torch.equal(ddpkit.dropout(torch.ones(100), 0.3), expected)
     assert torch.equal(ddpkit.Dropout(0.3).eval()(torch.ones(5)), torch.ones(5))
-    with pytest.raises(ValueError, match="between 0 and 1"):
-        ddpkit.dropout(torch.ones(2), 1.5)
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            ddpkit.dropout(torch.ones(2), bad, training=False)  # refused as torch refuses it: always
+    # the channel forms outside a Runtime's run are torch's own, each for its dimensions
+    for made, shape in (
+        (draws.Dropout1d, (2, 3, 4)),
+        (draws.Dropout2d, (2, 3, 4, 4)),
+        (draws.Dropout3d, (2, 3, 2, 2, 2)),
+    ):
+        out = made(0.5, "c")(torch.ones(shape)).flatten(2)
+        assert ((out == 0).all(2) | (out == 2).all(2)).all()
 
 
 def test_setup_puts_ddpkits_dropout_in_place_of_torchs_and_names_what_it_leaves(capsys):
@@ -141,18 +201,104 @@ def test_setup_puts_ddpkits_dropout_in_place_of_torchs_and_names_what_it_leaves(
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
         model = rt.setup(model)
         assert isinstance(model[1], ddpkit.Dropout) and model[2][0] is model[1]
-        assert model[1].site == "1" and model[1].p == 0.1 and not model[1].channels
-        assert isinstance(model[2][1], ddpkit.Dropout) and model[2][1].channels and model[2][1].site == "2.1"
+        assert model[1].site == "1" and model[1].p == 0.1 and isinstance(model[1], nn.Dropout)
+        assert isinstance(model[2][1], draws.Dropout2d) and isinstance(model[2][1], nn.Dropout2d)
+        assert model[2][1].site == "2.1"
         assert type(model[2][2]) is Mine  # a subclass may do more than dropout: left alone
     err = capsys.readouterr().err
     assert "2.3 (AlphaDropout)" in err and "3 (nn.MultiheadAttention's attention dropout)" in err
     with ddpkit.Runtime(device="cpu", seed=0, invariant_dropout=False) as rt:
         assert type(rt.setup(nn.Sequential(nn.Dropout(0.5)))[0]) is nn.Dropout
+    with ddpkit.Runtime(device="cpu", seed=0, compile={"fullgraph": True}) as rt:
+        assert type(rt.unwrap(rt.setup(nn.Sequential(nn.Dropout(0.5))))[0]) is nn.Dropout
+    assert "under compile's fullgraph the model keeps torch's dropout" in capsys.readouterr().err
 
 
 def test_channel_dropout_drops_whole_channels_of_each_sample(source):
     source["micro"] = MicroBatch(4, 4, True, start=0)
-    out = ddpkit.Dropout(0.5, "c2", channels=True)(torch.ones(4, 16, 3, 3))
-    per_channel = out.flatten(2)
+    drop = draws.Dropout2d(0.5, "c2")
+    drop.source = source["source"]
+    per_channel = drop(torch.ones(4, 16, 3, 3)).flatten(2)
     assert ((per_channel == 0).all(2) | (per_channel == 2).all(2)).all()
     assert (per_channel == 0).any() and (per_channel == 2).any()
+    unbatched = draws.Dropout1d(0.5, "c1")
+    unbatched.source = source["source"]
+    out = unbatched(torch.ones(16, 9))  # (C, L): torch's, channel by channel
+    assert ((out == 0).all(1) | (out == 2).all(1)).all()
+
+
+def test_outside_a_loaders_batches_the_ranks_draw_their_own_masks():
+    # No micro-batch from rt.loader: rows are keyed by their place here and the rank (each rank
+    # draws for its own rows; before, every rank drew the same masks for its first rows).
+    state = {"step": 0, "micro": None, "forward": 0}
+    masks = []
+    for rank in (0, 1):
+        drop = ddpkit.Dropout(0.5, "d")
+        drop.source = stand_in(state, rank)
+        masks.append(drop(torch.ones(8, 64)))
+    assert not torch.equal(*masks)
+
+
+def test_batch_dim_says_which_dimension_holds_the_samples(source, capsys):
+    source["micro"] = MicroBatch(4, 4, True, start=0)
+    x = torch.ones(4, 4, 30)  # (T, B, C) with T equal to the micro-batch's size
+    named = ddpkit.dropout(x, 0.5, site="t", batch_dim=1)
+    source["forward"] += 1
+    assert torch.equal(named.transpose(0, 1), ddpkit.dropout(x.transpose(0, 1).contiguous(), 0.5, site="t"))
+    source["forward"] += 1
+    ddpkit.dropout(x, 0.5, site="ambiguous")
+    assert "dimensions [0, 1] of its input (4, 4, 30) all have the micro-batch's 4 samples" in capsys.readouterr().err
+    # found once, a site keeps its dimension when another one later has the same size
+    source["forward"] += 1
+    source["micro"] = MicroBatch(3, 3, True, start=0)
+    first = ddpkit.dropout(torch.ones(5, 3, 30), 0.5, site="seq")
+    source["forward"] += 1
+    source["micro"] = MicroBatch(5, 5, True, start=0)
+    ddpkit.dropout(torch.ones(5, 5, 30), 0.5, site="seq")
+    assert "seq" not in capsys.readouterr().err and first.shape == (5, 3, 30)
+
+
+def test_runtimes_key_their_own_models_and_a_resume_without_a_seed_keeps_the_saved_one(tmp_path):
+    a = ddpkit.Runtime(device="cpu")  # no seed: rank 0 draws the dropout's
+    model_a = a.setup(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    b = ddpkit.Runtime(device="cpu")
+    model_b = b.setup(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    a.close()  # b's model keeps b's keys
+    assert model_b[1].source is b._draws and b._draws.active and not model_a[1].source.active
+    b.save_state(tmp_path / "s.pt")
+    saved = b._draws.seed()
+    b.close()
+    c = ddpkit.Runtime(device="cpu")
+    c.setup(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    c.load_state(tmp_path / "s.pt")
+    assert c._draws.seed() == saved  # the masks go on with the seed they had
+    c.close()
+    d = ddpkit.Runtime(device="cpu", invariant_dropout=False)
+    d.setup(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    d.save_state(tmp_path / "t.pt")  # no seed for draws at all: saved as none, loaded as none
+    d.load_state(tmp_path / "t.pt")
+    d.close()
+
+
+class Rows(nn.Module):
+    """Each row's dropout mask of ones, as the model's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return ddpkit.dropout(torch.ones(len(x), 32) * self.w, 0.5)
+
+
+def test_a_step_not_taken_still_begins_the_next_forwards_call_numbers_anew():
+    # --on-nonfinite skip: no rt.step(). One micro-batch per step (the resident loader tells the
+    # Runtime of no new micro-batch) and two per step must give the next batch the same masks.
+    data = torch.utils.data.TensorDataset(torch.arange(8.0)[:, None])
+    seen = {}
+    for micro in (None, 2):
+        with ddpkit.Runtime(device="cpu", seed=1) as rt:
+            model = rt.setup(Rows())
+            loader = rt.loader(data, batch_size=4, shuffle=False, micro_batch_size=micro)
+            seen[micro] = torch.cat([model(x).detach() for (x,) in loader])  # never a step
+    assert torch.equal(seen[None], seen[2])

@@ -48,7 +48,6 @@ class Accumulation:
         # Runtime.backward has a first backward of its own to run (DDP's buckets to settle: see
         # strategy.settled_backward): not the loss as given until then.
         self.hold = False
-        self.handed = 0  # micro-batches handed out (or passes ended) so far
 
     @property
     def step_ready(self) -> bool:
@@ -61,7 +60,6 @@ class Accumulation:
         if self._entered is not None:
             self.leave()
         micro = self.micro = loader.current
-        self.handed += 1  # (a new forward for ddpkit.Dropout's call numbers)
         if micro is not None and not micro.last and self.no_sync is not None:
             self._entered = self.no_sync()
             self._entered.__enter__()

@@ -25,13 +25,13 @@ from __future__ import annotations
 import sys
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Dropout", "dropout"]
+__all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "dropout"]
 
 # The hash: two xorshift-multiply rounds on 32-bit lanes (int32 tensors wrap on multiply on
 # every device; shifts are made logical by a mask). Multipliers are odd and below 2**31.
@@ -64,16 +64,18 @@ def _int32(h: int) -> int:
 
 
 def key(*parts: int) -> int:
-    """One 32-bit key of non-negative integers (each folded in 32 bits at a time)."""
-    h = 0x3243F6A8
+    """One 64-bit key of integers (each folded in 32 bits at a time into two 32-bit words)."""
+    lo, hi = 0x3243F6A8, 0x85A308D3
     for part in parts:
         part &= (1 << 64) - 1  # (a negative seed as its two's complement)
         while True:
-            h = _mix_int((h ^ (part & _U32)) + 0x9E3779B9 & _U32)
+            word = part & _U32
+            lo = _mix_int((lo ^ word) + 0x9E3779B9 & _U32)
+            hi = _mix_int((hi + word ^ lo) & _U32)
             part >>= 32
             if not part:
                 break
-    return h
+    return hi << 32 | lo
 
 
 def site_id(name: str) -> int:
@@ -83,55 +85,83 @@ def site_id(name: str) -> int:
 
 def keep_mask(rows: torch.Tensor, per_row: int, keyed: int, p: float) -> tuple[torch.Tensor, float]:
     """Which elements to keep, shaped (len(rows), per_row), for the rows' positions `rows` (an
-    int64 tensor on the device) under the call's key: each element a 16-bit uniform draw
-    compared with p (p is so rounded to 1/65536), and the scale that keeps the mean, 1/(1-p)."""
+    int64 tensor on the device) under the call's 64-bit key: each element a 16-bit uniform
+    draw compared with p (p is so rounded to 1/65536), and the scale that keeps the mean,
+    1/(1-p). A row's two 32-bit words enter each element's hash apart (xor, a mix, then add),
+    so no two rows' streams are shifted copies of each other."""
     threshold = min(65536, round(p * 65536))
-    row = _mix((rows.to(torch.int32) * _ROW) + _int32(keyed))
+    first = _mix((rows.to(torch.int32) * _ROW) + _int32(keyed & _U32))
+    second = _mix(first ^ _int32(keyed >> 32))
     half = (per_row + 1) // 2  # a 32-bit hash gives two 16-bit draws
     element = torch.arange(half, dtype=torch.int32, device=rows.device) * _ELEMENT
-    draws = _mix(row[:, None] + element).view(torch.int16)[:, :per_row]  # little-endian lanes
+    draws = _mix(_mix(element ^ first[:, None]) + second[:, None]).view(torch.int16)[:, :per_row]
     if threshold == 65536:  # (32768 is no int16: the comparison would wrap it)
         return torch.zeros(draws.shape, dtype=torch.bool, device=draws.device), 0.0
-    keep = draws >= threshold - 32768  # the draw as an unsigned 16-bit number >= threshold
+    # A draw's bits read as a signed 16-bit number v are u - 32768 for u = v ^ 0x8000, an
+    # unsigned 16-bit number: u >= threshold is v >= threshold - 32768.
+    keep = draws >= threshold - 32768
     kept = 1.0 - threshold / 65536
     return keep, (1.0 / kept if kept > 0 else 0.0)
 
 
 @dataclass
 class Source:
-    """What keys the draws, read at each call: set by the Runtime's setup()."""
+    """What keys one Runtime's draws, read at each call (set by its setup()); and the state of
+    its call sites: their call numbers in the current forward, their batch dimensions."""
 
-    seed: int
+    seed: Callable[[], int]
     step: Callable[[], int]  # optimizer steps taken
     micro: Callable[[], Any]  # the loader's current MicroBatch (its rows' place), or None
     rank: int
-    forward: Callable[[], int]  # changes each time a loader hands out a micro-batch
+    forward: Callable[[], Any]  # changes with each micro-batch a loader hands out
+    names: dict[int, str] = field(default_factory=dict)  # id(module) -> its name in the model
+    active: bool = True  # until its Runtime closes
+    calls: dict[str, list[int]] = field(default_factory=dict)  # site -> [calls, replays] this forward
+    calls_key: Any = None
+    dims: dict[str, int] = field(default_factory=dict)  # site -> the batch dimension it was found at
+    warned: set[str] = field(default_factory=set)
+
+    def say_once(self, site: str, what: str) -> None:
+        if site not in self.warned:
+            self.warned.add(site)
+            if self.rank == 0:
+                print(f"ddpkit: dropout at {site}: {what}", file=sys.stderr)
 
 
-_source: Source | None = None
-_calls: dict[int, list[int]] = {}  # site -> [calls this forward, calls replayed in backward]
-_calls_key: tuple[int, int, int] | None = None
-_warned: set[str] = set()
+_current: Source | None = None  # the last Runtime's that set up a model: the functional form's
 
 
 def follow(source: Source | None) -> None:
-    """Key the draws by `source` from now on (None: fall back to torch's dropout)."""
-    global _source, _calls_key
-    _source, _calls_key = source, None
-    _calls.clear()
+    """Key the functional form's draws by `source` from now on (None: torch's dropout)."""
+    global _current
+    _current = source
 
 
-def _call_number(site: int) -> int:
+def leave(source: Source) -> None:
+    """`source`'s Runtime closed: its modules and the functional form go back to torch's."""
+    global _current
+    source.active = False
+    if _current is source:
+        _current = None
+
+
+def _call_number(src: Source, site: str) -> int:
     """This site's call number in the current micro-batch's forward. A forward replayed in the
-    backward (activation checkpointing recomputes it there) gets the numbers the forward had."""
-    global _calls_key
-    src = _source
-    now = (src.step(), id(src.micro()), src.forward())
-    if now != _calls_key:
-        _calls_key = now
-        _calls.clear()
-    counts = _calls.setdefault(site, [0, 0])
+    backward (activation checkpointing recomputes it there) gets the numbers the forward had,
+    in the forward's order."""
+    now = (src.step(), src.forward())
+    if now != src.calls_key:
+        src.calls_key = now
+        src.calls.clear()
+    counts = src.calls.setdefault(site, [0, 0])
     if torch._C._current_graph_task_id() != -1 and counts[0]:  # recomputed in a backward
+        if counts[0] > 1:
+            src.say_once(
+                site + " (recomputed)",
+                f"called {counts[0]} times in a forward and recomputed by activation checkpointing: its masks "
+                "are replayed in the forward's order, which is right only if one checkpointed region makes all "
+                "those calls (give each block a Dropout of its own)",
+            )
         number = counts[1] % counts[0]
         counts[1] += 1
         return number
@@ -140,114 +170,171 @@ def _call_number(site: int) -> int:
 
 
 @torch.compiler.disable  # the keys live in Python: a compiled graph would bake one step's in
-def _draw(x: torch.Tensor, p: float, site: str, channels: int | None) -> torch.Tensor:
-    src = _source
-    sid = site_id(site)
-    number = _call_number(sid)
+def _draw(src: Source, x: torch.Tensor, p: float, site: str, channels: bool, batch_dim: int | None) -> torch.Tensor:
+    number = _call_number(src, site)
     micro = src.micro()
-    dim = _batch_dim(x, micro)
-    if dim is None:  # the batch's place is unknown: keys of this rank's own
-        if micro is not None and site not in _warned:
-            _warned.add(site)
-            print(
-                f"ddpkit: dropout at {site}: no dimension of its input {tuple(x.shape)} has the micro-batch's "
-                f"{micro.size} samples; its masks depend on the rank (and so on the number of processes)",
-                file=sys.stderr,
-            )
-        keyed, first = key(src.seed, src.step(), sid, number, 1, src.rank), 0
-        moved = x if x.dim() else x.reshape(1)
+    dim = None if micro is None else _batch_dim(src, site, x, micro, batch_dim)
+    sid = site_id(site)
+    if dim is None:  # the batch's place is unknown: keys of this rank's own, rows by their place here
+        keyed, first, dim = key(src.seed(), src.step(), sid, number, 1, src.rank), 0, 0
     else:
-        keyed = key(src.seed, src.step(), sid, number, 0)
-        first = micro.start if micro is not None else 0
-        moved = x.movedim(dim, 0) if dim else x
+        keyed, first = key(src.seed(), src.step(), sid, number, 0), micro.start
+    moved = x.movedim(dim, 0) if dim else x
     rows = torch.arange(first, first + moved.shape[0], device=x.device)
-    per_sample = moved[0].numel() if moved.shape[0] else 0
-    shape = moved.shape if channels is None else (*moved.shape[:2], *[1] * (moved.dim() - 2))
-    per_row = per_sample if channels is None else shape[1]
+    per_row = moved[0].numel() if moved.shape[0] else 0
+    if channels:
+        shape = (*moved.shape[:2], *[1] * (moved.dim() - 2))
+        per_row = moved.shape[1]
+    else:
+        shape = moved.shape
     keep, scale = keep_mask(rows, per_row, keyed, p)
     out = torch.where(keep.reshape(shape), moved * scale, moved.new_zeros(()))
-    if dim is None:
-        return out.reshape(x.shape)
     return out.movedim(0, dim) if dim else out
 
 
-def _batch_dim(x: torch.Tensor, micro: Any) -> int | None:
-    """Which dimension of `x` holds the samples of the current micro-batch: the first whose size
-    is its number of samples (0 when there is no loader's micro-batch); None when none is."""
-    if micro is None:
-        return 0 if x.dim() >= 1 else None
-    if x.dim() and x.shape[0] == micro.size:
-        return 0
-    return next((d for d in range(1, x.dim()) if x.shape[d] == micro.size), None)
+def _batch_dim(src: Source, site: str, x: torch.Tensor, micro: Any, given: int | None) -> int | None:
+    """Which dimension of `x` holds the current micro-batch's samples: `given`, else the one this
+    site was found at before, else the only one whose size is the number of samples (the first
+    of several, said once: give batch_dim); None when none is (said once)."""
+    size, shape = micro.size, x.shape
+    for known in (given, src.dims.get(site)):
+        if known is not None and -x.dim() <= known < x.dim() and shape[known] == size:
+            return known % x.dim()
+    matches = [d for d in range(x.dim()) if shape[d] == size]
+    if len(matches) == 1:
+        src.dims[site] = matches[0]
+        return matches[0]
+    if matches:
+        src.say_once(
+            site + " (dims)",
+            f"dimensions {matches} of its input {tuple(shape)} all have the micro-batch's {size} samples; "
+            f"taking {matches[0]} as the batch (batch_dim= says which)",
+        )
+        return matches[0]
+    src.say_once(
+        site,
+        f"no dimension of its input {tuple(shape)} has the micro-batch's {size} samples; its masks depend on "
+        "the rank (and so on the number of processes)",
+    )
+    return None
 
 
-def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, site: str | None = None) -> torch.Tensor:
+def _caller_site(frame: Any, src: Source) -> str:
+    """A functional call's site: the module whose forward called it (by its name in the model,
+    so each block of a model is a site of its own) or the calling function, and the line."""
+    owner = frame.f_locals.get("self")
+    where = src.names.get(id(owner)) if owner is not None else None
+    if where is None:
+        where = f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_qualname}"
+    return f"{where}:{frame.f_lineno}"
+
+
+def dropout(
+    x: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    *,
+    site: str | None = None,
+    batch_dim: int | None = None,
+) -> torch.Tensor:
     """`F.dropout(x, p, training)`, with a mask that does not depend on the number of processes
     (see the module's docstring): for dropout in a forward of your own.
 
-    `site` names the call (default: the calling function and line, the same in every process);
-    calls at one site in one forward are told apart by their order. The dimension of `x` whose
-    size is the micro-batch's number of samples is taken as the batch (the first such). Without
-    a Runtime that has set up a model, this is torch's `F.dropout`."""
-    if not training or p == 0.0:
-        return x
+    `site` names the call (default: the module whose forward calls it, by its name in the
+    model, or the calling function, and the line: the same in every process); calls at one site
+    in one forward are told apart by their order. `batch_dim` is the dimension of the samples
+    (default: the one whose size is the micro-batch's number of samples). Without a Runtime
+    that has set up a model, this is torch's `F.dropout`."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    if _source is None:
+    src = _current
+    if not training or p == 0.0 or src is None:
         return nn.functional.dropout(x, p, training)
     if site is None:
-        caller = sys._getframe(1)
-        site = f"{caller.f_globals.get('__name__', '?')}:{caller.f_code.co_qualname}:{caller.f_lineno}"
-    return _draw(x, p, site, None)
+        site = _caller_site(sys._getframe(1), src)
+    return _draw(src, x, p, site, False, batch_dim)
 
 
-class Dropout(nn.Module):
-    """`nn.Dropout` (or, with `channels`, `nn.Dropout1d/2d/3d`: whole channels of a sample) whose
-    masks do not depend on the number of processes; `site` is its name in the model (what keys
-    its draws). What `rt.setup` puts in place of torch's."""
+class Dropout(nn.Dropout):
+    """`nn.Dropout` whose masks do not depend on the number of processes, keyed by `site` (its
+    name in the model) and the Runtime that set the model up; what `rt.setup` puts in place of
+    torch's. `batch_dim`: the dimension of the samples (default: found by the micro-batch's
+    size). Outside a Runtime's run (before setup, after close) it is torch's dropout."""
 
-    def __init__(self, p: float = 0.5, site: str = "dropout", channels: bool = False):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        self.p, self.site, self.channels = p, site, channels
+    CHANNELS = False  # Dropout1d/2d/3d: whole channels of a sample
+    TORCH: type[nn.Module] = nn.Dropout  # what it replaces: its forward, outside a Runtime's run
+
+    def __init__(self, p: float = 0.5, site: str = "dropout", batch_dim: int | None = None):
+        super().__init__(p)
+        self.site, self.batch_dim = site, batch_dim
+        self.source: Source | None = None  # set by replace_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if _source is None:
-            return nn.functional.dropout(x, self.p, True) if not self.channels else _torch_channels(x, self.p)
-        return _draw(x, self.p, self.site, 1 if self.channels else None)
+        src = self.source
+        if not self.training or self.p == 0.0 or src is None or not src.active or not self._batched(x):
+            return self.TORCH.forward(self, x)  # torch's
+        return _draw(src, x, self.p, self.site, self.CHANNELS, self.batch_dim)
+
+    def _batched(self, x: torch.Tensor) -> bool:
+        return x.dim() >= 1
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, site={self.site!r}" + (", channels=True" if self.channels else "")
+        return f"p={self.p}, site={self.site!r}"
 
 
-def _torch_channels(x: torch.Tensor, p: float) -> torch.Tensor:
-    return nn.functional.dropout2d(x, p, True) if x.dim() == 4 else nn.functional.dropout1d(x, p, True)
+class _Channels(Dropout):
+    CHANNELS = True
+    DIMS = 3  # a batched input's dimensions
+
+    def _batched(self, x: torch.Tensor) -> bool:
+        return x.dim() == self.DIMS  # an unbatched input (no sample dimension): torch's
 
 
-REPLACED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+class Dropout1d(_Channels, nn.Dropout1d):
+    """`nn.Dropout1d` (whole channels of (N, C, L)) with `Dropout`'s masks."""
+
+    DIMS, TORCH = 3, nn.Dropout1d
+
+
+class Dropout2d(_Channels, nn.Dropout2d):
+    """`nn.Dropout2d` (whole channels of (N, C, H, W)) with `Dropout`'s masks."""
+
+    DIMS, TORCH = 4, nn.Dropout2d
+
+
+class Dropout3d(_Channels, nn.Dropout3d):
+    """`nn.Dropout3d` (whole channels of (N, C, D, H, W)) with `Dropout`'s masks."""
+
+    DIMS, TORCH = 5, nn.Dropout3d
+
+
+REPLACED = {nn.Dropout: Dropout, nn.Dropout1d: Dropout1d, nn.Dropout2d: Dropout2d, nn.Dropout3d: Dropout3d}
 NOT_REPLACED = (nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-def replace_dropout(model: nn.Module) -> list[str]:
-    """Put a `Dropout` in place of each of the model's torch dropout modules (of those exact
-    types: a subclass may do more), in place; a module found at two paths becomes one `Dropout`,
-    named by its first path. Returns what still draws from the rank's stream (attention dropout
-    inside nn.MultiheadAttention, alpha dropout), to be said."""
+def replace_dropout(model: nn.Module, source: Source) -> list[str]:
+    """Put ddpkit's dropout, keyed by `source`, in place of each of the model's torch dropout
+    modules (of those exact types: a subclass may do more), in place; a module found at two
+    paths becomes one, named by its first path. ddpkit's own already there are keyed by
+    `source` too. Returns what still draws from the rank's stream (attention dropout inside
+    nn.MultiheadAttention, alpha dropout), to be said."""
     made: dict[int, Dropout] = {}
     left = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
+        source.names.setdefault(id(module), name or "model")
         for child_name, child in list(module.named_children()):
             path = f"{name}.{child_name}" if name else child_name
             if type(child) in REPLACED:
                 if id(child) not in made:
-                    made[id(child)] = Dropout(child.p, path, channels=type(child) is not nn.Dropout)
+                    made[id(child)] = REPLACED[type(child)](child.p, path)
                     made[id(child)].train(child.training)
                 setattr(module, child_name, made[id(child)])
             elif isinstance(child, NOT_REPLACED) and child.p > 0:
                 left.append(f"{path} ({type(child).__name__})")
             elif isinstance(child, nn.MultiheadAttention) and child.dropout > 0:
                 left.append(f"{path} (nn.MultiheadAttention's attention dropout)")
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            module.source = source
+            source.names[id(module)] = module.site
     return sorted(set(left))

@@ -212,11 +212,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(width, heads)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-        self.drop = nn.Dropout(dropout)  # (rt.setup puts ddpkit's in its place)
+        # One each: a call site of ddpkit's dropout (rt.setup puts it in their place) per use
+        self.drop1, self.drop2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        x = x + self.drop1(self.attn(self.norm1(x)))
+        return x + self.drop2(self.mlp(self.norm2(x)))
 
 
 class Embedding(nn.Module):

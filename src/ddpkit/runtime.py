@@ -143,6 +143,7 @@ class Runtime:
         # What keys ddpkit.Dropout's masks besides the step and the sample: the seed, or (without
         # one) a number rank 0 draws at the first setup() and save_state keeps.
         self.invariant_dropout, self._draw_seed = invariant_dropout, seed
+        self._draws: draws.Source | None = None  # made at the first setup(), left at close()
         self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
         # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
         # layout (strategy.settled_backward), until it has.
@@ -221,7 +222,8 @@ class Runtime:
             self._acc.leave()
             self._acc.no_sync = None
         self._model = self._settle = None  # the caller may drop the model: do not keep it alive
-        draws.follow(None)
+        if self._draws is not None:
+            draws.leave(self._draws)
         self._models, self._optimizers, self._loaders = [], [], []
         if self._owns_group:
             dist.teardown()
@@ -329,20 +331,37 @@ class Runtime:
 
     def _follow_draws(self, model: nn.Module) -> None:
         """Put ddpkit's dropout in the model, keyed by this run (see ddpkit.draws), and say on
-        rank 0 what still draws from the rank's own stream."""
-        left = draws.replace_dropout(model)
+        rank 0 what still draws from the rank's own stream. Not under dp, whose replicas run in
+        threads over pieces of the batch, nor under torch.compile's fullgraph, which the draw's
+        graph break would fail: torch's dropout stays, and that is said."""
+        fullgraph = isinstance(self.compile, dict) and self.compile.get("fullgraph")
+        if self.strategy == "dp" or fullgraph:
+            why = "under dp" if self.strategy == "dp" else "under compile's fullgraph"
+            if any(type(m) in draws.REPLACED and m.p > 0 for m in model.modules()):
+                print0(
+                    f"ddpkit: {why} the model keeps torch's dropout, whose masks depend on the number of processes",
+                    file=sys.stderr,
+                )
+            return
+        if self._draw_seed is None:
+            self._draw_seed = self.broadcast_object(random.SystemRandom().getrandbits(63) if self.is_main else None)
+        if self._draws is None:
+            acc, loaders = self._acc, self._loaders
+            self._draws = draws.Source(
+                lambda: self._draw_seed,
+                lambda: self._steps,
+                lambda: acc.micro,
+                self.rank,
+                lambda: (id(acc.micro), *[(loader.epoch, loader.position) for loader in loaders]),
+            )
+        left = draws.replace_dropout(model, self._draws)
         if left:
             print0(
                 f"ddpkit: {', '.join(left)}: still drawn from each rank's own stream, so it depends on the "
                 "number of processes (ddpkit.dropout in your forward is the invariant form)",
                 file=sys.stderr,
             )
-        if self._draw_seed is None:
-            self._draw_seed = self.broadcast_object(random.SystemRandom().getrandbits(63) if self.is_main else None)
-        acc = self._acc
-        draws.follow(
-            draws.Source(self._draw_seed, lambda: self._steps, lambda: acc.micro, self.rank, lambda: acc.handed)
-        )
+        draws.follow(self._draws)
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
@@ -814,7 +833,8 @@ class Runtime:
             raise UsageError(f"rt.load_state: {err.args[0]}") from None
         run = state["runtime"]
         self._steps = int(run["steps"])
-        self._draw_seed = int(run.get("draw_seed", self._draw_seed or 0))  # (a checkpoint older than it: none)
+        if run.get("draw_seed") is not None:  # (none: a checkpoint older than it, or no dropout of ddpkit's)
+            self._draw_seed = int(run["draw_seed"])
         generators = [loader.generator for loader in self._loaders]
         restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
         if self._log_dir is not None:  # the log will keep its records up to this step, and go on

@@ -202,3 +202,17 @@ def test_user_model_in_ddpkit_train_nproc_2(tmp_path, user_module):
     pids = {line.split()[0] for line in log.read_text().splitlines()}
     assert len(pids) >= 2  # built in each worker (and checked in the parent)
     assert json.loads((tmp_path / "run/results.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.unit
+def test_gpt_dropout_reaches_each_block_from_the_flag():
+    from ddpkit.trainer.config import model_options
+
+    cfg = TrainConfig(model="gpt", gpt_dropout=0.2, gpt_width=8, gpt_depth=2, gpt_heads=2)
+    model = models.build("gpt", (16,), 256, **model_options(cfg))
+    drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert len(drops) == 4 and {m.p for m in drops} == {0.2}  # attention's and the MLP's, per block
+    model.train()
+    x = torch.randint(0, 256, (2, 16))
+    torch.manual_seed(0)
+    assert not torch.equal(model(x), model(x))  # it drops
