@@ -27,6 +27,7 @@ default's alone).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,13 +65,14 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     rounds = opts.reps(default=3, quick=1)
     cases = [(s, w) for s in SETTINGS for w in SITUATIONS]
     times: dict[str, list[float]] = {f"{s} {w}": [] for s, w in cases}
+    threads: dict[str, list[int]] = {f"{s} {w}": [] for s, w in cases}  # what each command ran
     with tempfile.TemporaryDirectory(prefix="ddpkit-busy-") as tmp:
         if not opts.quick:
-            _commands(tmp, {}, 1, epochs)  # untimed: fills the page cache, writes the bytecode
+            _commands(tmp, {}, 1, epochs, [])  # untimed: fills the page cache, writes the bytecode
         for r in range(rounds):
             for setting, situation in cases[r % len(cases) :] + cases[: r % len(cases)]:
-                seconds = _commands(tmp, SETTINGS[setting], SITUATIONS[situation], epochs)
-                times[f"{setting} {situation}"].append(seconds)
+                name = f"{setting} {situation}"
+                times[name].append(_commands(tmp, SETTINGS[setting], SITUATIONS[situation], epochs, threads[name]))
     cases_out = {name: stats(values) for name, values in times.items()}
     median = {name: s["median"] for name, s in cases_out.items()}
     together = median["default together"] / median["one together"]
@@ -81,6 +83,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "rounds": rounds,
         "cases": cases_out,
+        "threads": {name: sorted(set(counts)) for name, counts in threads.items()},
         "settings": SETTINGS,
         "default_together_over_one_together": together,
         "together_goal": TOGETHER_GOAL,
@@ -93,8 +96,9 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     }
 
 
-def _commands(tmp: str, setting: dict[str, str], count: int, epochs: int) -> float:
-    """Seconds from starting `count` commands at once until the last has exited."""
+def _commands(tmp: str, setting: dict[str, str], count: int, epochs: int, threads: list[int]) -> float:
+    """Seconds from starting `count` commands at once until the last has exited; the torch threads
+    each ran (results.json's `threads`) are added to `threads`."""
     env = {
         **command_environ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "DDPKIT_THREADS"),
         **setting,
@@ -119,6 +123,9 @@ def _commands(tmp: str, setting: dict[str, str], count: int, epochs: int) -> flo
     for p, err in zip(procs, errors):
         if p.returncode != 0:
             raise RuntimeError(f"ddpkit train exited with {p.returncode}: {err.strip()[-1500:]}")
+    for out in outs:
+        with open(os.path.join(out, "run", "results.json")) as f:
+            threads.append(json.load(f)["threads"])
     return seconds
 
 
@@ -151,7 +158,9 @@ def plot(record: dict[str, Any], path: str) -> None:
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for name, s in result["cases"].items():
-        rows.append((f"{name} (median of {s['n']})", f"{s['median']:.2f} s [{s['min']:.2f}-{s['max']:.2f}]"))
+        ran = result.get("threads", {}).get(name)
+        threads = f", {'/'.join(map(str, ran))} thread{'s' if ran != [1] else ''}" if ran else ""
+        rows.append((f"{name} (median of {s['n']})", f"{s['median']:.2f} s [{s['min']:.2f}-{s['max']:.2f}]{threads}"))
     verdict = "met" if result["together_goal_met"] else "not met"
     rows.append(
         (

@@ -12,7 +12,8 @@ Each round times `--steps` optimizer steps of every case, in an order rotated fr
 round, after warm-up steps. The verdict is paired, as `parity`'s: the per-round ratio of
 ddpkit's step time to torch's, its median over the rounds and a bootstrap 95% interval of that
 median (benchmarks/paired.py). The goal of issue 27: ddpkit's dropout costs at most 2% of a
-step more than torch's (the ratio at most 1.02, resolved to 2%). On a GPU a larger
+step more than torch's (the ratio at most 1.02: met when the interval, at most 5% wide, lies at
+or below it). On a GPU a larger
 model makes the step the GPU's work, not its launches:
 
     python -m benchmarks dropout --device cuda --width 1024 --depth 8 --context 1024 --batch 8
@@ -33,6 +34,9 @@ DESCRIPTION = "a gpt step with no dropout, torch's and ddpkit's (masks invariant
 
 CASES: dict[str, tuple[float, bool]] = {"none": (0.0, True), "torch": (0.1, False), "ddpkit": (0.1, True)}
 GOAL = 1.02  # ddpkit's dropout at most 2% of a step more than torch's: the paired ratio's target
+# An interval up to 5% wide gives a verdict: met when it lies at or below GOAL (a 2% cost is a
+# goal, not a parity to resolve to the percent, as `parity`'s 1.01 is)
+RESOLUTION = 0.05
 
 
 def add_arguments(parser: Any) -> None:
@@ -73,7 +77,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
     for rt, *_ in runs.values():
         rt.close()
     cases = {name: stats(values) for name, values in times.items()}
-    over_torch = paired_ratio(times["torch"], times["ddpkit"], GOAL)
+    over_torch = paired_ratio(times["torch"], times["ddpkit"], GOAL, RESOLUTION)
     return {
         "model": f"gpt width {width}, depth {depth}, heads {GPT_HEADS}, context {context}",
         "batch": batch,
@@ -83,8 +87,8 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         "steps_per_round": steps,
         "cases": cases,
         "ddpkit_over_torch": over_torch,
-        "torch_over_none": paired_ratio(times["none"], times["torch"], GOAL),
-        "ddpkit_over_none": paired_ratio(times["none"], times["ddpkit"], GOAL),
+        "torch_over_none": paired_ratio(times["none"], times["torch"], GOAL, RESOLUTION),
+        "ddpkit_over_none": paired_ratio(times["none"], times["ddpkit"], GOAL, RESOLUTION),
         "goal": GOAL,
         "goal_met": over_torch["status"] == "met",
     }

@@ -128,8 +128,8 @@ def _train_threads(nproc: int) -> dict[str, Any]:
     """The threads each of `nproc` CPU processes of `ddpkit train` would run now, and why: the
     user's OMP_NUM_THREADS, or ddpkit's choice from the cores and the load since start-up."""
     given = os.environ.get("OMP_NUM_THREADS")
-    if given:
-        return {"count": int(given), "why": f"OMP_NUM_THREADS={given} (yours)"}
+    if given:  # as given: OpenMP takes lists ("4,2") too, a Runtime refuses what is not a count
+        return {"count": int(given) if given.isdigit() else given, "why": f"OMP_NUM_THREADS={given} (yours)"}
     count, why = threads.choose(nproc)
     return {"count": count, "why": why}
 

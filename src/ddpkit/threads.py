@@ -4,13 +4,14 @@ busy other programs keep them.
 torch's thread pool takes every core by default, and a waiting OpenMP thread spins. Two jobs
 that each take every core fight over them: on a 2-core machine two `ddpkit train` runs started
 together took 64 s where each alone takes 2.6 s, and 3.5 s at one thread each
-(benchmarks/results/busy-cpu.json). So each process gets its share of the cores it may use
-(affinity, a cgroup's CPU quota), less the cores other programs kept busy meanwhile: what
-/proc/stat counts on those cores since `import ddpkit`, minus this process and its children
-(ddpkit's own helper and workers). The reading needs a window: in `ddpkit train` and `ddpkit
-run` it is the time torch took to import. A window shorter than MIN_WINDOW_S (a script that
-makes its Runtime right after `import ddpkit`) is waited out; one older than MAX_WINDOW_S (a
-notebook's import an hour ago) says little of now, and a fresh one is read instead.
+(benchmarks/results/busy-cpu-before.json). So each process gets its share of the cores it may
+use (affinity, a cgroup's CPU quota), less the cores other programs kept busy meanwhile: what
+/proc/stat counts on the process's cores since `import ddpkit`, minus this process and its
+descendants (ddpkit's own helper and workers, those that ended meanwhile included). The reading
+needs a window: in `ddpkit train` and `ddpkit run` it is the time torch took to import. A
+window shorter than MIN_WINDOW_S (a script that makes its Runtime right after `import ddpkit`)
+is waited out; one older than MAX_WINDOW_S (a notebook's import an hour ago) says little of
+now, and a fresh one is read instead.
 
 A user's OMP_NUM_THREADS, or a count set by `torch.set_num_threads`, is kept; `DDPKIT_THREADS=
 share` asks for the share of the cores whatever the load (reruns then use the same count).
@@ -24,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .device import cpu_count
 
@@ -35,9 +36,8 @@ CHOSEN = "DDPKIT_THREADS_CHOSEN"  # set with OMP_NUM_THREADS by ddpkit's launche
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-@dataclass(frozen=True)
-class Reading:
-    """Busy time on the usable cores and in this process tree, at one moment, in clock ticks."""
+class Reading(NamedTuple):
+    """Busy time on this process's cores and in its process tree, at one moment, in clock ticks."""
 
     at: float
     busy: int
@@ -47,26 +47,65 @@ class Reading:
 def usable_cores() -> int:
     """Cores this process may use: its affinity, capped by a cgroup CPU quota (rounded up)."""
     cores = cpu_count()
-    quota = _cgroup_quota()
+    quota = cgroup_quota()
     return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
-def _cgroup_quota() -> float | None:
-    """The cgroup's CPU quota in cores (v2 cpu.max, v1 cfs quota), None when unlimited/unknown."""
+def cgroup_quota() -> float | None:
+    """The CPU quota in cores of this process's cgroup and those above it (the tightest; v2's
+    cpu.max, v1's cfs quota), None when unlimited or unknown."""
+    quotas = []
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # hierarchy:controllers:path
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:  # v2: cpu.max in its folder and each one above
+            quotas += [_v2_quota(os.path.join("/sys/fs/cgroup", p.lstrip("/"))) for p in _upwards(path)]
+        elif "cpu" in controllers.split(","):  # v1's cpu controller, mounted at /sys/fs/cgroup/cpu
+            quotas += [_v1_quota(os.path.join("/sys/fs/cgroup/cpu", p.lstrip("/"))) for p in _upwards(path)]
+    found = [q for q in quotas if q]
+    return min(found) if found else None
+
+
+def _upwards(path: str) -> list[str]:
+    """`path` and each folder above it, up to the root: '/a/b' -> ['/a/b', '/a', '/']."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _v2_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
             quota, period = f.read().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
-        pass
+        return None
+
+
+def _v1_quota(folder: str) -> float | None:
     try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
             quota = int(f.read())
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
             period = int(f.read())
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+def physical_cores() -> int:
+    """Physical cores among this process's usable ones (hyperthreads of a core counted once)."""
+    try:
+        siblings = set()
+        for cpu in os.sched_getaffinity(0):
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings.add(f.read().strip())
+        return max(1, len(siblings))
+    except (OSError, AttributeError):
+        return cpu_count()
 
 
 def read() -> Reading | None:
@@ -90,7 +129,43 @@ def read() -> Reading | None:
 
 
 def _own_ticks() -> int:
-    """CPU ticks of this process and its descendants (ddpkit's helper, its workers)."""
+    """CPU ticks of this process and its descendants (ddpkit's helper, its workers), with those
+    of the descendants they have reaped (cutime, cstime): found through /proc's children lists,
+    or by scanning every process where those are not kept."""
+    total, todo, seen = 0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+        try:
+            todo += _children(pid)
+        except OSError:
+            return _own_ticks_by_scan()
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            if not os.path.exists(f"/proc/{pid}/task/{task}"):
+                continue
+            raise
+    return found
+
+
+def _own_ticks_by_scan() -> int:
+    """`_own_ticks` from every process's parent, where /proc keeps no children lists."""
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -99,25 +174,23 @@ def _own_ticks() -> int:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
+        except OSError:
             continue
-        pid = int(entry)
-        parents[pid] = int(fields[1])
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
-    mine, total = {os.getpid()}, 0
-    changed = True
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = sum(int(v) for v in fields[11:15])
+    mine, changed = {os.getpid()}, True
     while changed:  # descendants, however deep
-        changed = False
-        for pid, parent in parents.items():
-            if parent in mine and pid not in mine:
-                mine.add(pid)
-                changed = True
-    for pid in mine:
-        total += ticks.get(pid, 0)
-    return total
+        before = len(mine)
+        mine |= {pid for pid, parent in parents.items() if parent in mine}
+        changed = len(mine) != before
+    return sum(ticks.get(pid, 0) for pid in mine)
 
 
 _start = read()  # at `import ddpkit`: the window's start
+# torch's own thread count, when torch was imported before ddpkit: a later other count is the
+# user's torch.set_num_threads (else torch's own is one per usable core, or per physical core
+# where it sizes its pool as MKL does)
+_torch_at_import = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
 
 
 def others_busy(since: Reading | None = None) -> tuple[float, float] | None:
@@ -152,7 +225,8 @@ def choose(processes: int) -> tuple[int, str]:
     if load is None:
         return share, f"its share of the {of}"
     busy, seconds = load
-    free = max(0, round(cores - busy))
+    # Free: the quota's cores, or fewer when other programs keep the cores it runs on busy.
+    free = max(0, math.floor(min(cores, cpu_count() - busy) + 0.5))
     threads = max(1, min(share, free // processes))
     if threads < share:
         return threads, f"its share of the {of}, less the {busy:.1f} other programs kept busy over {seconds:.1f} s"
@@ -160,6 +234,17 @@ def choose(processes: int) -> tuple[int, str]:
 
 
 _ours: int | None = None  # the count apply() set last: not the user's
+
+
+def users_count(torch: Any) -> bool:
+    """Whether torch's thread count was set by the user (torch.set_num_threads), not by torch
+    itself or by ddpkit."""
+    count = torch.get_num_threads()
+    if count == _ours:
+        return False
+    if _torch_at_import is not None:
+        return count != _torch_at_import
+    return count not in (cpu_count(), physical_cores())
 
 
 def apply(processes: int, say: bool = True) -> str:
@@ -172,16 +257,15 @@ def apply(processes: int, say: bool = True) -> str:
     given = os.environ.get("OMP_NUM_THREADS")
     if given and os.environ.get(CHOSEN):
         return os.environ[CHOSEN]
-    # torch's own count is one per usable core; another one that ddpkit did not set is the user's
-    if given or torch.get_num_threads() not in (cpu_count(), _ours):
+    if given or users_count(torch):
         count = torch.get_num_threads()
-        source = f"OMP_NUM_THREADS={given}" if given else "torch.set_num_threads"
+        source = f"OMP_NUM_THREADS={given}" if given else f"torch.set_num_threads({count})"
         cores = usable_cores()
         if count * processes > cores and say:
             print(
                 f"ddpkit: {source}: {count} thread{'s' if count != 1 else ''} in each of {processes} "
                 f"process{'es' if processes != 1 else ''} on {cores} usable core{'s' if cores != 1 else ''}: "
-                "threads will wait for each other (unset it and ddpkit chooses)",
+                f"threads will wait for each other ({'unset it' if given else 'leave it out'} and ddpkit chooses)",
                 file=sys.stderr,
             )
         return f"{source} (yours)"

@@ -30,14 +30,15 @@ def _env(**extra: str) -> dict:
 def test_env_says_the_threads_chosen_now_and_why():
     cores = usable_cores()
     quiet = _env()
-    assert quiet["count"] == cores and "other programs kept" in quiet["why"]
+    assert 1 <= quiet["count"] <= cores and "other programs kept" in quiet["why"]
     with outside_spinner():
         time.sleep(0.3)
         busy = _env()
-    assert busy["count"] == max(1, cores - 1), busy
-    if cores > 1:
+    assert busy["count"] == max(1, quiet["count"] - 1), (quiet, busy)  # one core fewer, on any machine
+    if quiet["count"] > 1:
         assert busy["why"].startswith(f"its share of the {cores} usable cores, less the"), busy
     assert _env(OMP_NUM_THREADS="3") == {"count": 3, "why": "OMP_NUM_THREADS=3 (yours)"}
+    assert _env(OMP_NUM_THREADS="4,2") == {"count": "4,2", "why": "OMP_NUM_THREADS=4,2 (yours)"}  # OpenMP's list
     text = run_cli("env", env=AUTO)
     ok(text)
     assert "torch threads per process of a CPU ddpkit train here now:" in text.stdout
@@ -51,8 +52,10 @@ def test_train_beside_a_busy_program_runs_fewer_threads_and_says_why(tmp_path):
         proc = run_cli(*args, "--out", str(tmp_path / "busy"), env=AUTO)
     ok(proc)
     r = json.loads((tmp_path / "busy" / "results.json").read_text())
-    assert r["threads"] == max(1, cores - 1), r["threads_why"]
+    assert r["threads"] <= max(1, cores - 1), r["threads_why"]
     assert r["threads_why"].startswith(f"its share of the {cores} usable core")
+    if cores > 1:
+        assert ", less the " in r["threads_why"]
     ok(run_cli(*args, "--out", str(tmp_path / "mine"), env={**AUTO, "OMP_NUM_THREADS": "1"}))
     r = json.loads((tmp_path / "mine" / "results.json").read_text())
     assert r["threads"] == 1 and r["threads_why"] == "OMP_NUM_THREADS=1 (yours)"
@@ -69,3 +72,4 @@ def test_launched_workers_run_the_launchers_choice_and_say_why(monkeypatch):
     for r in out.values():
         assert r["threads"] == int(r["OMP_NUM_THREADS"]) == expected, r
         assert r["why"].startswith(f"its share of the {cores} usable cores among 2 processes"), r
+        assert "other programs kept" in r["why"], r  # the load was read, not the share alone

@@ -14,11 +14,13 @@ from tests.conftest import PNG_MAGIC
 
 @pytest.mark.cli
 def test_two_commands_started_together_are_timed_until_both_have_exited(tmp_path):
-    seconds = busy._commands(str(tmp_path), busy.SETTINGS["one"], 2, epochs=1)
+    threads: list[int] = []
+    seconds = busy._commands(str(tmp_path), busy.SETTINGS["one"], 2, epochs=1, threads=threads)
     runs = sorted(tmp_path.glob("run-*/run/results.json"))
     assert len(runs) == 2 and seconds > 0  # both trained to the end
+    assert threads == [1, 1]  # what each ran, read from its results.json
     with pytest.raises(RuntimeError, match="ddpkit train exited with 2"):
-        busy._commands(str(tmp_path), {"OMP_NUM_THREADS": "0"}, 1, epochs=1)  # refused: the error is raised
+        busy._commands(str(tmp_path), {"OMP_NUM_THREADS": "0"}, 1, epochs=1, threads=[])  # refused: raised
 
 
 @pytest.mark.unit
