@@ -302,3 +302,17 @@ def test_a_step_not_taken_still_begins_the_next_forwards_call_numbers_anew():
             loader = rt.loader(data, batch_size=4, shuffle=False, micro_batch_size=micro)
             seen[micro] = torch.cat([model(x).detach() for (x,) in loader])  # never a step
     assert torch.equal(seen[None], seen[2])
+
+
+def test_inplace_dropout_drops_in_place_and_channels_last_stays_channels_last(source):
+    source["micro"] = MicroBatch(4, 4, True, start=0)
+    drop = ddpkit.Dropout(0.5, "i")
+    drop.source = source["source"]
+    expected = drop(torch.ones(4, 50))
+    source["forward"] += 1
+    inplace = ddpkit.Dropout(0.5, "i", inplace=True)
+    inplace.source = source["source"]
+    x = torch.ones(4, 50)
+    assert inplace(x) is x and torch.equal(x, expected)
+    image = torch.ones(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    assert drop(image).is_contiguous(memory_format=torch.channels_last)

@@ -170,7 +170,9 @@ def _call_number(src: Source, site: str) -> int:
 
 
 @torch.compiler.disable  # the keys live in Python: a compiled graph would bake one step's in
-def _draw(src: Source, x: torch.Tensor, p: float, site: str, channels: bool, batch_dim: int | None) -> torch.Tensor:
+def _draw(
+    src: Source, x: torch.Tensor, p: float, site: str, channels: bool, batch_dim: int | None, inplace: bool = False
+) -> torch.Tensor:
     number = _call_number(src, site)
     micro = src.micro()
     dim = None if micro is None else _batch_dim(src, site, x, micro, batch_dim)
@@ -188,8 +190,14 @@ def _draw(src: Source, x: torch.Tensor, p: float, site: str, channels: bool, bat
     else:
         shape = moved.shape
     keep, scale = keep_mask(rows, per_row, keyed, p)
+    if inplace:  # as torch's inplace dropout: x itself, zeroed where dropped and scaled
+        moved.masked_fill_(~keep.reshape(shape), 0).mul_(scale)
+        return x
     out = torch.where(keep.reshape(shape), moved * scale, moved.new_zeros(()))
-    return out.movedim(0, dim) if dim else out
+    out = out.movedim(0, dim) if dim else out
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        out = out.contiguous(memory_format=torch.channels_last)  # the layout it came in
+    return out
 
 
 def _batch_dim(src: Source, site: str, x: torch.Tensor, micro: Any, given: int | None) -> int | None:
@@ -264,8 +272,8 @@ class Dropout(nn.Dropout):
     CHANNELS = False  # Dropout1d/2d/3d: whole channels of a sample
     TORCH: type[nn.Module] = nn.Dropout  # what it replaces: its forward, outside a Runtime's run
 
-    def __init__(self, p: float = 0.5, site: str = "dropout", batch_dim: int | None = None):
-        super().__init__(p)
+    def __init__(self, p: float = 0.5, site: str = "dropout", batch_dim: int | None = None, inplace: bool = False):
+        super().__init__(p, inplace)
         self.site, self.batch_dim = site, batch_dim
         self.source: Source | None = None  # set by replace_dropout
 
@@ -273,7 +281,7 @@ class Dropout(nn.Dropout):
         src = self.source
         if not self.training or self.p == 0.0 or src is None or not src.active or not self._batched(x):
             return self.TORCH.forward(self, x)  # torch's
-        return _draw(src, x, self.p, self.site, self.CHANNELS, self.batch_dim)
+        return _draw(src, x, self.p, self.site, self.CHANNELS, self.batch_dim, self.inplace)
 
     def _batched(self, x: torch.Tensor) -> bool:
         return x.dim() >= 1
@@ -326,7 +334,7 @@ def replace_dropout(model: nn.Module, source: Source) -> list[str]:
             path = f"{name}.{child_name}" if name else child_name
             if type(child) in REPLACED:
                 if id(child) not in made:
-                    made[id(child)] = REPLACED[type(child)](child.p, path)
+                    made[id(child)] = REPLACED[type(child)](child.p, path, inplace=child.inplace)
                     made[id(child)].train(child.training)
                 setattr(module, child_name, made[id(child)])
             elif isinstance(child, NOT_REPLACED) and child.p > 0:
