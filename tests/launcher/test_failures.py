@@ -4,6 +4,8 @@ from outside at several moments of a real `ddpkit train`, and restarts, are in t
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import time
@@ -173,3 +175,25 @@ def test_streams_of_the_same_length_pass_the_check_at_every_epoch_end():
     # rank 0 comes to each epoch's end 1.5 s after rank 1 (the timeout is 4 s): late, not short.
     # After the last, it is the first to leave, with the store it hosts: rank 1 has read it by then.
     assert ddpkit.launch(workers.short_stream_on_rank, 1, 0, 4.0, 1.5, nproc=2, device="cpu") == {0: 16, 1: 16}
+
+
+@pytest.mark.unit
+def test_a_sigterm_from_outside_is_told_by_when_each_rank_got_its_signal_not_when_the_parent_looked(tmp_path):
+    # Under load the parent's SIGCHLD watch looked once for both deaths and stamped rank 0 (the
+    # launcher's SIGTERM) before rank 1 (killed from outside), in the order of their records:
+    # rank 0 was blamed. The stacks their handlers dumped say when each got its signal.
+    from ddpkit.launcher import failures, records
+
+    folder = tmp_path / "attempt-0"
+    folder.mkdir()
+    t = time.time()
+    for rank, got_signal in ((0, t - 1.0), (1, t - 2.0)):
+        (folder / f"rank-{rank}.pid").write_text(str(1000 + rank))
+        os.utime(folder / f"rank-{rank}.pid", (t - 5, t - 5))
+        (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
+        os.utime(folder / f"rank-{rank}.stack", (got_signal, got_signal))
+        stamped = t + rank * 0.001  # one look, rank 0 first
+        (folder / f"rank-{rank}.exit").write_text(json.dumps({"status": -signal.SIGTERM, "time": stamped}))
+    (tmp_path / records.STOPS).write_text(f"{t - 0.5}\n")
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert cause.rank == 1 and cause.outside, cause

@@ -125,12 +125,20 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
     except OSError:
         started = float("inf")
     exit_, frozen = _json(text("exit")), _json(text("frozen"))
+    stack = text("stack").strip()
+    ended = exit_.get("time", float("inf"))
+    if stack and (exit_.get("status") or 0) < 0:
+        # Killed by a signal whose handler dumped the stack: it got the signal when the dump was
+        # written. The parent's time is when its SIGCHLD watch looked, which under load may look
+        # once for several deaths and stamp them in the order of their records, not of their ends.
+        with contextlib.suppress(OSError):
+            ended = min(ended, os.path.getmtime(os.path.join(folder, f"rank-{rank}.stack")))
     return RankRecord(
         rank=rank,
         pid=int(pid) if pid.isdigit() else None,
         status=exit_.get("status"),
-        ended=exit_.get("time", float("inf")),
-        stack=text("stack").strip(),
+        ended=ended,
+        stack=stack,
         done=os.path.exists(os.path.join(folder, f"rank-{rank}.done")),
         frozen=str(frozen.get("signal", "")),
         frozen_at=frozen.get("time", float("inf")),
