@@ -26,7 +26,14 @@ from . import dist, shards
 from .ema import EMA
 from .errors import UsageError
 from .files import atomic_write
-from .strategy import fsdp, unwrap
+from .strategy import (
+    full_model_state,
+    holds_dtensors,
+    is_sharded,
+    load_full_model_state,
+    load_full_optimizer_state,
+    unwrap,
+)
 
 
 def save_file(path: str | os.PathLike, obj: Any) -> None:
@@ -101,8 +108,8 @@ def state_of(value: Any) -> Any:
     state with an fsdp model is saved as a checkpoint directory instead: see `save`.)"""
     if isinstance(value, torch.nn.Module):
         bare = unwrap(value)
-        return fsdp.full_model_state(bare) if fsdp.is_sharded(bare) else bare.state_dict()
-    if isinstance(value, torch.optim.Optimizer) and fsdp.holds_dtensors(value):
+        return full_model_state(bare) if is_sharded(bare) else bare.state_dict()
+    if isinstance(value, torch.optim.Optimizer) and holds_dtensors(value):
         raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
     if isinstance(value, EMA) and value.sharded:
         raise UsageError("an EMA of an fsdp model is saved together with its model (one save call)")
@@ -114,7 +121,7 @@ def state_of(value: Any) -> Any:
 def sharded_model(state: dict[str, Any]) -> torch.nn.Module | None:
     """The fsdp-sharded model among `state`'s values, if any."""
     bare = [unwrap(v) for v in state.values() if isinstance(v, torch.nn.Module)]
-    return next((m for m in bare if fsdp.is_sharded(m)), None)
+    return next((m for m in bare if is_sharded(m)), None)
 
 
 def save(
@@ -198,13 +205,13 @@ def load_state(target: Any, state: Any, sharded: torch.nn.Module | None = None) 
     `sharded`, the whole state is loaded and each rank keeps its shards (collective)."""
     if isinstance(target, torch.nn.Module):
         bare = unwrap(target)
-        if fsdp.is_sharded(bare):
-            fsdp.load_full_model_state(bare, state)
+        if is_sharded(bare):
+            load_full_model_state(bare, state)
         else:
             bare.load_state_dict(state)
-    elif isinstance(target, torch.optim.Optimizer) and fsdp.holds_dtensors(target):
+    elif isinstance(target, torch.optim.Optimizer) and holds_dtensors(target):
         if sharded is None:
             raise UsageError("an optimizer of an fsdp model is loaded together with its model (one load call)")
-        fsdp.load_full_optimizer_state(sharded, target, state)
+        load_full_optimizer_state(sharded, target, state)
     else:
         target.load_state_dict(state)

@@ -40,8 +40,7 @@ from .errors import UsageError
 from .gather import Collector, gather
 from .gather import samples as samples_in
 from .precision import Precision, outputs_to_fp32
-from .strategy import eval_view
-from .strategy.fsdp import is_sharded
+from .strategy import eval_view, is_sharded
 
 # What one batch adds to the sums: (output, target) -> numbers (tensors on the device, or ints).
 Measure = Callable[[Any, Any], tuple[Any, ...]]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import allocator, checkpoint, checks, dist, draws, threads, tracking
+from . import checkpoint, checks, dist, draws, threads, tracking
 from . import strategy as strategies
 from .accumulation import Accumulation
 from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
@@ -161,9 +161,7 @@ class Runtime:
             fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
         except TypeError as err:  # an unknown field
             raise UsageError(f"Runtime(fsdp=...): {err}") from None
-        # Offloaded shards and their gradients are CPU tensors: reducing them (the clipping norm,
-        # fp16's inf check, the finite check) on CUDA needs gloo beside NCCL, as torchtitan does.
-        cpu_collectives = strategy == "fsdp" and fsdp_options.cpu_offload
+        cpu_collectives = strategies.by_name(strategy).cpu_collectives(fsdp_options)
         self._owns_group = dist.init(self.env, self.device, timeout_s, cpu_collectives)
         try:
             self.ddp_options = ddp_options(ddp)
@@ -180,10 +178,7 @@ class Runtime:
             raise
         self.strategy = self._strategy.name
         """The strategy that runs: 'ddp', 'fsdp', 'dp', or 'single' ('ddp' on one process)."""
-        if self.strategy == "fsdp" and self.device.type == "cpu":
-            # Before the model exists: fsdp's gathered parameters, freed after each use, go back
-            # to the system instead of piling up in glibc's heap (see ddpkit.allocator).
-            allocator.mmap_large_blocks()
+        self._strategy.prepare_process()  # before the model exists (fsdp on CPU: the allocator)
         self.seed, self.channels_last, self.compile = seed, channels_last, compile
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
@@ -207,6 +202,18 @@ class Runtime:
     def local_rank(self) -> int:
         """This process's rank on its machine: the GPU it binds to."""
         return self.env.local_rank
+
+    @property
+    def sharded(self) -> bool:
+        """True when the strategy shards the parameters over the ranks (fsdp): its checkpoints
+        are directories every rank writes, and a forward on one rank alone waits for the others."""
+        return self._strategy.sharded
+
+    @property
+    def devices(self) -> int:
+        """How many devices the job's model runs on: the world size, or under dp every visible
+        GPU of its one process."""
+        return self._strategy.devices(self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -281,7 +288,7 @@ class Runtime:
         parameters or buffers (a plain tensor attribute would stay on meta). A constructor that
         cannot run on meta is run in full there instead, with a warning: still correct (setup()
         gives every rank rank 0's values), only without the memory saved."""
-        if self.strategy != "fsdp" or self.rank == 0:
+        if not self._strategy.builds_on_meta or self.rank == 0:
             return make()
         try:
             with torch.device("meta"):
@@ -335,8 +342,8 @@ class Runtime:
         threads over pieces of the batch, nor under torch.compile's fullgraph, which the draw's
         graph break would fail: torch's dropout stays, and that is said."""
         fullgraph = isinstance(self.compile, dict) and self.compile.get("fullgraph")
-        if self.strategy == "dp" or fullgraph:
-            why = "under dp" if self.strategy == "dp" else "under compile's fullgraph"
+        if self._strategy.keeps_torch_dropout or fullgraph:
+            why = f"under {self.strategy}" if self._strategy.keeps_torch_dropout else "under compile's fullgraph"
             if any(type(m) in draws.REPLACED and m.p > 0 for m in model.modules()):
                 print0(
                     f"ddpkit: {why} the model keeps torch's dropout, whose masks depend on the number of processes",

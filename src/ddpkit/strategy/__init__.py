@@ -3,6 +3,8 @@
 
 `resolve` turns a requested name into the strategy that will actually run on this many
 processes: `ddp` or `fsdp` on one process is `single`; `dp` without two GPUs is `single` too.
+Everything that differs between them is the strategy's own (its class attributes and methods):
+nothing outside strategy/ tests a strategy's name or type (tests/test_strategy_seam.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from .. import checks
-from ..errors import UsageError
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
 from .ddp import (
     COMM_HOOKS,
@@ -24,24 +25,37 @@ from .ddp import (
     unsettled,
 )
 from .dp import DataParallel
-from .fsdp import FSDP, FSDPOptions
+from .fsdp import FSDP, FSDPOptions, full_model_state, holds_dtensors, is_sharded, load_full_model_state
+from .fsdp import load_full_optimizer_state as load_full_optimizer_state
 from .single import Single
 
-STRATEGIES = ("ddp", "dp", "fsdp", "single")
+# The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
+# here (`register` adds one from outside, as a test's own strategy does).
+REGISTRY: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDP, DataParallel, FSDP, Single)}
+STRATEGIES = tuple(sorted(REGISTRY))  # the names at import (the registry may grow: `names()`)
 
 __all__ = [
     "COMM_HOOKS",
+    "REGISTRY",
     "STRATEGIES",
     "DDPOptions",
     "DistributedDataParallel",
     "FSDPOptions",
     "Strategy",
+    "by_name",
     "comm_hook",
     "compiled_graphs",
     "eval_view",
     "find_ddp",
+    "full_model_state",
+    "holds_dtensors",
+    "is_sharded",
+    "load_full_model_state",
+    "load_full_optimizer_state",
     "local",
+    "names",
     "no_sync",
+    "register",
     "resolve",
     "resolve_name",
     "settled_backward",
@@ -50,22 +64,26 @@ __all__ = [
 ]
 
 
+def names() -> tuple[str, ...]:
+    """Every strategy's name, sorted."""
+    return tuple(sorted(REGISTRY))
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy to the registry under its `name` (usable as a class decorator)."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def by_name(name: str) -> type[Strategy]:
+    """The strategy asked for as `name` (a UsageError for an unknown one)."""
+    checks.choice("--strategy", name, names())
+    return REGISTRY[name]
+
+
 def resolve_name(name: str, world_size: int, device: torch.device) -> str:
     """The strategy that will actually run for `name` on `world_size` processes."""
-    checks.choice("--strategy", name, STRATEGIES)
-    if name in ("ddp", "fsdp") and world_size == 1:
-        return "single"
-    if name == "single" and world_size > 1:
-        raise UsageError(
-            f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
-            "copies; use --strategy ddp, or one process"
-        )
-    if name == "dp":
-        if world_size > 1:
-            raise UsageError("--strategy dp runs in one process; use --nproc 1, or --strategy ddp")
-        if device.type != "cuda" or torch.cuda.device_count() < 2:
-            return "single"  # DataParallel over one device (or a CPU) is the bare model plus overhead
-    return name
+    return by_name(name).runs_as(world_size, device)
 
 
 def resolve(
@@ -76,9 +94,4 @@ def resolve(
     fsdp: FSDPOptions = FSDPOptions(),
 ) -> Strategy:
     """The `Strategy` object that runs `name` here (see `resolve_name`)."""
-    actual = resolve_name(name, world_size, device)
-    if actual == "ddp":
-        return DDP(device, ddp)
-    if actual == "fsdp":
-        return FSDP(device, fsdp)
-    return DataParallel(device) if actual == "dp" else Single(device)
+    return REGISTRY[resolve_name(name, world_size, device)].make(device, ddp, fsdp)

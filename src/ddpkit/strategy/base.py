@@ -37,9 +37,56 @@ class Strategy:
     lockstep: ClassVar[bool] = False
     # check_optimizer does something (fsdp): Runtime.step calls it only then.
     checks_optimizers: ClassVar[bool] = False
+    # The parameters are sharded over the ranks (fsdp): checkpoints are DCP directories written
+    # by every rank (in the background), a rank's forward alone would wait for the others.
+    sharded: ClassVar[bool] = False
+    # Ranks other than 0 may build the model on the meta device; setup() fills them (fsdp).
+    builds_on_meta: ClassVar[bool] = False
+    # Runs in one process whatever the machine has (single, dp): `ddpkit train` starts one.
+    one_process: ClassVar[bool] = False
+    # Replicas run in threads over pieces of a process's batch (dp): ddpkit's dropout, keyed by
+    # the sample's place in the batch, cannot see that place, so torch's stays.
+    keeps_torch_dropout: ClassVar[bool] = False
+    # torch's SyncBatchNorm works under it (`--sync-batchnorm`); else `refuses_sync_batchnorm`.
+    sync_batchnorm: ClassVar[bool] = True
+    refuses_sync_batchnorm: ClassVar[str] = ""
+    # The --fsdp-* flags are its options.
+    takes_fsdp_options: ClassVar[bool] = False
+    # `ddpkit find-batch-size` searches under it.
+    tunable: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    @classmethod
+    def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
+        """The strategy for `device`, with its options among the DDP and FSDP ones given."""
+        return cls(device)
+
+    @classmethod
+    def runs_as(cls, world_size: int, device: torch.device) -> str:
+        """The name of the strategy that runs when this one is asked for on `world_size`
+        processes (a wrapper that would only add overhead is left out: `single`)."""
+        return cls.name
+
+    @classmethod
+    def cpu_collectives(cls, fsdp: Any) -> bool:
+        """Whether its process group needs gloo beside NCCL (fsdp's CPU offload)."""
+        return False
+
+    @classmethod
+    def bytes_per_weight(cls, world_size: int) -> float:
+        """Memory per weight a process holds under AdamW in fp32: the weight, its gradient and
+        two optimizer values (a sharded strategy holds its share of the last three)."""
+        return 16.0
+
+    def prepare_process(self) -> None:
+        """Process-wide settings the strategy needs, before the model exists (fsdp on CPU: the
+        allocator's)."""
+
+    def devices(self, world_size: int) -> int:
+        """How many devices the job's models run on (dp: every visible GPU of its one process)."""
+        return world_size
 
     def wrap(
         self,

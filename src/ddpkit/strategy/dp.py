@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
+from ..errors import UsageError
 from .base import Strategy
 
 
@@ -17,6 +19,19 @@ class DataParallel(Strategy):
     # DataParallel copies the module to every GPU each step; a compiled module's copies would
     # still call the original's compiled forward, on the first GPU. So compile around it.
     compile_inside = False
+    one_process = True
+    keeps_torch_dropout = True
+
+    @classmethod
+    def runs_as(cls, world_size: int, device: torch.device) -> str:
+        if world_size > 1:
+            raise UsageError("--strategy dp runs in one process; use --nproc 1, or --strategy ddp")
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            return "single"  # DataParallel over one device (or a CPU) is the bare model plus overhead
+        return cls.name
+
+    def devices(self, world_size: int) -> int:
+        return torch.cuda.device_count()
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         warnings.warn(

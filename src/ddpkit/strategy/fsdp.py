@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .. import checks, dist
+from .. import allocator, checks, dist
 from ..errors import UsageError
 from .base import Strategy, compile_options, on_meta
 
@@ -118,12 +118,45 @@ def no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+NO_SYNC_BATCHNORM = "--strategy fsdp does not support SyncBatchNorm (--sync-batchnorm) yet; use --strategy ddp"
+
+
 class FSDP(Strategy):
     """FSDP2 over this job's processes (see the module docstring)."""
 
     name = "fsdp"
     lockstep: ClassVar[bool] = True
     checks_optimizers: ClassVar[bool] = True
+    sharded: ClassVar[bool] = True
+    builds_on_meta: ClassVar[bool] = True
+    sync_batchnorm: ClassVar[bool] = False
+    refuses_sync_batchnorm: ClassVar[str] = NO_SYNC_BATCHNORM
+    takes_fsdp_options: ClassVar[bool] = True
+    tunable: ClassVar[bool] = True
+
+    @classmethod
+    def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
+        return cls(device, fsdp)
+
+    @classmethod
+    def runs_as(cls, world_size: int, device: torch.device) -> str:
+        return "single" if world_size == 1 else cls.name
+
+    @classmethod
+    def cpu_collectives(cls, fsdp: Any) -> bool:
+        # Offloaded shards and their gradients are CPU tensors: reducing them (the clipping norm,
+        # fp16's inf check, the finite check) on CUDA needs gloo beside NCCL, as torchtitan does.
+        return bool(fsdp.cpu_offload)
+
+    @classmethod
+    def bytes_per_weight(cls, world_size: int) -> float:
+        return 4 + 12 / world_size  # one whole copy at build time, shares of the rest
+
+    def prepare_process(self) -> None:
+        if self.device.type == "cpu":
+            # Before the model exists: gathered parameters, freed after each use, go back to the
+            # system instead of piling up in glibc's heap (see ddpkit.allocator).
+            allocator.mmap_large_blocks()
 
     def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions()):
         super().__init__(device)
@@ -240,7 +273,6 @@ def compile_forward(module: nn.Module, options: bool | dict) -> None:
 
 # SyncBatchNorm's forward is a collective of its own, and fsdp runs empty micro-batches to keep
 # the ranks in step: not tried yet (it runs on GPUs only).
-NO_SYNC_BATCHNORM = "--strategy fsdp does not support SyncBatchNorm (--sync-batchnorm) yet; use --strategy ddp"
 
 
 def check_model(model: nn.Module) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from ..errors import UsageError
 from .base import Strategy
 
 
@@ -10,3 +13,13 @@ class Single(Strategy):
     their wrappers would add overhead and nothing else."""
 
     name = "single"
+    one_process = True
+
+    @classmethod
+    def runs_as(cls, world_size: int, device: torch.device) -> str:
+        if world_size > 1:
+            raise UsageError(
+                f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
+                "copies; use --strategy ddp, or one process"
+            )
+        return cls.name

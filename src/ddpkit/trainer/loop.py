@@ -459,7 +459,7 @@ class Loop:
         self.wait_for_checkpoint()
         t0 = time.perf_counter()
         run_state = {**self.run.state_dict(self.rt, sums), "throughput": self.figures()}
-        sharded = self.rt.strategy == "fsdp"
+        sharded = self.rt.sharded
         self.pending = checkpoint.save(
             out.checkpoint_path(self.run.step, sharded),
             {**self.checkpointed(), "run": run_state},
@@ -494,7 +494,7 @@ class Loop:
                 0.0, timing["warmup_seconds"] - timing["warmup_steps"] * timing["step_time_ms"]["p50"] / 1e3
             )
         flops = None
-        if rt.is_main and rt.strategy != "fsdp":
+        if rt.is_main and not rt.sharded:
             flops = flops_per_sample(unwrap(self.model), self.plan.in_shape, rt.device, self.vocab())
         elif rt.is_main:  # a sharded forward on rank 0 alone would wait for the others: count a copy
             flops = self.flops_on_meta()
@@ -503,9 +503,7 @@ class Loop:
         perf["achieved_tflops"] = flops * rate / 1e12 if flops else None
         peak = peak_tflops(rt.device, cfg.precision)
         perf["peak_tflops_per_device"] = peak
-        # DataParallel runs one process over every visible GPU.
-        devices = torch.cuda.device_count() if rt.strategy == "dp" else rt.world_size
-        perf["mfu"] = perf["achieved_tflops"] / (peak * devices) if peak and flops else None
+        perf["mfu"] = perf["achieved_tflops"] / (peak * rt.devices) if peak and flops else None
         util = self.gpu_util.stop() if self.gpu_util is not None else None
         perf["gpu_utilization_percent"] = rt.broadcast_object(util)
         return perf

@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import checks, data, models, tracking
 from .. import device as devices
+from .. import strategy as strategies
 from ..data import Augment
 from ..errors import UsageError
 from ..files import check_writable
@@ -29,13 +30,11 @@ from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
-from ..strategy.fsdp import NO_SYNC_BATCHNORM
 from . import resume, rundir
 from .config import FIELDS, TrainConfig, model_options
 
 LOADERS = {"auto": None, "device": True, "dataloader": False}  # --loader -> Runtime.loader(resident=...)
 LR_SCALINGS = ("none", "linear", "sqrt")
-ONE_PROCESS = ("dp", "single")  # strategies that run in one process
 WORKERS_PER_CORE = 4  # DataLoader workers per process beyond which --num-workers is refused (torch warns at 1)
 MAX_TIMEOUT = 1e9  # seconds (31 years): far below where a timedelta or torch's milliseconds overflow
 
@@ -139,7 +138,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     check_settings(cfg)
     cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
     nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
-    one_process = f"--strategy {cfg.strategy}" if cfg.strategy in ONE_PROCESS else None
+    one_process = f"--strategy {cfg.strategy}" if strategies.by_name(cfg.strategy).one_process else None
     topology = topologies.resolve(cfg.device, cfg.nproc, nodes, cfg.max_restarts, one_process)
     augment = Augment.parse(cfg.augment, cfg.crop_padding)
     in_shape, num_classes = _data_shape(cfg, augment)
@@ -153,8 +152,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
         _check_gpt_memory(cfg, in_shape, num_classes, topology)
-    if cfg.strategy == "fsdp" and cfg.sync_batchnorm:
-        raise UsageError(NO_SYNC_BATCHNORM)
+    if cfg.sync_batchnorm and not strategies.by_name(cfg.strategy).sync_batchnorm:
+        raise UsageError(strategies.by_name(cfg.strategy).refuses_sync_batchnorm)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
@@ -240,7 +239,7 @@ def _check_gpt_memory(cfg: TrainConfig, in_shape: tuple[int, ...], vocab: int, t
     weights (fp32), gradients and optimizer state (AdamW: two values per weight); under fsdp
     one whole copy at build time plus its shares of the rest."""
     params = models.gpt_parameters(in_shape[0], vocab, cfg.gpt_width, cfg.gpt_depth)
-    per_weight = 4 + 12 / topology.world_size if cfg.strategy == "fsdp" else 16
+    per_weight = strategies.by_name(cfg.strategy).bytes_per_weight(topology.world_size)
     checks.memory(
         f"--model gpt with --gpt-width {cfg.gpt_width}, --gpt-depth {cfg.gpt_depth} and --seq-len {cfg.seq_len} "
         f"({params:,} parameters)",
@@ -277,7 +276,7 @@ def _fsdp_options(cfg: TrainConfig) -> FSDPOptions:
         cpu_offload=cfg.fsdp_cpu_offload,
     )
     changed = [f for f in ("fsdp_reshard_after_forward", "fsdp_reduce_dtype", "fsdp_cpu_offload") if _is_set(cfg, f)]
-    if changed and cfg.strategy != "fsdp":
+    if changed and not strategies.by_name(cfg.strategy).takes_fsdp_options:
         raise UsageError(
             f"{checks.flag(changed[0])} applies to --strategy fsdp only (this run has --strategy {cfg.strategy})"
         )

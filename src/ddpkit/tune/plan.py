@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import checks, data, models
+from .. import strategy as strategies
 from ..errors import UsageError
 from ..files import check_writable
 from ..launcher import Topology
@@ -18,7 +19,8 @@ from ..optim import OPTIMIZERS
 from ..precision import PRECISIONS
 from .search import CRITERIA
 
-TUNE_STRATEGIES = ("ddp", "fsdp")  # the strategies a search runs (ddp on one process is the bare model)
+# the strategies a search runs (ddp on one process is the bare model)
+TUNE_STRATEGIES = tuple(name for name, cls in sorted(strategies.REGISTRY.items()) if cls.tunable)
 
 
 @dataclass(frozen=True)

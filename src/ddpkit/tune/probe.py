@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import models
 from ..metrics import available_mib, peak_memory_mib, reset_peak_memory, rss_mib, time_calls
 from ..optim import build_optimizer
+from ..strategy import find_ddp
 from .plan import Settings
 from .search import Trial
 
@@ -70,9 +71,9 @@ class Tuner:
         self.smallest = 2 if any(isinstance(m, batchnorms) for m in model.modules()) else 1
         self.model, self.opt = rt.setup(model, opt)
         # The probe runs the module inside DDP (with its autocast, if any): no collectives.
-        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        self.bare = self.model.module if ddp else self.model
-        self.sharded = rt.strategy == "fsdp"  # no probe step (see the module docstring)
+        ddp = find_ddp(self.model)
+        self.bare = ddp.module if ddp is not None else self.model
+        self.sharded = rt.sharded  # no probe step (see the module docstring)
         self._allocate_optimizer_state()
         self.cuda = rt.device.type == "cuda"
         self.base_rss = rss_mib()
