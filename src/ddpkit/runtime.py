@@ -145,9 +145,6 @@ class Runtime:
         self.invariant_dropout, self._draw_seed = invariant_dropout, seed
         self._draws: draws.Source | None = None  # made at the first setup(), left at close()
         self._plain = False  # step() is opt.step() and zero_grad alone, unless told otherwise (see _replan)
-        # The DDP wrapper whose first reducing backward backward() runs in the buckets' final
-        # layout (strategy.settled_backward), until it has.
-        self._settle: strategies.DistributedDataParallel | None = None
         checks.thread_count_variable()
         self.env = dist.detect_env()
         self.device = resolve_device(device, self.env.local_rank)
@@ -228,7 +225,9 @@ class Runtime:
         if self._acc is not None:
             self._acc.leave()
             self._acc.no_sync = None
-        self._model = self._settle = None  # the caller may drop the model: do not keep it alive
+        self._model = None  # the caller may drop the model: do not keep it alive
+        if hasattr(self, "_strategy"):
+            self._strategy.disarm()
         if self._draws is not None:
             draws.leave(self._draws)
         self._models, self._optimizers, self._loaders = [], [], []
@@ -328,8 +327,11 @@ class Runtime:
         # With several models, which one's buckets a backward reduces is not known: none is
         # settled; nor under torch.compile, whose compiled backward may refuse a retained graph.
         one = len(self._models) == 1 and not self.compile
-        self._settle = strategies.unsettled(wrapped, self.world_size) if one else None
-        self._acc.set_hold(self._settle is not None)
+        if one:
+            self._acc.set_hold(self._strategy.arm(wrapped, self.world_size))
+        else:
+            self._strategy.disarm()
+            self._acc.set_hold(False)
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
             # augmentation, sampling) each rank draws from its own stream.
@@ -419,36 +421,14 @@ class Runtime:
         else:
             try:
                 weighted = self._acc.weigh(loss) if weight is None else self._acc.weigh_by(loss, weight)
-                if self._settling():
-                    ddp = self._settle
-                    try:
-                        backward = functools.partial(self.precision.backward, weighted)
-                        # (not settled: the loss reaches another model's parameters)
-                        if not strategies.settled_backward(ddp, weighted, backward) or ddp._has_rebuilt_buckets:
-                            self._stop_settling()
-                    finally:
-                        ddp.reducing = False  # that forward's backward has run
+                if self._acc.hold:  # the strategy has a backward of its own to run (ddp: settling)
+                    if not self._strategy.backward(weighted, functools.partial(self.precision.backward, weighted)):
+                        self._acc.set_hold(False)
                 else:
                     self.precision.backward(weighted)
             finally:
                 self._acc.leave()
         self._counted = False
-
-    def _settling(self) -> bool:
-        """Whether this backward is the one to run in DDP's settled buckets: the model's last
-        forward armed a reducing backward, and DDP has not laid its buckets out again yet (once
-        it has, by this backward or by one the loop ran itself, there is nothing to settle)."""
-        ddp = self._settle
-        if ddp is None:
-            return False
-        if ddp._has_rebuilt_buckets:
-            self._stop_settling()
-            return False
-        return ddp.reducing and ddp.require_backward_grad_sync
-
-    def _stop_settling(self) -> None:
-        self._settle = None
-        self._acc.set_hold(False)
 
     @property
     def step_ready(self) -> bool:

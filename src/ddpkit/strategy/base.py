@@ -88,6 +88,21 @@ class Strategy:
         """How many devices the job's models run on (dp: every visible GPU of its one process)."""
         return world_size
 
+    def arm(self, model: nn.Module, world_size: int) -> bool:
+        """After setup() wrapped `model` (the run's one model, uncompiled): whether the first
+        backward that reduces must run through `backward` (ddp: to settle its buckets; see
+        `DDP.backward`)."""
+        return False
+
+    def disarm(self) -> None:
+        """No backward of the strategy's own any more (a second model, close())."""
+
+    def backward(self, loss: torch.Tensor, backward: Callable[..., None]) -> bool:
+        """Back-propagate `loss` through `backward(**kwargs)` (the precision's backward); returns
+        whether a backward of the strategy's own is still to come (see `arm`)."""
+        backward()
+        return False
+
     def wrap(
         self,
         model: nn.Module,

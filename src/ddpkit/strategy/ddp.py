@@ -255,6 +255,36 @@ class DDP(Strategy):
     def __init__(self, device: torch.device, options: DDPOptions = DDPOptions()):
         super().__init__(device)
         self.options = options
+        # The DDP wrapper whose first reducing backward runs in the buckets' final layout
+        # (`settled_backward`), until it has.
+        self._settle: DistributedDataParallel | None = None
+
+    def arm(self, model: nn.Module, world_size: int) -> bool:
+        self._settle = unsettled(model, world_size)
+        return self._settle is not None
+
+    def disarm(self) -> None:
+        self._settle = None
+
+    def backward(self, loss: torch.Tensor, backward: Callable[..., None]) -> bool:
+        """The first backward that reduces (the model's last forward armed it, DDP has not laid
+        its buckets out again yet) runs twice, in the final layout: see `settled_backward`. Once
+        the buckets are rebuilt (by it, or by a backward the loop ran itself), plain backward."""
+        ddp = self._settle
+        if ddp is None or ddp._has_rebuilt_buckets:
+            self._settle = None
+            backward()
+            return False
+        if not (ddp.reducing and ddp.require_backward_grad_sync):  # no reduction armed: not this one
+            backward()
+            return True
+        try:
+            # (not settled: the loss reaches another model's parameters)
+            if not settled_backward(ddp, loss, backward) or ddp._has_rebuilt_buckets:
+                self._settle = None
+        finally:
+            ddp.reducing = False  # that forward's backward has run
+        return self._settle is not None
 
     @classmethod
     def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
