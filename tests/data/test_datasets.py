@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from ddpkit import data
 from ddpkit.data import download
+from ddpkit.errors import UsageError
 from tests.conftest import run_cli
 from tests.data.helpers import write_mnist
 
@@ -81,3 +83,29 @@ def test_train_names_a_corrupted_mnist_file(tmp_path):
     )
     assert proc.returncode == 2 and "t10k-images-idx3-ubyte.gz: corrupted" in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.unit
+def test_a_new_dataset_is_one_catalogue_entry():
+    # What docs/extending.md shows: an entry, nothing else touched, and every door finds it.
+    prepared = []
+    entry = data.Entry(
+        load=lambda name, r: data.Splits(
+            TensorDataset(torch.zeros(6, r.seq_len), torch.zeros(6, dtype=torch.long)),
+            TensorDataset(torch.zeros(2, r.seq_len), torch.zeros(2, dtype=torch.long)),
+            (r.seq_len,),
+            2,
+        ),
+        shape=lambda name, r: ((r.seq_len,), 2),
+        prepare=lambda name, r: prepared.append(name),
+    )
+    data.register("zeros", entry)
+    try:
+        assert data.shape_of("zeros", seq_len=5) == ((5,), 2)
+        assert len(data.load("zeros", seq_len=5).train) == 6 and data.train_size("zeros", seq_len=5) == 6
+        data.prepare("zeros")
+        assert prepared == ["zeros"]
+    finally:
+        del data.CATALOGUE["zeros"]
+    with pytest.raises(UsageError, match="--data"):
+        data.load("zeros")

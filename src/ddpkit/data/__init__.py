@@ -14,14 +14,18 @@ a run independent of the number of processes, and the distributed loader.
 from __future__ import annotations
 
 from .datasets import (
+    CATALOGUE,
     DATASETS,
     FILE_DATASETS,
     NORMALIZATION,
     TEXT_DATASETS,
+    Entry,
+    Request,
     Splits,
     digits,
     load,
     prepare,
+    register,
     shape_of,
     synthetic,
     synthetic_bytes,
@@ -35,6 +39,7 @@ from .stream import StreamLoader, stream_loader
 from .text import IGNORE, VOCAB, TextSet
 
 __all__ = [
+    "CATALOGUE",
     "DATASETS",
     "FILE_DATASETS",
     "IGNORE",
@@ -43,9 +48,11 @@ __all__ = [
     "VOCAB",
     "Augment",
     "DistributedLoader",
+    "Entry",
     "GlobalBatchSampler",
     "ImageSet",
     "MicroBatch",
+    "Request",
     "Resident",
     "ShardSampler",
     "Splits",
@@ -59,6 +66,7 @@ __all__ = [
     "load",
     "move",
     "prepare",
+    "register",
     "shape_of",
     "share",
     "stream_loader",

@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,10 +31,10 @@ from . import download, readers
 from .images import ImageSet
 from .text import VOCAB, text
 
-DATASETS = ("digits", "synthetic", "toy", "mnist", "fashion-mnist", "cifar10", "text")
-TEXT_DATASETS = ("text",)  # sequences for a language model; the others are for classifiers
-# Datasets read from files: (input shape, classes), known without reading them.
+# Datasets read from files: (input shape, classes), known without reading them, and the files'
+# format (readers: IDX files, or CIFAR's pickled batches).
 FILE_DATASETS = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}
+FILE_FORMATS = {"mnist": "idx", "fashion-mnist": "idx", "cifar10": "cifar"}
 # Per-channel mean and std of each training set in [0, 1] units, the values in common use
 # (torchvision's examples); the images stay uint8, so ImageSet gets them times 255.
 NORMALIZATION = {
@@ -122,31 +123,6 @@ def synthetic_bytes(shape: tuple[int, ...], size: int, num_classes: int) -> int:
     return total + n * values + 12 * min(n, 4096) * values + 4 * size * math.prod(shape[1:])
 
 
-def train_size(
-    name: str, data_dir: str | None = None, synthetic_size: int = 4096, text_path: str | None = None, seq_len: int = 128
-) -> int:
-    """Training samples of dataset `name` (file datasets are read: call after `prepare`)."""
-    if name == "synthetic":
-        return synthetic_size
-    if name == "digits":
-        return len(_digits_array()) - DIGITS_TEST_SIZE
-    # toy, text, or files this process has read already
-    return len(load(name, data_dir=data_dir, text_path=text_path, seq_len=seq_len).train)
-
-
-def shape_of(
-    name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seq_len: int = 128
-) -> tuple[tuple[int, ...], int]:
-    """(input shape, number of classes) of a dataset without loading it."""
-    if name in FILE_DATASETS:
-        return FILE_DATASETS[name]
-    if name == "text":
-        return (seq_len,), VOCAB
-    if name == "toy":
-        return (2,), 2
-    return ((1, 8, 8), 10) if name == "digits" else (tuple(synthetic_shape), num_classes)
-
-
 def toy() -> Splits:
     """The two-class toy problem of the PyTorch DDP tutorials (S. Raschka's DDP script)."""
     train_x = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
@@ -159,7 +135,7 @@ def toy() -> Splits:
 def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
     """(paths found, downloadable files missing) of a file dataset in `folder`. Each IDX file
     may be there gzipped or not; CIFAR-10 as the tar.gz or as the folder it unpacks to."""
-    if name == "cifar10":
+    if FILE_FORMATS[name] == "cifar":
         extracted = os.path.join(folder, readers.CIFAR_FOLDER)
         if os.path.isdir(extracted):
             return [extracted], []
@@ -172,21 +148,6 @@ def _local_files(name: str, folder: str) -> tuple[list[str], list[str]]:
         found.extend(paths[:1])
         missing.extend([] if paths else names[:1])
     return found, missing
-
-
-def prepare(name: str, data_dir: str | None = None, text_path: str | None = None, seq_len: int = 128) -> None:
-    """Download what dataset `name` lacks into its folder, then check that it reads. Called
-    once by `ddpkit train` before workers start, so they only read (`load`)."""
-    if name == "text":  # read, to refuse a path without enough text before any worker starts
-        text(text_path, seq_len)
-        return
-    if name not in FILE_DATASETS:
-        return
-    folder = download.dataset_dir(name, data_dir)
-    _, missing = _local_files(name, folder)
-    if missing:
-        download.fetch(name, folder, missing)
-    load(name, data_dir=data_dir)
 
 
 # What this process has read (as tensors), by the files' identity: the check in `prepare` is
@@ -219,7 +180,7 @@ def _read_files(name: str, data_dir: str | None) -> Splits:
 
 
 def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
-    if name == "cifar10":
+    if FILE_FORMATS[name] == "cifar":
         train_x, train_y, test_x, test_y = readers.read_cifar10(paths[0])
     else:
         train_x, train_y = readers.read_idx_pair(paths[0], paths[1])
@@ -239,29 +200,123 @@ def _parse_files(name: str, paths: list[str]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def load(
-    name: str,
-    *,
-    data_dir: str | None = None,
-    synthetic_shape: tuple[int, ...] = (3, 32, 32),
-    synthetic_size: int = 4096,
-    num_classes: int = 10,
-    seed: int = 0,
-    text_path: str | None = None,
-    seq_len: int = 128,
-) -> Splits:
-    """Dataset `name`. File datasets are read, never downloaded, here (see `prepare`).
-    `text_path` and `seq_len` are `--data text`'s (None: the standard library's sources)."""
-    if name == "digits":
-        return digits()
-    if name == "synthetic":
-        return synthetic(synthetic_shape, synthetic_size, num_classes, seed)
-    if name == "toy":
-        return toy()
-    if name in FILE_DATASETS:
-        return _read_files(name, data_dir)
-    if name == "text":
-        train, test = text(text_path, seq_len)
-        return Splits(train, test, (seq_len,), VOCAB)
-    checks.choice("--data", name, DATASETS)
-    raise AssertionError(name)  # every name of DATASETS is handled above
+@dataclass(frozen=True)
+class Request:
+    """What a run asks of a dataset, from its flags: where its files are, the synthetic set's
+    make, the text's path and sequence length."""
+
+    data_dir: str | None = None
+    synthetic_shape: tuple[int, ...] = (3, 32, 32)
+    synthetic_size: int = 4096
+    num_classes: int = 10
+    seed: int = 0
+    text_path: str | None = None
+    seq_len: int = 128
+
+
+def _nothing_to_prepare(name: str, r: Request) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One dataset of the catalogue: how to load it, its (input shape, classes) without loading
+    it, what to do once before the workers start (download, check), its training samples
+    (default: those of what `load` gives), and whether it is text for a language model."""
+
+    load: Callable[[str, Request], Splits]
+    shape: Callable[[str, Request], tuple[tuple[int, ...], int]]
+    prepare: Callable[[str, Request], None] = _nothing_to_prepare
+    train_size: Callable[[str, Request], int] | None = None
+    text: bool = field(default=False)
+
+
+def _prepare_files(name: str, r: Request) -> None:
+    """Download what a file dataset lacks into its folder, then check that it reads."""
+    folder = download.dataset_dir(name, r.data_dir)
+    _, missing = _local_files(name, folder)
+    if missing:
+        download.fetch(name, folder, missing)
+    _read_files(name, r.data_dir)
+
+
+def _check_text(r: Request) -> None:
+    text(r.text_path, r.seq_len)  # read (and kept): a path without enough text is refused now
+
+
+def _text(name: str, r: Request) -> Splits:
+    train, test = text(r.text_path, r.seq_len)
+    return Splits(train, test, (r.seq_len,), VOCAB)
+
+
+# The catalogue: a dataset is an entry here (`register` adds one from outside).
+CATALOGUE: dict[str, Entry] = {
+    "digits": Entry(
+        load=lambda name, r: digits(),
+        shape=lambda name, r: ((1, 8, 8), 10),
+        train_size=lambda name, r: len(_digits_array()) - DIGITS_TEST_SIZE,
+    ),
+    "synthetic": Entry(
+        load=lambda name, r: synthetic(r.synthetic_shape, r.synthetic_size, r.num_classes, r.seed),
+        shape=lambda name, r: (tuple(r.synthetic_shape), r.num_classes),
+        train_size=lambda name, r: r.synthetic_size,
+    ),
+    "toy": Entry(load=lambda name, r: toy(), shape=lambda name, r: ((2,), 2)),
+    **{
+        name: Entry(
+            load=lambda name, r: _read_files(name, r.data_dir),
+            shape=lambda name, r: FILE_DATASETS[name],
+            prepare=_prepare_files,
+        )
+        for name in FILE_DATASETS
+    },
+    "text": Entry(
+        load=_text,
+        shape=lambda name, r: ((r.seq_len,), VOCAB),
+        prepare=lambda name, r: _check_text(r),
+        text=True,
+    ),
+}
+DATASETS = tuple(CATALOGUE)  # the names at import (the catalogue may grow: `register`)
+TEXT_DATASETS = tuple(name for name, entry in CATALOGUE.items() if entry.text)  # for a language model
+
+
+def register(name: str, entry: Entry) -> None:
+    """Add a dataset to the catalogue under `name`."""
+    CATALOGUE[name] = entry
+
+
+def entry(name: str) -> Entry:
+    """The catalogue's entry for `name` (a UsageError for an unknown one)."""
+    checks.choice("--data", name, tuple(CATALOGUE))
+    return CATALOGUE[name]
+
+
+def load(name: str, **request: object) -> Splits:
+    """Dataset `name`, for a `Request` of these fields. File datasets are read, never
+    downloaded, here (see `prepare`). `text_path` and `seq_len` are `--data text`'s (None: the
+    standard library's sources)."""
+    return entry(name).load(name, Request(**request))
+
+
+def prepare(name: str, data_dir: str | None = None, text_path: str | None = None, seq_len: int = 128) -> None:
+    """What dataset `name` needs once before the workers start: a file dataset's downloads into
+    its folder and a check that it reads, the text's read. Called by `ddpkit train`, so that
+    workers only read (`load`)."""
+    entry(name).prepare(name, Request(data_dir=data_dir, text_path=text_path, seq_len=seq_len))
+
+
+def train_size(
+    name: str, data_dir: str | None = None, synthetic_size: int = 4096, text_path: str | None = None, seq_len: int = 128
+) -> int:
+    """Training samples of dataset `name` (file datasets are read: call after `prepare`)."""
+    r = Request(data_dir=data_dir, synthetic_size=synthetic_size, text_path=text_path, seq_len=seq_len)
+    found = entry(name)
+    return found.train_size(name, r) if found.train_size is not None else len(found.load(name, r).train)
+
+
+def shape_of(
+    name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seq_len: int = 128
+) -> tuple[tuple[int, ...], int]:
+    """(input shape, number of classes) of a dataset without loading it."""
+    return entry(name).shape(name, Request(synthetic_shape=synthetic_shape, num_classes=num_classes, seq_len=seq_len))
