@@ -33,6 +33,48 @@ os.environ.setdefault("DDPKIT_THREADS", "share")
 KINDS = ("unit", "distributed", "cli")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slowest-into",
+        metavar="FILE",
+        help="after a whole run that passed, write its ten slowest tests into FILE's generated block "
+        "(docs/testing.md; see tests/slowest.py)",
+    )
+
+
+_SECONDS: dict[str, float] = {}  # each test's setup, call and teardown, for --slowest-into
+_PASSED: list[str] = []
+_STARTED: list[float] = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _STARTED.append(time.time())
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call" and report.passed:
+        _PASSED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    path = config.getoption("--slowest-into")
+    whole = not config.getoption("markexpr") and not config.getoption("keyword")
+    whole = whole and all(os.path.abspath(a) in (ROOT, os.path.join(ROOT, "tests")) for a in config.args)
+    if not path or exitstatus != 0 or not whole:  # a part of the suite says nothing of the whole's slowest
+        return
+    import datetime
+    import time
+
+    from tests import slowest
+
+    total = time.time() - _STARTED[0]
+    slowest.write_into(path, slowest.block(_SECONDS, total, len(_PASSED), datetime.date.today()))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
 def pytest_collection_modifyitems(config, items):
     unclassified = [item.nodeid for item in items if not any(item.get_closest_marker(k) for k in KINDS)]

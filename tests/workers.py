@@ -353,9 +353,13 @@ def freeze_on_rank(bad_rank: int, timeout_s: float, how: str = "SIGSTOP") -> int
 
 
 def _frozen_here(sig: int) -> None:
+    import signal
+
     # SIGTSTP is discarded in an orphaned process group (pytest under `timeout` in a background
     # job): a group of its own, whose parent (the launcher) is in this session, is not one.
-    os.setpgid(0, 0)
+    # (SIGSTOP always stops: nothing to change for it.)
+    if sig == signal.SIGTSTP:
+        os.setpgid(0, 0)
     os.kill(os.getpid(), sig)
 
 

@@ -117,7 +117,7 @@ def test_a_frozen_rank_is_blamed_as_hung_with_its_stack_at_the_timeout(capfd, ho
     assert err.traceback.startswith("Stack of rank 1 when it was stopped:")
     # where it froze: continued to take the SIGTERM, another thread of it may dump the stack a
     # moment after the main thread went on from _frozen_here
-    assert "in freeze_on_rank" in err.traceback
+    assert "in freeze_on_rank" in err.traceback, err.traceback
     # said when it happened, not only at the end
     said = [line for line in capfd.readouterr().err.splitlines() if "was stopped by" in line]
     assert len(said) == 1 and said[0].startswith(f"ddpkit: rank 1 (pid {err.pid}) was stopped by {how}: "), said
