@@ -38,7 +38,8 @@ def pytest_addoption(parser):
         "--slowest-into",
         metavar="FILE",
         help="after a whole run that passed, write its ten slowest tests into FILE's generated block "
-        "(docs/testing.md; see tests/slowest.py)",
+        "(docs/testing.md; see tests/slowest.py). Defined here: name the tests folder, "
+        "`python -m pytest tests --slowest-into docs/testing.md`",
     )
 
 
@@ -64,8 +65,8 @@ def pytest_sessionfinish(session, exitstatus):
     path = config.getoption("--slowest-into")
     whole = not config.getoption("markexpr") and not config.getoption("keyword")
     whole = whole and all(os.path.abspath(a) in (ROOT, os.path.join(ROOT, "tests")) for a in config.args)
-    if not path or exitstatus != 0 or not whole:  # a part of the suite says nothing of the whole's slowest
-        return
+    if not path or exitstatus != 0 or not whole or config.option.collectonly:
+        return  # (a part of the suite says nothing of the whole's slowest)
     import datetime
     import time
 
