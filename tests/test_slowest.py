@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
 
 from tests import slowest
 
 pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_block_lists_the_ten_slowest_and_replaces_only_itself(tmp_path):
@@ -24,3 +27,13 @@ def test_the_block_lists_the_ten_slowest_and_replaces_only_itself(tmp_path):
     page.write_text("no block here\n")
     with pytest.raises(ValueError, match="no <!-- slowest"):
         slowest.write_into(str(page), "x")
+
+
+def test_the_block_in_docs_testing_was_generated_and_names_real_tests():
+    rows = slowest.read_from(str(ROOT / "docs" / "testing.md"))
+    assert len(rows) == slowest.COUNT, "docs/testing.md: run `python -m pytest tests --slowest-into docs/testing.md`"
+    assert [s for s, _ in rows] == sorted((s for s, _ in rows), reverse=True)
+    for _, nodeid in rows:
+        path, _, name = nodeid.partition("::")
+        function = name.split("[")[0].split("::")[-1]
+        assert f"def {function}(" in (ROOT / path).read_text(), nodeid
