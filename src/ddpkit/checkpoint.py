@@ -14,9 +14,6 @@ sharded model whole when one file is wanted (model.pt).
 from __future__ import annotations
 
 import os
-import pickle
-import zipfile
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +22,7 @@ import torch
 from . import dist, shards
 from .ema import EMA
 from .errors import UsageError
-from .files import atomic_write
+from .files import load_file, save_file  # (also imported from here by the trainer and by users)
 from .strategy import (
     full_model_state,
     holds_dtensors,
@@ -34,71 +31,6 @@ from .strategy import (
     load_full_optimizer_state,
     unwrap,
 )
-
-
-def save_file(path: str | os.PathLike, obj: Any) -> None:
-    with atomic_write(path, "wb") as f:
-        writer = _Writes(f)
-        try:
-            torch.save(obj, writer)
-        except RuntimeError:
-            # torch's zip writer turns the OSError of a write (a full disk) into "[enforce fail
-            # at inline_container.cc] unexpected pos": raise the real one (atomic_write names the file).
-            if writer.error is not None:
-                raise writer.error from None
-            raise
-
-
-class _Writes:
-    """A binary file for torch.save that keeps the OSError a write raised."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
-    """Load a file written by `save_file` or `torch.save`. A missing, truncated, corrupted or
-    code-carrying file raises UsageError with one line naming the file."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise UsageError(f"checkpoint {path}: no such file")
-    verify_file(path)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch names the global it refused to import; anything else is garbage, not a threat.
-        refused = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
-        if refused:
-            raise UsageError(f"checkpoint {path}: refused, loading it would run code ({refused[0]})") from None
-        raise UsageError(f"checkpoint {path}: not a readable PyTorch file (corrupt or not a checkpoint)") from None
-    except Exception as err:  # noqa: BLE001 - garbage bytes can fail anywhere inside the unpickler
-        raise UsageError(f"checkpoint {path}: not a readable PyTorch file ({type(err).__name__})") from None
-
-
-def verify_file(path: str) -> None:
-    """Refuse a file whose bytes do not match the checksums written with them: torch.save's zip
-    stores a CRC-32 of every record (the pickle, each tensor's bytes), which torch.load never
-    checks, so flipped bytes in a tensor would load as weights. A file that is no zip (torch's
-    legacy format, or one cut short before its directory) has none: torch.load judges it."""
-    try:
-        if not zipfile.is_zipfile(path):
-            return
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()  # reads every record and compares its CRC-32: about 5 GB/s
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as err:
-        raise UsageError(f"checkpoint {path}: damaged ({type(err).__name__} in its zip records)") from None
-    if bad is not None:
-        raise UsageError(f"checkpoint {path}: damaged ({bad} does not match the checksum written with it)")
 
 
 def state_of(value: Any) -> Any:

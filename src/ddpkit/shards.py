@@ -45,7 +45,7 @@ import torch
 from . import checks, dist
 from .ema import EMA
 from .errors import UsageError
-from .files import TEMP_PREFIX, remove
+from .files import FULL_DISK, TEMP_PREFIX, load_file, remove, save_file, write_json
 
 STATE_FILE = "state.pt"
 METADATA_FILE = ".metadata"
@@ -226,8 +226,6 @@ def write_checksums(folder: str) -> None:
     """Record the size and CRC-32 of every file of the checkpoint directory `folder` in its
     checksums.json, synced before the directory is renamed into place (rank 0, once every
     rank's shards are written)."""
-    from .files import write_json
-
     files = {}
     for name in sorted(os.listdir(folder)):
         where = os.path.join(folder, name)
@@ -486,8 +484,6 @@ def _writer(folder: str) -> Any:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from .files import FULL_DISK
-
     kept: list[OSError] = []
 
     class Keeping(FileSystem):
@@ -516,8 +512,6 @@ def _write_error(err: BaseException, path: str, kept: list[OSError], how: str = 
     or among any rank's failures DCP gathered) as OSError(ENOSPC or EDQUOT, ..., path), which
     the trainer reports in its one line naming the intact checkpoint; anything else as one line
     of what went wrong."""
-    from .files import FULL_DISK
-
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return err
     gathered = [
@@ -532,8 +526,6 @@ def _write_error(err: BaseException, path: str, kept: list[OSError], how: str = 
 
 
 def _save_rest(where: str, rest: dict[str, Any]) -> None:
-    from .checkpoint import save_file
-
     save_file(where, rest)
 
 
@@ -610,8 +602,6 @@ def _load_failure(err: BaseException) -> str:
 
 def read_rest(path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint directory's state.pt (everything but model and optimizer), checked."""
-    from .checkpoint import load_file
-
     path = os.fspath(path)
     where = os.path.join(path, STATE_FILE)
     if not os.path.isfile(where):
