@@ -22,7 +22,7 @@ import torch
 from . import dist, shards
 from .ema import EMA
 from .errors import UsageError
-from .files import load_file, save_file  # (also imported from here by the trainer and by users)
+from .files import load_file, save_file, verify_file  # noqa: F401 - also imported from here
 from .strategy import (
     full_model_state,
     holds_dtensors,

@@ -158,7 +158,9 @@ class Runtime:
             fsdp_options = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions(**(fsdp or {}))
         except TypeError as err:  # an unknown field
             raise UsageError(f"Runtime(fsdp=...): {err}") from None
-        cpu_collectives = strategies.by_name(strategy).cpu_collectives(fsdp_options)
+        # (an unknown name is refused by resolve() below, after the other arguments' checks)
+        asked = strategies.REGISTRY.get(strategy) if isinstance(strategy, str) else None
+        cpu_collectives = asked is not None and asked.cpu_collectives(fsdp_options)
         self._owns_group = dist.init(self.env, self.device, timeout_s, cpu_collectives)
         try:
             self.ddp_options = ddp_options(ddp)

@@ -87,7 +87,8 @@ def test_train_names_a_corrupted_mnist_file(tmp_path):
 
 @pytest.mark.unit
 def test_a_new_dataset_is_one_catalogue_entry():
-    # What docs/extending.md shows: an entry, nothing else touched, and every door finds it.
+    # What docs/extending.md shows: an entry, nothing else touched, and the library's doors
+    # (load, shape_of, train_size, prepare) find it.
     prepared = []
     entry = data.Entry(
         load=lambda name, r: data.Splits(

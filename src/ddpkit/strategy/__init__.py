@@ -70,7 +70,14 @@ def names() -> tuple[str, ...]:
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    """Add a strategy to the registry under its `name` (usable as a class decorator)."""
+    """Add a strategy to the registry under its `name` (usable as a class decorator). A class
+    must name itself (not inherit a name) and take a name no other strategy has."""
+    if "name" not in cls.__dict__:
+        raise ValueError(f"{cls.__qualname__}: a strategy names itself (name = ...), or it would take its base's")
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(
+            f"{cls.__qualname__}: the strategy name {cls.name!r} is taken by {REGISTRY[cls.name].__qualname__}"
+        )
     REGISTRY[cls.name] = cls
     return cls
 

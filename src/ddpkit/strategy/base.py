@@ -47,7 +47,8 @@ class Strategy:
     # Replicas run in threads over pieces of a process's batch (dp): ddpkit's dropout, keyed by
     # the sample's place in the batch, cannot see that place, so torch's stays.
     keeps_torch_dropout: ClassVar[bool] = False
-    # torch's SyncBatchNorm works under it (`--sync-batchnorm`); else `refuses_sync_batchnorm`.
+    # torch's SyncBatchNorm works under it (`--sync-batchnorm`); else `refuses_sync_batchnorm`
+    # says why (default: that it does not).
     sync_batchnorm: ClassVar[bool] = True
     refuses_sync_batchnorm: ClassVar[str] = ""
     # The --fsdp-* flags are its options.
@@ -66,7 +67,13 @@ class Strategy:
     @classmethod
     def runs_as(cls, world_size: int, device: torch.device) -> str:
         """The name of the strategy that runs when this one is asked for on `world_size`
-        processes (a wrapper that would only add overhead is left out: `single`)."""
+        processes (a wrapper that would only add overhead is left out: `single`). By default one
+        process only: a strategy that keeps several in step says how it runs on them."""
+        if world_size > 1:
+            raise UsageError(
+                f"--strategy {cls.name} on {world_size} processes would train {world_size} unsynchronized "
+                "copies; use --strategy ddp, or one process"
+            )
         return cls.name
 
     @classmethod

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from ..errors import UsageError
 from .base import Strategy
 
 
@@ -14,12 +11,3 @@ class Single(Strategy):
 
     name = "single"
     one_process = True
-
-    @classmethod
-    def runs_as(cls, world_size: int, device: torch.device) -> str:
-        if world_size > 1:
-            raise UsageError(
-                f"--strategy single on {world_size} processes would train {world_size} unsynchronized "
-                "copies; use --strategy ddp, or one process"
-            )
-        return cls.name

@@ -152,8 +152,9 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
         _check_gpt_memory(cfg, in_shape, num_classes, topology)
-    if cfg.sync_batchnorm and not strategies.by_name(cfg.strategy).sync_batchnorm:
-        raise UsageError(strategies.by_name(cfg.strategy).refuses_sync_batchnorm)
+    asked = strategies.by_name(cfg.strategy)
+    if cfg.sync_batchnorm and not asked.sync_batchnorm:
+        raise UsageError(asked.refuses_sync_batchnorm or f"--strategy {cfg.strategy} does not support --sync-batchnorm")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
