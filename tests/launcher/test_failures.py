@@ -197,3 +197,28 @@ def test_a_sigterm_from_outside_is_told_by_when_each_rank_got_its_signal_not_whe
     (tmp_path / records.STOPS).write_text(f"{t - 0.5}\n")
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert cause.rank == 1 and cause.outside, cause
+
+
+@pytest.mark.unit
+def test_a_worker_the_agent_reaped_first_still_has_its_exit_recorded(tmp_path):
+    # Under load torch's agent may reap a worker before the launcher's SIGCHLD watch looks:
+    # then no `.exit` record said how it ended, and a SIGTERM from outside could not be told.
+    from types import SimpleNamespace
+
+    from ddpkit.launcher import failures, records
+
+    folder = tmp_path / "attempt-0"
+    folder.mkdir()
+    t = time.time()
+    for rank in (0, 1):
+        (folder / f"rank-{rank}.pid").write_text(str(4000 + rank))
+        (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
+        os.utime(folder / f"rank-{rank}.stack", (t - 2 + rank, t - 2 + rank))
+    (folder / "rank-0.exit").write_text(json.dumps({"status": 0, "time": t}))  # the watch saw rank 0 end
+    records.note_failures(str(tmp_path), {1: SimpleNamespace(pid=4001, exitcode=-signal.SIGTERM)})
+    assert json.loads((folder / "rank-1.exit").read_text())["status"] == -signal.SIGTERM
+    records.note_failures(str(tmp_path), {0: SimpleNamespace(pid=4000, exitcode=-signal.SIGKILL)})
+    assert json.loads((folder / "rank-0.exit").read_text())["status"] == 0  # the watch's own is kept
+    (tmp_path / records.STOPS).write_text(f"{t + 5}\n")
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert cause.rank == 1 and cause.outside, cause

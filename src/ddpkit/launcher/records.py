@@ -170,12 +170,45 @@ def agent_stops(root: str) -> Iterator[None]:
             f.write(f"{time.time()}\n")
         return own(self, *args, **kwargs)
 
+    own_wait = getattr(PContext, "wait", None)
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = own_wait(self, *args, **kwargs)
+        with contextlib.suppress(Exception):  # a record less, never a launch broken by it
+            note_failures(root, getattr(result, "failures", None) or {})
+        return result
+
     open(path, "a").close()
     PContext.close = close
+    if own_wait is not None:
+        PContext.wait = wait
     try:
         yield
     finally:
         PContext.close = own
+        if own_wait is not None:
+            PContext.wait = own_wait
+
+
+def note_failures(root: str, failures: dict[int, Any]) -> None:
+    """The exit status of each failed worker the agent saw (torch's ProcessFailure: its pid and
+    exit code, minus the signal), written as its `.exit` record where the SIGCHLD watch wrote
+    none: the agent reaped it before the watch looked, which under load happens."""
+    pids = {int(f.pid): int(f.exitcode) for f in failures.values() if getattr(f, "pid", None)}
+    if not pids:
+        return
+    for path in glob.glob(os.path.join(root, "attempt-*", "rank-*.pid")):
+        record = path[: -len(".pid")]
+        if os.path.exists(record + ".exit"):
+            continue
+        try:
+            with open(path) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if pid in pids:
+            with open(record + ".exit", "w") as f:
+                json.dump({"status": pids[pid], "time": time.time()}, f)
 
 
 def agent_stop_after(root: str, since: float) -> float | None:
