@@ -160,9 +160,11 @@ def shape(what: str, text: str) -> tuple[int, ...]:
 
 
 def thread_count_variable() -> None:
-    """OMP_NUM_THREADS, when set, is a positive whole number. torch and OpenMP keep 0 or a word
+    """OMP_NUM_THREADS, when set, is a positive whole number (and DDPKIT_THREADS a mode: see
+    `thread_mode_variable`). torch and OpenMP keep 0 or a word
     without a word of their own, and every process then takes all the cores (many times slower
     on a CPU with several processes)."""
+    thread_mode_variable()
     value = os.environ.get("OMP_NUM_THREADS")
     if value is None or not value.strip() or (value.strip().isdigit() and int(value) > 0):
         return  # unset, or set empty (as `export OMP_NUM_THREADS=` does): the default
@@ -170,3 +172,14 @@ def thread_count_variable() -> None:
         f"OMP_NUM_THREADS={shown(value, 40)}: not a positive whole number of threads per process; unset it (ddpkit gives "
         "each process its share of the cores) or set a count such as 1"
     )
+
+
+def thread_mode_variable() -> None:
+    """DDPKIT_THREADS, when set, is `share` (or empty: ddpkit's choice by the load); a typo would
+    otherwise be the default without a word."""
+    value = os.environ.get("DDPKIT_THREADS", "").strip()
+    if value not in ("", "share"):
+        raise UsageError(
+            f"DDPKIT_THREADS={shown(value, 40)}: 'share' (each process its share of the cores, whatever "
+            "the load) or unset (ddpkit also leaves out the cores other programs keep busy)"
+        )

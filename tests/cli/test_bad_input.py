@@ -282,6 +282,17 @@ def test_a_thread_count_that_is_no_count_is_one_line_and_exit_2(tmp_path, comman
     assert not (tmp_path / "out").exists()
 
 
+def test_a_thread_mode_that_is_no_mode_is_one_line_and_exit_2(tmp_path):
+    # a typo of DDPKIT_THREADS=share was the default, without a word
+    proc = run_cli("train", "--out", str(tmp_path / "out"), env={"DDPKIT_THREADS": "shared"}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "ddpkit train: error: DDPKIT_THREADS='shared': 'share' (each process its share of the cores, whatever "
+        "the load) or unset (ddpkit also leaves out the cores other programs keep busy)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "env,said",
     [

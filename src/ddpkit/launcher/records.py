@@ -195,20 +195,22 @@ def note_failures(root: str, failures: dict[int, Any]) -> None:
     exit code, minus the signal), written as its `.exit` record where the SIGCHLD watch wrote
     none: the agent reaped it before the watch looked, which under load happens."""
     pids = {int(f.pid): int(f.exitcode) for f in failures.values() if getattr(f, "pid", None)}
-    if not pids:
-        return
+    for _, record, pid in worker_records(root) if pids else ():
+        if pid in pids and not os.path.exists(record + ".exit"):
+            with open(record + ".exit", "w") as f:
+                json.dump({"status": pids[pid], "time": time.time()}, f)
+
+
+def worker_records(root: str) -> Iterator[tuple[str, str, int]]:
+    """(its .pid file, its record's path without a suffix, its pid) of every worker of every
+    attempt of the launch in `root` that has written its pid."""
     for path in glob.glob(os.path.join(root, "attempt-*", "rank-*.pid")):
-        record = path[: -len(".pid")]
-        if os.path.exists(record + ".exit"):
-            continue
         try:
             with open(path) as f:
                 pid = int(f.read())
         except (OSError, ValueError):
             continue
-        if pid in pids:
-            with open(record + ".exit", "w") as f:
-                json.dump({"status": pids[pid], "time": time.time()}, f)
+        yield path, path[: -len(".pid")], pid
 
 
 def agent_stop_after(root: str, since: float) -> float | None:
@@ -265,15 +267,10 @@ class ExitWatch:
 
     def _on_child(self, *_: Any) -> None:
         frozen: dict[str, int] = {}  # the workers stopped now: record path -> pid
-        for path in glob.glob(os.path.join(self.root, "attempt-*", "rank-*.pid")):
+        for path, record, pid in worker_records(self.root):
             if path in self.seen:
                 continue
-            try:
-                with open(path) as f:
-                    pid = int(f.read())
-            except (OSError, ValueError):
-                continue
-            record, attempt = path[: -len(".pid")], os.path.dirname(path)
+            attempt = os.path.dirname(path)
             try:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:  # already reaped (by the agent, before this look), or another node's

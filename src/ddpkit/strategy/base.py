@@ -55,6 +55,9 @@ class Strategy:
     takes_fsdp_options: ClassVar[bool] = False
     # `ddpkit find-batch-size` searches under it.
     tunable: ClassVar[bool] = False
+    # It keeps several processes in step (ddp, fsdp): on one, its wrapper would only add
+    # overhead, and `single` runs instead. Without it, a strategy runs on one process only.
+    keeps_ranks_in_step: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -67,8 +70,9 @@ class Strategy:
     @classmethod
     def runs_as(cls, world_size: int, device: torch.device) -> str:
         """The name of the strategy that runs when this one is asked for on `world_size`
-        processes (a wrapper that would only add overhead is left out: `single`). By default one
-        process only: a strategy that keeps several in step says how it runs on them."""
+        processes: see `keeps_ranks_in_step`."""
+        if cls.keeps_ranks_in_step:
+            return "single" if world_size == 1 else cls.name
         if world_size > 1:
             raise UsageError(
                 f"--strategy {cls.name} on {world_size} processes would train {world_size} unsynchronized "

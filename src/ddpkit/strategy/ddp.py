@@ -251,6 +251,7 @@ class DDP(Strategy):
 
     name = "ddp"
     tunable = True
+    keeps_ranks_in_step = True
 
     def __init__(self, device: torch.device, options: DDPOptions = DDPOptions()):
         super().__init__(device)
@@ -289,10 +290,6 @@ class DDP(Strategy):
     @classmethod
     def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
         return cls(device, ddp)
-
-    @classmethod
-    def runs_as(cls, world_size: int, device: torch.device) -> str:
-        return "single" if world_size == 1 else cls.name
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None

@@ -133,14 +133,11 @@ class FSDP(Strategy):
     refuses_sync_batchnorm: ClassVar[str] = NO_SYNC_BATCHNORM
     takes_fsdp_options: ClassVar[bool] = True
     tunable: ClassVar[bool] = True
+    keeps_ranks_in_step: ClassVar[bool] = True
 
     @classmethod
     def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
         return cls(device, fsdp)
-
-    @classmethod
-    def runs_as(cls, world_size: int, device: torch.device) -> str:
-        return "single" if world_size == 1 else cls.name
 
     @classmethod
     def cpu_collectives(cls, fsdp: Any) -> bool:
