@@ -20,6 +20,11 @@ class IncompatibleCheckpoint(UsageError):
     silently train something else): never skipped over by `--resume auto`."""
 
 
+class NotSaveState(UsageError):
+    """`rt.load_state` was given a checkpoint that `rt.save_state` did not write (nothing of it
+    was loaded): `rt.load` reads it, and `ddpkit train` reads its own checkpoints of ddpkit 0.1."""
+
+
 class RunError(RuntimeError):
     """A failure during the run that its message explains whole (a full disk): the CLI prints
     it as one line naming the rank, without a traceback, and exits 1."""

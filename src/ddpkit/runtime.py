@@ -35,7 +35,7 @@ from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, t
 from .data.adopt import Adopted, source
 from .device import DEVICES
 from .device import resolve as resolve_device
-from .errors import UsageError, usage_errors
+from .errors import NotSaveState, UsageError, usage_errors
 from .evaluation import evaluate, evaluation_keys
 from .files import check_writable
 from .gather import gather
@@ -741,7 +741,13 @@ class Runtime:
         return dist.gather_objects(obj)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, background: bool = False, **state: Any) -> Pending | None:
+    def save(
+        self,
+        path: str | os.PathLike,
+        background: bool = False,
+        on_complete: Callable[[], None] | None = None,
+        **state: Any,
+    ) -> Pending | None:
         """Write a checkpoint of `state` (modules, optimizers, anything with state_dict(), or
         plain values). Modules are unwrapped first: no `module.` prefixes. Collective.
 
@@ -751,10 +757,12 @@ class Runtime:
         rank writes its own shards through torch's Distributed Checkpoint, renamed into place
         once complete; with `background=True` the shards are copied to memory and written from
         a thread while training goes on, and the returned handle's `wait()` blocks until the
-        checkpoint is complete (call it before the next save). Either form loads with `load()`
-        into any strategy on any number of processes."""
+        checkpoint is complete (call it before the next save). `on_complete` is called on rank 0
+        once the checkpoint is in place (from the writing thread for a background save), e.g.
+        to remove older ones. Either form loads with `load()` into any strategy on any number of
+        processes."""
         self._check_writable("rt.save", path)
-        return self._tracked(checkpoint.save(path, state, background=background))
+        return self._tracked(checkpoint.save(path, state, background=background, on_complete=on_complete))
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
         """Load a checkpoint written by `save()`, a file or an fsdp checkpoint directory, into
@@ -764,16 +772,24 @@ class Runtime:
         modules and optimizers). Collective for a directory or an fsdp target."""
         return checkpoint.load_into(path, targets, map_location=self.device)
 
-    def save_state(self, path: str | os.PathLike, background: bool = False, **extra: Any) -> Pending | None:
+    def save_state(
+        self,
+        path: str | os.PathLike,
+        background: bool = False,
+        on_complete: Callable[[], None] | None = None,
+        **extra: Any,
+    ) -> Pending | None:
         """`save()` of everything a custom loop needs to continue exactly where it stopped: every
         model and optimizer given to `setup()`, every loader made by `loader()` (its position),
         the fp16 GradScaler, every rank's random streams and the step count, plus `extra`
         (schedulers, your own counters: anything with state_dict(), or plain values).
         Collective. Continue with `load_state(path, **extra)` after the same setup() and
-        loader() calls, on any number of processes (see `load_state`)."""
+        loader() calls, on any number of processes (see `load_state`). `background` and
+        `on_complete` are save()'s. `ddpkit train` saves its checkpoints through it."""
         self._check_extra("save_state", extra)
         self._check_writable("rt.save_state", path)
-        return self._tracked(checkpoint.save(path, {**self._state(), **extra}, background=background))
+        state = {**self._state(), **extra}
+        return self._tracked(checkpoint.save(path, state, background=background, on_complete=on_complete))
 
     def _tracked(self, pending: Pending | None) -> Pending | None:
         """Keep a background save's handle until close(), which waits for it (`_finish_pending`)."""
@@ -820,7 +836,12 @@ class Runtime:
             state = checkpoint.load_into(path, targets, map_location=self.device, check=check)
         except KeyError as err:  # an entry of `extra` the checkpoint lacks
             raise UsageError(f"rt.load_state: {err.args[0]}") from None
-        run = state["runtime"]
+        self._resume(state["runtime"])
+        return state
+
+    def _resume(self, run: dict[str, Any]) -> None:
+        """Carry on from save_state's 'runtime' entry: the step count, the dropout masks' seed,
+        and every rank's random streams (see load_state)."""
         self._steps = int(run["steps"])
         if run.get("draw_seed") is not None:  # (none: a checkpoint older than it, or no dropout of ddpkit's)
             self._draw_seed = int(run["draw_seed"])
@@ -828,7 +849,6 @@ class Runtime:
         restore_rng_states(run["rng"], self.device, generators, self.seed or 0, self._steps)
         if self._log_dir is not None:  # the log will keep its records up to this step, and go on
             self._log_resume = self._steps
-        return state
 
     def _check_extra(self, call: str, extra: dict[str, Any]) -> None:
         taken = sorted(set(extra) & (set(self._state(gather=False)) | {"runtime"}))
@@ -842,7 +862,7 @@ class Runtime:
         """Refuse, before anything is loaded, a checkpoint that is not save_state's, or whose
         models, optimizers and loaders (`ours`: this run's automatic entries) are not this run's."""
         if "runtime" not in saved:
-            raise UsageError(f"rt.load_state: {path} was not written by rt.save_state (rt.load reads it)")
+            raise NotSaveState(f"rt.load_state: {path} was not written by rt.save_state (rt.load reads it)")
         theirs = {k for k in saved if AUTOMATIC.fullmatch(k)}
         if ours != theirs:
             raise UsageError(

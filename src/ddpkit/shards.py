@@ -370,6 +370,8 @@ class Pending:
         except (TimeoutError, FutureTimeout):  # one class from Python 3.11 on
             raise TimeoutError(f"checkpoint {self.path}: not written within {timeout} s") from None
         except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if self.placed is not None:  # rank 0's callback removes the partial write: let it end first
+                self.placed.wait(timeout)
             raise _write_error(err, self.path, self.kept, "the background write") from None
         if self.placed is not None and not self.placed.wait(timeout):
             raise TimeoutError(f"checkpoint {self.path}: not renamed into place within {timeout} s")

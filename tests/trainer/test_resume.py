@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +35,23 @@ def _set(key, value):
     return change
 
 
-def _python_stream(numbers):
+def _set_runtime(key, value):
     def change(state):
-        version, _, gauss = state["run"]["rng"][0]["python"]
-        state["run"]["rng"][0]["python"] = (version, numbers, gauss)
+        state["runtime"][key] = value
 
     return change
+
+
+def _python_stream(numbers):
+    def change(state):
+        version, _, gauss = state["runtime"]["rng"][0]["python"]
+        state["runtime"]["rng"][0]["python"] = (version, numbers, gauss)
+
+    return change
+
+
+def _drop_runtime(state):
+    del state["runtime"]
 
 
 def _drop(key):
@@ -51,7 +63,9 @@ def _drop(key):
 
 WRONG_ENTRIES = {
     "epoch-str": (_set("epoch", "1"), "'epoch' is '1'"),  # a TypeError in the plan before
-    "rng-short": (_set("rng", []), "0 random states for world size 1"),  # an IndexError in every worker
+    "rng-short": (_set_runtime("rng", []), "0 random states for world size 1"),  # an IndexError in every worker
+    "steps-negative": (_set_runtime("steps", -1), "'steps' is -1"),
+    "no-runtime": (_drop_runtime, "no 'runtime' entry"),  # rt.load_state's refusal in every worker
     "no-history": (_drop("history"), "no 'history'"),  # a KeyError in every worker
     "lr-tensor": (_set("lr", torch.tensor([0.05, 0.05])), "'lr' is Tensor"),  # "ambiguous truth value"
     # a ValueError or TypeError in every worker's random.setstate
@@ -223,3 +237,18 @@ def test_a_checkpoint_with_wrong_entries_is_one_line_and_exit_2_before_any_worke
     lines = r["stderr"].strip().splitlines()
     assert len(lines) == 1 and f"--resume: checkpoint {r['path']}: damaged" in lines[0] and named in lines[0], lines
     assert r["stdout"] == "" and not r["out"].exists()  # no worker started, nothing written
+
+
+# A checkpoint ddpkit 0.1's trainer wrote (before it saved through rt.save_state: its step count
+# and every rank's random streams were in its run state), made by commit 60ee82d with
+# `ddpkit train --epochs 2 --device cpu --nproc 2 --max-steps 5 --model mlp`.
+LEGACY = Path(__file__).parent / "legacy" / "step-00000005.pt"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_ddpkit_0_1_continues_bit_identical(tmp_path):
+    run = ("--model", "mlp", "--nproc", "2", "--max-steps", "8")
+    shutil.copy(LEGACY, tmp_path / LEGACY.name)
+    resumed = train(tmp_path / "resumed", *run, "--resume", str(tmp_path / LEGACY.name))
+    assert "at step 5 (epoch 1, step 5 of 23)" in resumed["stdout"]
+    assert max_diff(resumed["weights"], train(tmp_path / "straight", *run)["weights"]) == 0

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint, data, dist
+from .. import data, dist
 from ..early_stopping import EarlyStopping
 from ..ema import EMA
-from ..errors import Interrupted
+from ..errors import Interrupted, NotSaveState
 from ..launcher import restart_note, run_function
 from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops, stamp
 from ..optim import build_optimizer, warmup_cosine
@@ -31,7 +31,7 @@ from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs, complete
 from .plan import RunPlan, build_model, make_plan
-from .resume import RunState, after_restart, last_checkpoint
+from .resume import RunState, after_restart, last_checkpoint, runtime_entry
 from .tally import LogSteps, Tally, all_finite
 from .tasks import task_of
 
@@ -145,7 +145,7 @@ class Loop:
         total = cfg.epochs * steps
         factor = warmup_cosine(total, min(total, round(cfg.warmup_epochs * steps)), plan.warmup_start)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, factor)
-        self.run = RunState(cfg, rt.device, self.train_loader.generator)
+        self.run = RunState(cfg, rt.device)
         self.samples = 0  # trained on by this attempt (these worker processes), all ranks together
         self.tokens = 0  # the same in tokens (language models)
         self.train_seconds = 0.0  # this attempt's time in finished train_epoch calls
@@ -183,23 +183,20 @@ class Loop:
 
     def restore(self, path: str, restart: str | None = None) -> None:
         """Continue from the checkpoint at `path`; `restart` says why, after a restart."""
-        state = self.rt.load(path, **self.checkpointed())
+        try:
+            state = self.rt.load_state(path, **self.checkpointed())
+        except NotSaveState:  # ddpkit 0.1's trainer kept the step count and streams in its run state
+            state = self.rt.load(path, **self.checkpointed(), **self.rt._state(gather=False))
+            self.rt._resume(runtime_entry(state["run"]))
         self.run.restore(state, self.rt)
         self.carried = state["run"].get("throughput")
         why = f"ddpkit train: {restart}; " if restart else ""
         self.rt.print(f"{why}resumed from {path} at step {self.run.step} ({self.position()})")
 
     def checkpointed(self) -> dict[str, Any]:
-        """What a checkpoint holds, by entry (the run state apart: see save)."""
-        ema = {"ema": self.ema} if self.ema is not None else {}
-        return {
-            "model": self.model,
-            "optimizer": self.opt,
-            "scheduler": self.sched,
-            "precision": self.rt.precision,
-            "loader": self.train_loader,
-            **ema,
-        }
+        """What a checkpoint holds besides rt.save_state's own entries (model, optimizer,
+        loader, precision, the step count and random streams) and the run state (see save)."""
+        return {"scheduler": self.sched, **({"ema": self.ema} if self.ema is not None else {})}
 
     def position(self) -> str:
         if self.run.epoch >= self.cfg.epochs or self.stopped() or self.early_stopped():
@@ -460,11 +457,12 @@ class Loop:
         t0 = time.perf_counter()
         run_state = {**self.run.state_dict(self.rt, sums), "throughput": self.figures()}
         sharded = self.rt.sharded
-        self.pending = checkpoint.save(
+        self.pending = self.rt.save_state(
             out.checkpoint_path(self.run.step, sharded),
-            {**self.checkpointed(), "run": run_state},
             background=sharded,
             on_complete=out.prune_checkpoints,
+            **self.checkpointed(),
+            run=run_state,
         )
         self.checkpoint_seconds += time.perf_counter() - t0
 

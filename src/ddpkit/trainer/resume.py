@@ -31,7 +31,6 @@ from ..errors import IncompatibleCheckpoint, UsageError
 from ..files import TEMP_PREFIX
 from ..launcher.records import current_attempt
 from ..optim import build_optimizer
-from ..seed import gather_states, rng_state, seed_rank, set_rng_state
 from . import rundir
 from .config import TrainConfig, model_options
 
@@ -202,8 +201,9 @@ RUN_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
     "world_size": int,
     "history": list,
     "sums": torch.Tensor,
-    "rng": (list, tuple),
 }
+# What rt.save_state's 'runtime' entry holds (ddpkit 0.1's trainer kept the streams in its run state).
+RUNTIME_TYPES: dict[str, type | tuple[type, ...]] = {"steps": int, "rng": (list, tuple)}
 RNG_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
     "torch": torch.Tensor,
     "python": (list, tuple),
@@ -228,7 +228,24 @@ def state_problem(state: dict[str, Any]) -> str | None:
     ema = state.get("ema", {})  # a file's EMA (a directory's is in its shards)
     if not isinstance(ema, dict) or not all(isinstance(t, torch.Tensor) for t in ema.values()):
         return f"its 'ema' entry is {_shown(ema)}, not a dict of tensors"
-    return _run_problem(state["run"])
+    run = state["run"]
+    problem = _run_problem(run)
+    if problem:
+        return problem
+    if written_before_save_state(state):
+        runtime, where = {"steps": run["step"], "rng": run["rng"]}, "run state"
+    else:
+        runtime, where = state.get("runtime"), "runtime state"
+        if not isinstance(runtime, dict):
+            return "it has no 'runtime' entry (the step count and random streams)"
+    for key, kind in RUNTIME_TYPES.items():
+        if key not in runtime:
+            return f"its {where} has no {key!r}"
+        if not isinstance(runtime[key], kind) or (kind is int and not _count(runtime[key])):
+            return f"its {where} {key!r} is {_shown(runtime[key])}, not {_kind_name(kind)}"
+    if not isinstance(runtime.get("draw_seed"), (int, type(None))) or isinstance(runtime.get("draw_seed"), bool):
+        return f"its runtime state 'draw_seed' is {_shown(runtime['draw_seed'])}, not a seed"
+    return _streams_problem(runtime["rng"], run["world_size"])
 
 
 def _run_problem(run: dict[str, Any]) -> str | None:
@@ -248,11 +265,16 @@ def _run_problem(run: dict[str, Any]) -> str | None:
         return "its run state has world_size 0"
     if run["sums"].numel() != 3:
         return f"its run state has {run['sums'].numel()} running sums, not 3"
-    if len(run["rng"]) != run["world_size"]:
-        return f"its run state has {len(run['rng'])} random states for world size {run['world_size']}"
     if not all(isinstance(record, dict) for record in run["history"]):
         return "its run state 'history' holds something other than epoch records"
-    return next(filter(None, (_rng_problem(rank, rng) for rank, rng in enumerate(run["rng"]))), None)
+    return None
+
+
+def _streams_problem(rng: list[Any] | tuple[Any, ...], world_size: int) -> str | None:
+    """What is wrong with every rank's random streams, saved by `world_size` processes."""
+    if len(rng) != world_size:
+        return f"it has {len(rng)} random states for world size {world_size}"
+    return next(filter(None, (_rng_problem(rank, r) for rank, r in enumerate(rng))), None)
 
 
 def _early_stop_problem(state: Any) -> bool:
@@ -277,6 +299,11 @@ def _rng_problem(rank: int, rng: Any) -> str | None:
         return f"the random state of rank {rank} does not hold Python's 625 numbers"
     if not isinstance(rng.get("loader"), (torch.Tensor, type(None))):
         return f"the random state of rank {rank} has 'loader' {_shown(rng.get('loader'))}, not a tensor"
+    generators = rng.get("generators", [])
+    if not isinstance(generators, (list, tuple)) or not all(
+        isinstance(g, (torch.Tensor, type(None))) for g in generators
+    ):
+        return f"the random state of rank {rank} has 'generators' {_shown(generators)}, not a list of tensors"
     return None
 
 
@@ -368,13 +395,13 @@ def checkpoint_names(folder: str) -> list[str]:
 
 
 class RunState:
-    """Loop counters, history, the epoch's running sums, the early-stopping state and every
-    rank's random streams: what a checkpoint holds besides model, optimizer, scheduler, scaler,
-    loader position and EMA. Also records what the run was trained with, so a resume with other
-    settings is refused."""
+    """Loop counters, history, the epoch's running sums and the early-stopping state: what a
+    checkpoint holds besides what `rt.save_state` saves (models, optimizers, loader position,
+    scaler, the step count and every rank's random streams) and the scheduler and EMA. Also
+    records what the run was trained with, so a resume with other settings is refused."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, loader_generator: torch.Generator | None = None) -> None:
-        self.cfg, self.loader_generator = cfg, loader_generator  # the generator seeds DataLoader workers
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.cfg = cfg
         self.epoch = self.step = self.start_step = self.skipped = 0
         self.history: list[dict[str, Any]] = []
         patience = cfg.early_stop_patience
@@ -384,7 +411,7 @@ class RunState:
 
     def state_dict(self, rt: Runtime, sums: list[float] | None = None) -> dict[str, Any]:
         """Collective (all-reduces the sums, unless `sums` holds them summed over the ranks
-        already; gathers the random states); rank 0 keeps the result."""
+        already); rank 0 keeps the result."""
         summed = rt.all_reduce(self.sums.clone()).cpu() if sums is None else torch.tensor(sums, dtype=torch.float64)
         return {
             "epoch": self.epoch,
@@ -395,7 +422,6 @@ class RunState:
             **{key: getattr(self.cfg, key) for key in RESUME_MUST_MATCH},
             "sums": summed,
             "world_size": rt.world_size,
-            "rng": gather_states(rng_state(rt.device, self.loader_generator)),
         }
 
     def restore(self, checkpoint: dict[str, Any], rt: Runtime) -> None:
@@ -408,8 +434,16 @@ class RunState:
             self.early_stop.load_state_dict(state["early_stop"])
         # The epoch's sums so far were summed over all ranks: one rank carries them on.
         self.sums = state["sums"].to(rt.device) if rt.is_main else torch.zeros_like(self.sums)
-        if int(state["world_size"]) == rt.world_size:
-            # the very streams an uninterrupted run would have
-            set_rng_state(state["rng"][rt.rank], rt.device, self.loader_generator)
-        else:
-            seed_rank(self.cfg.seed, rt.rank, self.step)  # no such rank before: a fresh stream, reproducibly
+
+
+def written_before_save_state(state: dict[str, Any]) -> bool:
+    """True for a checkpoint of ddpkit 0.1's trainer, which kept every rank's random streams in
+    its run state (each with its loader's generator) rather than in rt.save_state's entry."""
+    return "runtime" not in state and "rng" in state.get("run", {})
+
+
+def runtime_entry(run: dict[str, Any]) -> dict[str, Any]:
+    """rt.save_state's 'runtime' entry for such a checkpoint's run state: the optimizer steps
+    taken (skipped ones did not step), and each rank's streams with its loader's generator."""
+    rng = [{**r, "generators": [r.get("loader")]} for r in run["rng"]]
+    return {"steps": int(run["step"]) - int(run.get("skipped", 0)), "rng": rng, "draw_seed": None}
