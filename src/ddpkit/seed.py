@@ -58,7 +58,7 @@ def loader_generator(seed: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + rank)
 
 
-def rng_state(device: torch.device, loader_generator: torch.Generator | None = None) -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's random streams, in a form `torch.load(weights_only=True)` reads back."""
     np_state = np.random.get_state()
     # Python's 625 numbers as one tensor: as a tuple, each is an object to gather and pickle
@@ -70,11 +70,10 @@ def rng_state(device: torch.device, loader_generator: torch.Generator | None = N
         "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "loader": loader_generator.get_state() if loader_generator is not None else None,
     }
 
 
-def set_rng_state(rng: dict[str, Any], device: torch.device, loader_generator: torch.Generator | None = None) -> None:
+def set_rng_state(rng: dict[str, Any], device: torch.device) -> None:
     """Restore what `rng_state` captured (tensors may come back on the run's device)."""
     torch.set_rng_state(rng["torch"].cpu())
     version, internal, gauss = rng["python"]
@@ -85,8 +84,6 @@ def set_rng_state(rng: dict[str, Any], device: torch.device, loader_generator: t
     np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), *rest))
     if rng["cuda"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    if rng.get("loader") is not None and loader_generator is not None:
-        loader_generator.set_state(rng["loader"].cpu())
 
 
 def _as_tuples(value: Any) -> Any:
