@@ -11,7 +11,7 @@ for the others). This benchmark times, from outside, the README's first command
 under each thread setting:
 
   default   what ddpkit chooses (nothing set: its share of the usable cores, less those other
-            programs kept busy while it started; see ddpkit.threads);
+            programs kept busy while it started; see ddpkit.core.threads);
   share     DDPKIT_THREADS=share: its share of the usable cores whatever the load, ddpkit's
             default before it read the load;
   one       OMP_NUM_THREADS=1, what a user who knows this sets.
@@ -130,7 +130,7 @@ def _commands(tmp: str, setting: dict[str, str], count: int, epochs: int, thread
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ddpkit.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

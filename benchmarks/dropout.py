@@ -1,6 +1,6 @@
 """`python -m benchmarks dropout`: what ddpkit's dropout costs in a step of the gpt model.
 
-ddpkit's dropout (ddpkit.draws) hashes each mask element from the run's keys, where torch's
+ddpkit's dropout (ddpkit.core.draws) hashes each mask element from the run's keys, where torch's
 draws it from the process's generator. This benchmark trains the built-in gpt model through a
 Runtime, one process, its own loader, in three cases:
 
@@ -113,7 +113,7 @@ def _steps(rt: Any, model: Any, opt: Any, loader: Any, count: int) -> float:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ddpkit.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -323,7 +323,7 @@ LABELS = {
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ddpkit.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -31,7 +31,7 @@ Two measurements, each in one launch:
   `runs_as` in the JSON says so. One intra-op thread by default (`--threads`): two threads on
   one process wait for each other at every operation whenever another job holds a core.
 - `--nproc` processes (default 2 on CPU): `ddp` and `fsdp`. ddpkit's fsdp on CPU sets glibc's
-  mmap threshold for the whole process (ddpkit.allocator); it runs after ddp, and the
+  mmap threshold for the whole process (ddpkit.core.allocator); it runs after ddp, and the
   hand-written FSDP2 loop beside it runs under the same setting.
 
 Per round and side, the step time is the median over the timed steps of the job's step (its
@@ -288,7 +288,7 @@ class _Steps:
     the intra-op pool's) included."""
 
     def __init__(self, device: Any):
-        from ddpkit.metrics import stamp
+        from ddpkit.observe.metrics import stamp
 
         self.cuda = device.type == "cuda"
         self._stamp = functools.partial(stamp, self.cuda)  # a CUDA event or perf_counter()
@@ -454,7 +454,7 @@ def _timing_worker(
     import torch
     import torch.distributed as tdist
 
-    from ddpkit import dist
+    from ddpkit.core import dist
     from ddpkit.runtime import Runtime
 
     _deterministic(device)
@@ -510,7 +510,7 @@ def _memory_worker(work: Work, side: str, device: str) -> list[dict[str, Any]]:
     """One loop alone in its processes, after the same set-up as the other side's launch."""
     import torch
 
-    from ddpkit.metrics import peak_rss_mib, proc_status_mib, reset_peak_rss
+    from ddpkit.core.memory import peak_rss_mib, proc_status_mib, reset_peak_rss
     from ddpkit.runtime import Runtime
 
     _deterministic(device)
@@ -778,7 +778,7 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ddpkit.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit.dist import environ_outside_job
+from ddpkit.core.dist import environ_outside_job
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -22,7 +22,7 @@ import termios
 
 import pytest
 
-from ddpkit.dist import LAUNCH_VARS, environ_outside_job
+from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job
 
 # The suite's runs take their share of the cores whatever else the machine does (ddpkit would
 # otherwise give fewer threads to a run started while another test's processes are busy, and the

@@ -163,7 +163,7 @@ def test_fsdp2_in_a_one_rank_group_trains_and_resumes_from_dcp(tmp_path, precisi
 def test_ddpkits_dropout_masks_on_the_device_are_the_cpus_bit_for_bit():
     # The hash wraps int32 multiplies: the device's kernels must wrap as the CPU's do, at every
     # length (vectorized bodies and their tails), or 1 GPU and 1 CPU would drop other elements.
-    from ddpkit import draws
+    from ddpkit.core import draws
 
     for per_row in (1, 2, 37, 4096, 100_003):
         rows = torch.arange(5, 21)

@@ -1,4 +1,4 @@
-"""ddpkit's dropout (ddpkit.draws): masks that are a function of the run (seed, step, call site,
+"""ddpkit's dropout (ddpkit.core.draws): masks that are a function of the run (seed, step, call site,
 the sample's place in the global batch), computed on the device, the same however the batch is
 split. The runs on 1, 2 and 3 processes are in test_own_loop.py."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ddpkit
-from ddpkit import draws
+from ddpkit.core import draws
 from ddpkit.data.samplers import MicroBatch
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.gather import Collector, _reference
+from ddpkit.runtime.gather import Collector, _reference
 from tests import workers_gather as wg
 
 
@@ -120,7 +120,7 @@ def test_evaluate_reports_what_fits_the_model():
 
 @pytest.mark.unit
 def test_a_language_models_logits_are_not_read_as_classes_at_dimension_1():
-    from ddpkit.evaluation import is_classification
+    from ddpkit.runtime.evaluation import is_classification
 
     tokens = torch.zeros(4, 7, dtype=torch.long)
     assert is_classification(torch.zeros(4, 11, 7), tokens)  # cross-entropy's layout

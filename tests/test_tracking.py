@@ -19,7 +19,7 @@ import torch
 
 import ddpkit
 from ddpkit.errors import UsageError
-from ddpkit.tracking import Tracking
+from ddpkit.observe.tracking import Tracking
 from tests.workers import toy_data
 
 TRACKER_VARS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT")

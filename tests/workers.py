@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.dist import gather_rows
+from ddpkit.core.dist import gather_rows
 
 
 def toy_data(n: int, seed: int = 0, features: int = 6, classes: int = 3) -> TensorDataset:
@@ -626,8 +626,8 @@ def fsdp_meta_edge_cases() -> dict:
 def fsdp_training_memory(steps: int = 3) -> dict:
     """fsdp on 16 MiB layers (AdamW): how far this rank's RSS rose above its level after setup
     while training, and what the allocator ran with."""
-    from ddpkit import allocator
-    from ddpkit.metrics import peak_rss_mib, reset_peak_rss, rss_mib
+    from ddpkit.core import allocator
+    from ddpkit.core.memory import peak_rss_mib, reset_peak_rss, rss_mib
 
     with ddpkit.Runtime("fsdp", device="cpu", seed=0) as rt:
         model = rt.build(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]))

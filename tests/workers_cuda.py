@@ -49,8 +49,9 @@ def fsdp_one_rank(device_type: str, path: str, precision: str) -> dict:
     collectives run (over one rank), the parameters are DTensors, the checkpoint is DCP's."""
     import torch.distributed as tdist
 
-    from ddpkit import checkpoint, shards
-    from ddpkit.precision import Precision
+    from ddpkit import checkpoint
+    from ddpkit.checkpoint import shards
+    from ddpkit.core.precision import Precision
     from ddpkit.strategy import Single, Strategy
     from ddpkit.strategy.fsdp import FSDP, FSDPOptions, is_sharded
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.gather import Collector
+from ddpkit.runtime.gather import Collector
 
 # (samples, global eval batch): uneven shares; ranks with different batch counts (with 2 or 3
 # ranks); multi-sample batches; fewer samples than 3 ranks (rank 2's share is empty).

@@ -23,9 +23,15 @@ __all__ = [
     "__version__",
 ]
 
-from . import threads as _threads  # noqa: F401 - its load reading starts at `import ddpkit`
+from . import _moved
+from .core import threads as _threads  # noqa: F401 - its load reading starts at `import ddpkit`
 from .errors import UsageError, WorkerFailed
 from .version import __version__
+
+# Imports inside functions: `import ddpkit` stays cheap (no torch) until a name that
+# needs it is used.
+
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:
@@ -34,19 +40,22 @@ def __getattr__(name: str) -> Any:
 
         return Runtime
     if name == "EMA":
-        from .ema import EMA
+        from .runtime.ema import EMA
 
         return EMA
     if name == "EarlyStopping":
-        from .early_stopping import EarlyStopping
+        from .runtime.early_stopping import EarlyStopping
 
         return EarlyStopping
     if name in ("Dropout", "dropout"):
-        from . import draws
+        from .core import draws
 
         return getattr(draws, name)
     if name == "launch":
         from .launcher import launch
 
         return launch
+    if name in _moved.MOVED:  # ddpkit 0.1's path of a module now in a layer folder: said once
+        globals()[name] = found = _moved.module(name)
+        return found
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks
+from .core import checks
 from .errors import usage_errors
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
@@ -254,7 +254,7 @@ class GPT(nn.Sequential):
     Being a sequence of its stages, each block is a direct child, hence its own shard unit
     under fsdp (the embedding and the head are units too). `dropout` (default none) drops on each
     block's attention and MLP outputs, as GPT-2 does; under a Runtime the masks do not depend on
-    the number of processes (see `ddpkit.draws`). Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
+    the number of processes (see `ddpkit.core.draws`). Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
     stream scaled by 1/sqrt(2 * depth), biases zero, LayerNorms one and zero.
     """
 

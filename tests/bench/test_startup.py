@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.timeline import MOMENTS
+from ddpkit.observe.timeline import MOMENTS
 from tests.bench.helpers import positive_stats
 from tests.conftest import run_bench
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.device import cpu_count
+from ddpkit.core.device import cpu_count
 from tests.bench.helpers import positive_stats
 from tests.conftest import run_bench
 

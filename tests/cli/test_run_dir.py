@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from ddpkit import shards
+from ddpkit.checkpoint import shards
 from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import ok
 from tests.conftest import clean_env, run_cli

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit.threads import usable_cores
+from ddpkit.core.threads import usable_cores
 from tests import workers
 from tests.cli.helpers import ok
 from tests.conftest import run_cli

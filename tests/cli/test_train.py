@@ -95,7 +95,7 @@ def test_run1_results_json(run1):
 
 
 def test_run1_timeline_runs_from_the_process_start_to_the_workers_exit(run1):
-    from ddpkit.timeline import MOMENTS
+    from ddpkit.observe.timeline import MOMENTS
 
     out, proc = run1
     ok(proc)
@@ -155,9 +155,9 @@ def test_run1_curves_png(run1, tmp_path):
     png = (out / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(png) > 1000
-    # Drawn by the command's helper process (ddpkit.plotter): the same bytes as drawn here
+    # Drawn by the command's helper process (ddpkit.observe.plotter): the same bytes as drawn here
     # from metrics.jsonl's epoch records.
-    from ddpkit.plots import plot_curves
+    from ddpkit.observe.plots import plot_curves
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plot_curves([r for r in records if r["type"] == "epoch"], str(tmp_path / "here.png"), "cnn on digits")

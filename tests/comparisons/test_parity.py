@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from benchmarks import paired, parity
+from ddpkit.core.device import cpu_count
 from ddpkit.data import GlobalBatchSampler
-from ddpkit.device import cpu_count
 from tests.conftest import run_bench
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ddpkit import checks
+from ddpkit.core import checks
 from ddpkit.errors import UsageError
 
 pytestmark = pytest.mark.unit
@@ -76,7 +76,7 @@ def test_directory_refuses_a_file_at_or_above_it(tmp_path):
 
 
 def test_memory_refuses_more_than_the_machine_has():
-    from ddpkit.metrics import available_mib
+    from ddpkit.core.memory import available_mib
 
     if available_mib() is None:
         pytest.skip("this system does not report available memory")

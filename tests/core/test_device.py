@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit import device
+from ddpkit.core import device
 from ddpkit.errors import UsageError
 
 pytestmark = pytest.mark.unit

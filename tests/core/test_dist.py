@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import dist
+from ddpkit.core import dist
 from tests import workers
 
 

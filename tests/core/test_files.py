@@ -10,8 +10,8 @@ import os
 import pytest
 import yaml
 
+from ddpkit.core.files import atomic_write, check_writable, write_json, write_text, write_yaml
 from ddpkit.errors import UsageError
-from ddpkit.files import atomic_write, check_writable, write_json, write_text, write_yaml
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +64,7 @@ def _plant_links(tmp_path, name):
 
 
 def _write_figure(path):
-    from ddpkit.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     fig, ax = pyplot().subplots()
     ax.plot([0, 1], [1, 0])
@@ -72,7 +72,7 @@ def _write_figure(path):
 
 
 def _write_log(path):
-    from ddpkit.files import replace_with_log
+    from ddpkit.core.files import replace_with_log
 
     with replace_with_log(path, "head\n") as f:
         f.write("more\n")
@@ -107,7 +107,7 @@ def test_every_write_replaces_a_planted_link_and_never_writes_through_it(tmp_pat
 
 
 def test_a_log_replaces_the_old_file_and_keeps_appending_to_its_own(tmp_path):
-    from ddpkit.files import replace_with_log
+    from ddpkit.core.files import replace_with_log
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("old run\n")
@@ -119,7 +119,7 @@ def test_a_log_replaces_the_old_file_and_keeps_appending_to_its_own(tmp_path):
 
 
 def test_json_writes_null_for_nan_and_infinity(tmp_path):
-    from ddpkit.files import json_line
+    from ddpkit.core.files import json_line
 
     def strict(text):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
@@ -130,7 +130,7 @@ def test_json_writes_null_for_nan_and_infinity(tmp_path):
 
 
 def test_temp_files_of_interrupted_writes_are_pruned_and_nothing_else(tmp_path):
-    from ddpkit.files import prune_temp_files
+    from ddpkit.core.files import prune_temp_files
 
     for name in (".tmp-abc.pt", ".tmp-x.json", "step-00000010.pt", ".write-test-1", "notes.tmp-1"):
         (tmp_path / name).write_text("x")
@@ -140,7 +140,7 @@ def test_temp_files_of_interrupted_writes_are_pruned_and_nothing_else(tmp_path):
 
 
 def test_a_held_lock_names_its_holder_and_is_released_at_exit(tmp_path):
-    from ddpkit.files import _held, _release, check_unlocked, hold_lock
+    from ddpkit.core.files import _held, _release, check_unlocked, hold_lock
 
     lock = tmp_path / ".lock"
     lock.write_text(json.dumps({"pid": 999999, "host": "gone", "started": "then"}))  # a killed holder's file

@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from ddpkit import plots, plotter
+from ddpkit.observe import plots, plotter
 
 # Three epochs of a run's records, with a NaN (JSON carries it, and floats exactly).
 HISTORY = [
@@ -113,7 +113,7 @@ def test_an_answer_read_off_the_pipe_with_another_is_not_waited_for_again(monkey
     import time
     import types
 
-    from ddpkit import plotter
+    from ddpkit.observe import plotter
 
     monkeypatch.setattr(plotter, "ANSWER_TIMEOUT_S", 5.0)
     monkeypatch.setattr(plotter, "_unread", bytearray())

@@ -27,7 +27,7 @@ def test_each_rank_draws_its_own_random_stream_after_setup():
 
 
 def _gathered_both_ways() -> tuple[list, list]:
-    from ddpkit import dist, seed
+    from ddpkit.core import dist, seed
 
     with ddpkit.Runtime(device="cpu", seed=0) as rt:
         seed.seed_rank(0, rt.rank)
@@ -56,7 +56,7 @@ def test_every_ranks_streams_gathered_as_bytes_come_back_as_they_were():
 def test_states_as_bytes_come_back_as_they_were_whatever_their_tensors():
     import pickle
 
-    from ddpkit.seed import _from_bytes, _to_bytes
+    from ddpkit.core.seed import _from_bytes, _to_bytes
 
     state = {
         "empty": torch.empty(0, 3),
@@ -73,7 +73,7 @@ def test_states_as_bytes_come_back_as_they_were_whatever_their_tensors():
 def test_pythons_stream_is_kept_as_one_tensor_and_the_older_tuple_still_restores():
     import random
 
-    from ddpkit.seed import rng_state, set_rng_state
+    from ddpkit.core.seed import rng_state, set_rng_state
 
     cpu = torch.device("cpu")
     random.seed(11)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import checkpoint, shards
+from ddpkit import checkpoint
+from ddpkit.checkpoint import shards
 from ddpkit.errors import UsageError
 from ddpkit.trainer import TrainConfig
 from ddpkit.trainer.resume import check_resumable, resume_path
@@ -155,7 +156,7 @@ class _Crash(BaseException):
 @pytest.mark.unit
 @pytest.mark.parametrize("crash", ["before the first rename", "between the renames", "before the old is removed"])
 def test_a_crash_at_any_point_of_replacing_a_checkpoint_leaves_it_usable(tmp_path, monkeypatch, crash):
-    from ddpkit.files import prune_temp_files
+    from ddpkit.core.files import prune_temp_files
     from ddpkit.trainer.resume import checkpoint_names
 
     folder = tmp_path / "checkpoints"

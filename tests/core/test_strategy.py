@@ -332,7 +332,8 @@ def test_fsdp_batchnorm_keeps_ddps_buffers_rank_0s_running_statistics_every_step
 @pytest.mark.parametrize("leave", ["returning", "raising"])
 def test_a_background_save_not_waited_for_is_whole_once_the_runtime_closes(tmp_path, leave):
     # close() waits for it before the process groups its write uses are torn down
-    from ddpkit import checkpoint, shards
+    from ddpkit import checkpoint
+    from ddpkit.checkpoint import shards
     from ddpkit.errors import WorkerFailed
 
     path = tmp_path / "ck"

@@ -1,4 +1,4 @@
-"""ddpkit.threads: each CPU process's torch threads, its share of the usable cores less those
+"""ddpkit.core.threads: each CPU process's torch threads, its share of the usable cores less those
 other programs keep busy. A real busy process is the load: one outside this process tree
 counts, a child of this process (as ddpkit's helper and workers are) does not."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ddpkit import threads
+from ddpkit.core import threads
 from tests.spinner import SPIN, outside_spinner
 
 pytestmark = pytest.mark.unit

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from ddpkit import timeline
 from ddpkit.launcher.workers import gc_frozen
-from ddpkit.timeline import MOMENTS, Timeline, gc_paused, phases, process_start
+from ddpkit.observe import timeline
+from ddpkit.observe.timeline import MOMENTS, Timeline, gc_paused, phases, process_start
 
 
 @pytest.mark.unit
@@ -29,7 +29,7 @@ def test_process_start_counts_what_ran_before_ddpkit_was_imported():
     launched = time.monotonic()
     code = (
         "import time; before = time.monotonic(); time.sleep(0.5); "
-        "from ddpkit.timeline import process_start; print(before - process_start())"
+        "from ddpkit.observe.timeline import process_start; print(before - process_start())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     lead = float(out.stdout)  # from the process's start to its first line of Python

@@ -32,8 +32,8 @@ def test_docs_build_strictly_without_warnings(site_build):
     reference = pages["reference/index.html"]
     headings = re.findall(r'<h[2-4] id="([^"]+)"', reference)
     # each object named once: no heading of the page's own ('collector', 'errors') beside the
-    # object's ('ddpkit.gather.Collector', 'ddpkit.errors'); a class and a function may differ
-    # in case alone (ddpkit.draws.Dropout and ddpkit.draws.dropout)
+    # object's ('ddpkit.runtime.gather.Collector', 'ddpkit.errors'); a class and a function may differ
+    # in case alone (ddpkit.core.draws.Dropout and ddpkit.core.draws.dropout)
     objects = [h for h in headings if 1 <= h.count(".") <= 2]
     own = [h for h in headings if "." not in h]
     assert len(objects) == len(set(objects)), sorted(objects)

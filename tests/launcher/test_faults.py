@@ -50,7 +50,7 @@ def _workers(proc: subprocess.Popen) -> list[int]:
 
 
 def _curves_helper(proc: subprocess.Popen) -> list[int]:
-    """The launcher's other child: the process that draws curves.png (ddpkit.plotter)."""
+    """The launcher's other child: the process that draws curves.png (ddpkit.observe.plotter)."""
     return [p for p in _children(proc) if _is_curves_helper(p)]
 
 
@@ -60,7 +60,7 @@ def _children(proc: subprocess.Popen) -> list[int]:
 
 
 def _is_curves_helper(pid: int) -> bool:
-    return b"ddpkit.plotter" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"ddpkit.observe.plotter" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def _start_time(pid: int) -> int:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddpkit.device import auto_nproc, gpu_count
+from ddpkit.core.device import auto_nproc, gpu_count
 from ddpkit.errors import UsageError
 from ddpkit.launcher import Nodes, parse_nproc
 from ddpkit.launcher import topology as topologies
@@ -217,7 +217,7 @@ def test_ddpkit_train_under_torchrun(tmp_path):
 
 @pytest.mark.unit
 def test_cpu_processes_are_bounded_by_the_cores():
-    from ddpkit import device
+    from ddpkit.core import device
     from ddpkit.launcher.topology import CPU_OVERSUBSCRIPTION
 
     most = CPU_OVERSUBSCRIPTION * device.cpu_count()

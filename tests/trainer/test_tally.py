@@ -158,7 +158,7 @@ def test_a_resumed_run_measures_the_pace_again_from_its_step():
 
 
 def test_stamps_on_the_cpu_are_clock_readings_and_their_difference_the_seconds_between():
-    from ddpkit.metrics import seconds_between, stamp
+    from ddpkit.observe.metrics import seconds_between, stamp
 
     start = stamp(cuda=False)
     assert isinstance(start, float)

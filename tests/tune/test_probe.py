@@ -14,7 +14,7 @@ import torch
 
 import ddpkit
 from ddpkit import tune
-from ddpkit.dist import DistEnv
+from ddpkit.core.dist import DistEnv
 from ddpkit.errors import WorkerFailed
 from ddpkit.tune import probe
 from tests.conftest import run_cli

@@ -26,6 +26,9 @@ import tempfile
 import time
 from typing import Any
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = "fsdp's sharded checkpoints: time training stands still, written in the foreground vs the background"
 
 MODES = ("foreground", "background")
@@ -92,7 +95,7 @@ def _worker(width: int, reps: int, folder: str, block: int = 4) -> dict[str, Any
     import torch.nn.functional as F
     from torch import nn
 
-    from .. import shards
+    from ..checkpoint import shards
     from ..runtime import Runtime
 
     with Runtime("fsdp", device="cpu", seed=0) as rt:
@@ -139,7 +142,7 @@ def _worker(width: int, reps: int, folder: str, block: int = 4) -> dict[str, Any
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot
+    from ..observe.plots import pyplot
 
     plt = pyplot()
     r = record["result"]

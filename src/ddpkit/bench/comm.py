@@ -40,6 +40,9 @@ from typing import Any
 
 from .common import cycle
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = (
     "DDP bucket size, gradient_as_bucket_view, static_graph, fp16/bf16 comm hooks: step time and bytes all-reduced"
 )
@@ -93,7 +96,7 @@ def add_arguments(parser: Any) -> None:
 def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
-    from .. import checks
+    from ..core import checks
     from ..errors import UsageError
     from ..launcher import launch
     from ..models import check
@@ -210,7 +213,7 @@ def _worker(work: Work, device: str, reps: int) -> list[dict[str, Any]]:
     import torch
 
     from ..data import synthetic
-    from ..metrics import time_calls
+    from ..observe.metrics import time_calls
     from ..runtime import Runtime
 
     with Runtime(strategy="ddp", device=device) as base:  # owns the process group
@@ -320,7 +323,7 @@ def _result(work: Work, device: str, nproc: int, reps: int, ranks: list[dict[str
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -10,8 +10,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..env import metadata
-from ..files import write_json
+from ..core.files import write_json
+from ..observe.env import metadata
+
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 RESULTS_DIR = os.path.join("benchmarks", "results")
 

@@ -30,6 +30,9 @@ import tempfile
 import time
 from typing import Any
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = "`ddpkit train --model fast-cifar` on CIFAR-shaped synthetic data: seconds per epoch (50k samples on GPU)"
 
 CIFAR10_TRAIN = 50_000
@@ -186,7 +189,7 @@ def _result(args: list[str], device: str, size: int, runs: list[dict[str, Any]])
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -31,6 +31,9 @@ from typing import Any
 
 from .common import cycle
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = "the gpt language model: tokens/s, step time, FLOPs per token, achieved TFLOP/s and MFU"
 
 VOCAB = 256  # bytes
@@ -100,8 +103,8 @@ def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from ..metrics import flops_per_sample, peak_tflops, sync, time_calls
     from ..models import build
+    from ..observe.metrics import flops_per_sample, peak_tflops, sync, time_calls
     from ..runtime import Runtime
 
     gc.collect()
@@ -198,7 +201,7 @@ def _result(work: Work, device: str, reps: int, row: dict[str, Any]) -> dict[str
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

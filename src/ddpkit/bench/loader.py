@@ -16,10 +16,14 @@ from typing import Any
 
 import torch
 
-from .. import checks, data
-from ..metrics import sync
-from ..plots import pyplot, save_figure
+from .. import data
+from ..core import checks
+from ..observe.metrics import sync
+from ..observe.plots import pyplot, save_figure
 from .common import BenchOptions, stats
+
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 DESCRIPTION = "device-resident loader vs DataLoader path: samples/s at batch 256, plain and augmented"
 

@@ -24,6 +24,9 @@ from typing import Any
 
 from .common import cycle
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = "samples/s, step time, FLOPs per sample, achieved TFLOP/s and MFU of every built-in model at 32x32"
 
 MODELS = ("lenet", "cnn", "simple-cnn", "fast-cifar", "resnet18")
@@ -97,8 +100,8 @@ def _measure(work: Work, name: str, train: Any, device: str, reps: int) -> dict[
     import torch
     import torch.nn.functional as F
 
-    from ..metrics import flops_per_sample, peak_tflops, time_calls
     from ..models import build
+    from ..observe.metrics import flops_per_sample, peak_tflops, time_calls
     from ..runtime import Runtime
 
     gc.collect()
@@ -189,7 +192,7 @@ def _result(work: Work, device: str, reps: int, rows: list[dict[str, Any]]) -> d
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

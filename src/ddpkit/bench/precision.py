@@ -37,6 +37,9 @@ from typing import Any
 
 from .common import cycle
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = (
     "fp32 / bf16 / fp16 (+GradScaler) x channels_last, torch.compile, cudnn.benchmark: step time, speedup, memory"
 )
@@ -106,7 +109,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
-    from .. import checks
+    from ..core import checks
     from ..launcher import launch
     from ..models import check
 
@@ -166,8 +169,8 @@ def _measure(work: Work, v: Variant, train: Any, device: str, reps: int, budget:
     import torch
     import torch.nn.functional as F
 
-    from ..metrics import sync, time_calls
     from ..models import build
+    from ..observe.metrics import sync, time_calls
     from ..runtime import Runtime
 
     gc.collect()
@@ -286,7 +289,7 @@ def _result(
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

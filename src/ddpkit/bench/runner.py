@@ -16,8 +16,8 @@ import traceback
 from types import ModuleType
 from typing import Any
 
-from .. import device as devices
-from ..files import write_text
+from ..core import device as devices
+from ..core.files import write_text
 from .common import RESULTS_DIR, BenchOptions, default_paths, load_average, write
 
 

@@ -12,7 +12,7 @@ its own, so its peak is its own:
   so ranks other than 0 build on the meta device);
 - `fsdp2_hand_written`: the loop one writes with FSDP2 alone: every rank builds the model,
   `fully_shard` on each layer and the root, `loss.backward(); opt.step(); opt.zero_grad()`,
-  with glibc's mmap threshold as ddpkit's fsdp holds it (see `ddpkit.allocator`), and again
+  with glibc's mmap threshold as ddpkit's fsdp holds it (see `ddpkit.core.allocator`), and again
   with glibc's default allocator (`..._glibc_default`), which shows what that setting trades.
 
 Peak memory: on CPU the peak RSS (VmHWM) of each rank, counted from the worker's start (reset
@@ -33,6 +33,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 TARGET_STEP_TIME_RATIO = 1.01  # ddpkit's fsdp / the hand-written FSDP2 loop
 TARGET_MEMORY_RATIO = 0.6  # fsdp / ddp peak memory at N = 2
@@ -169,8 +172,9 @@ def _forever(values: Any) -> Iterator[Any]:
 
 def _alone(work: Work, config: str, device: str) -> dict[str, Any]:
     """One configuration alone in this launch: every rank's memory and step times."""
-    from .. import allocator
-    from ..metrics import StepTimer, peak_memory_mib, reset_peak_memory, rss_mib
+    from ..core import allocator
+    from ..core.memory import peak_memory_mib, reset_peak_memory, rss_mib
+    from ..observe.metrics import StepTimer
     from ..runtime import Runtime
 
     hand = config in (HAND, HAND_DEFAULT)
@@ -209,7 +213,7 @@ def _alone(work: Work, config: str, device: str) -> dict[str, Any]:
 
 def _alternating(work: Work, device: str) -> dict[str, Any]:
     """fsdp and the hand-written loop in the same processes, in alternating timed blocks."""
-    from ..metrics import StepTimer
+    from ..observe.metrics import StepTimer
     from ..runtime import Runtime
 
     with Runtime(strategy="fsdp", device=device, seed=work.seed) as rt:

@@ -5,7 +5,7 @@ Each repetition runs the real command, `python -m ddpkit train --nproc 2 --devic
 --epochs 10 --out DIR` (scikit-learn's 8x8 digits, the default small CNN), as a fresh
 process, timed from outside from start to exit, and reads the moments the run wrote in
 results.json's "timeline" (seconds since the command's process started; see
-`ddpkit.timeline.MOMENTS`). A phase is the time between a moment and the one before it:
+`ddpkit.observe.timeline.MOMENTS`). A phase is the time between a moment and the one before it:
 interpreter and imports, checks, the launcher and the workers' start, the process group, the
 data, the model, the first step, the rest of training (with each epoch's evaluation and
 checkpoint), the outputs, the workers' exit, and `exit`: from the last moment to the end
@@ -25,6 +25,9 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 DESCRIPTION = "start-up to exit of `ddpkit train --nproc 2` on digits: the time of each phase, median and spread"
 # Its files are startup-phases-DEVICE.*: `python -m benchmarks startup`, the comparison with the
@@ -57,7 +60,7 @@ def command_environ(*also: str) -> dict[str, str]:
     without a cache every run compiles them again (about 0.09 s), which a pip-installed
     package, compiled when installed, never does. (The untimed warm-up run writes the
     cache.) `also`: more variables to leave out."""
-    from ..dist import environ_outside_job
+    from ..core.dist import environ_outside_job
 
     return environ_outside_job("PYTHONDONTWRITEBYTECODE", *also)
 
@@ -95,7 +98,7 @@ def run_once(epochs: int, tmp: str, env: dict[str, str] | None = None) -> dict[s
 
 def run_phases(timeline: dict[str, float], seconds: float) -> dict[str, float]:
     """A run's phases, in order, from its timeline and its whole seconds seen from outside."""
-    from ..timeline import phases
+    from ..observe.timeline import phases
 
     out = phases(timeline)
     out[EXIT] = max(0.0, seconds - max(timeline.values()))
@@ -113,7 +116,7 @@ def phase_stats(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def run(opts: Any, device: str) -> dict[str, Any]:
     """The job on the CPU whatever `device` says: start-up is measured on CPU processes."""
     from ..errors import UsageError
-    from ..timeline import MOMENTS
+    from ..observe.timeline import MOMENTS
     from .common import stats
 
     epochs = int(opts.extra.get("epochs") or (2 if opts.quick else 10))
@@ -146,7 +149,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
 def plot(record: dict[str, Any], path: str) -> None:
     """One stacked bar per run and one of the medians: each phase's seconds, in order."""
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -33,6 +33,9 @@ from typing import Any
 from . import sharded
 from .common import cycle
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = (
     "single / dp / ddp throughput and weak-scaling efficiency for N = 1 .. available devices; single / ddp / "
     "fsdp peak memory and step time on a 100M-parameter MLP"
@@ -84,7 +87,7 @@ def add_arguments(parser: Any) -> None:
 def run(opts: Any, device: str) -> dict[str, Any]:
     import torch
 
-    from ..device import cpu_count
+    from ..core.device import cpu_count
     from ..errors import UsageError
     from ..launcher import launch
     from ..models import check
@@ -176,8 +179,8 @@ def _measure(work: Work, name: str, device: str, reps: int) -> dict[str, Any]:
     import torch
     from torch.utils.data import TensorDataset
 
-    from ..metrics import time_calls
     from ..models import build
+    from ..observe.metrics import time_calls
     from ..runtime import Runtime
 
     with Runtime(strategy=name, device=device, seed=work.seed) as rt:
@@ -277,7 +280,7 @@ def _result(
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

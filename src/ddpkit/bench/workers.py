@@ -22,6 +22,9 @@ import warnings
 import zlib
 from typing import Any
 
+# Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
+# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+
 DESCRIPTION = "DataLoader num_workers x pin_memory x batch size over a per-sample decode+augment dataset"
 
 TIE = 0.03  # settings within 3% of the fastest count as equally fast: the fewest workers wins
@@ -81,13 +84,13 @@ def add_arguments(parser: Any) -> None:
 
 
 def _worker_counts() -> list[int]:
-    from ..device import cpu_count
+    from ..core.device import cpu_count
 
     return sorted({0, 1, 2, 4, cpu_count()})
 
 
 def _batch_sizes(opts: Any) -> list[int]:
-    from .. import checks
+    from ..core import checks
 
     text = opts.extra.get("batch_sizes") or ("32,128" if opts.quick else "64,256")
     return list(checks.int_list("--batch-sizes", text, "64,256"))
@@ -168,7 +171,7 @@ def _measure(dataset: Any, batch: int, workers: int, pin: bool, device: Any, epo
     import torch
     from torch.utils.data import DataLoader
 
-    from ..metrics import sync, time_calls
+    from ..observe.metrics import sync, time_calls
     from .common import stats
 
     with warnings.catch_warnings():  # more workers than cores is a point of the sweep, not a mistake
@@ -227,7 +230,7 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..plots import pyplot, save_figure
+    from ..observe.plots import pyplot, save_figure
 
     plt = pyplot()
     r = record["result"]

@@ -22,9 +22,12 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .. import checks
+from ..core import checks
 from ..errors import Interrupted, RunError, UsageError, WorkerFailed
 from ..version import __version__
+
+# Imports inside functions: `ddpkit --help` and a bad flag's one line load no torch; a
+# command's modules load when it runs.
 
 USAGE = f"""ddpkit {__version__}: PyTorch training on 1 CPU, 1 GPU, all GPUs or many machines.
 
@@ -139,12 +142,12 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except RunError as err:  # a failure its message explains whole (a full disk): no traceback
-        from ..dist import detect_env
+        from ..core.dist import detect_env
 
         print(f"{prog}: rank {detect_env().rank} on {socket.gethostname()} failed: {err}", file=sys.stderr)
         return 1
     except Exception as err:  # a failure in this process (one process, or a torchrun/srun worker)
-        from ..dist import detect_env
+        from ..core.dist import detect_env
 
         traceback.print_exc()
         rank = detect_env().rank

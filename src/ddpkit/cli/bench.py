@@ -9,10 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from .. import checks
-from ..device import DEVICES, device_type
+from ..core import checks
+from ..core.device import DEVICES, device_type
 from ..errors import UsageError
 from .parsing import ArgumentParser
+
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
 
 
 def main(

@@ -7,10 +7,13 @@ from collections.abc import Sequence
 
 from .parsing import ArgumentParser
 
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
+
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
-    from ..env import render, report
+    from ..observe.env import render, report
 
     r = report()
     print(json.dumps(r, indent=2) if args.json else render(r))

@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 from .parsing import ArgumentParser
 
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
+
 KNEE_PERCENT = 90  # tune.search.KNEE_FRACTION, for the help text without importing torch
 
 

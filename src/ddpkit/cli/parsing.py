@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-from ..checks import INT64
+from ..core.checks import INT64
 
 
 def _int(text: str) -> int:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .. import checks
+from ..core import checks
 from ..errors import UsageError
 from .parsing import ArgumentParser
+
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
 
 DEFAULT_OUT = "report.png"
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..report import load_run, report, wrote
+    from ..observe.report import load_run, report, wrote
 
     a = _parser().parse_args(argv)
     runs = [load_run(path) for path in a.dirs]  # the runs first: a missing one before a plot in the way

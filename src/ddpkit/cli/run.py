@@ -24,6 +24,9 @@ from ..errors import UsageError
 from ..launcher.topology import RDZV_CONF, Nodes
 from .parsing import ArgumentParser
 
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
+
 DESCRIPTION = """\
 Run a script written for torchrun (or ddpkit.Runtime) on N processes per node through torch's
 elastic agent. On one machine the rendezvous port is picked by the OS on the loopback address;

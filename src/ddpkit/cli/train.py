@@ -12,9 +12,12 @@ from typing import Any
 from . import _a_launchers_worker
 from .parsing import OneLineErrors
 
+# Imports inside functions: a command's --help and its flags' checks load no torch; what runs
+# the command loads when it runs.
+
 
 def main(argv: Sequence[str]) -> int:
-    from ..timeline import Timeline, gc_paused
+    from ..observe.timeline import Timeline, gc_paused
 
     timeline = Timeline()  # from this process's start: the interpreter's start counts
     with _curves_helper(argv):
@@ -29,10 +32,10 @@ def main(argv: Sequence[str]) -> int:
 
 def _curves_helper(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
     """The process that imports matplotlib on an idle core while this one imports torch, and
-    draws curves.png at the end (`ddpkit.plotter`); started first, before anything slow. Not
+    draws curves.png at the end (`ddpkit.observe.plotter`); started first, before anything slow. Not
     for --help, nor for a process that torchrun or srun started as one of several ranks:
     it has no ddpkit parent that forks its workers, and every rank would start one."""
-    from ..plotter import helper
+    from ..observe.plotter import helper
 
     if any(a in ("-h", "--help") for a in argv) or _a_launchers_worker() or "RANK" in os.environ:
         return contextlib.nullcontext()

@@ -33,7 +33,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from .. import checks
+from ..core import checks
 from ..errors import UsageError
 
 # DataLoader settings carried over as they are (the sampler, batch size and order are ddpkit's).

@@ -24,6 +24,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from ..errors import UsageError
 
 
@@ -135,7 +137,6 @@ def _download(url: str, folder: str, filename: str, md5: str) -> None:
 
 def _copy(response, fd: int, total: int, filename: str) -> str:
     """Write the response to `fd`, with a progress bar on stderr for big files; its MD5."""
-    from tqdm.auto import tqdm
 
     # tqdm starts a monitor thread with its first bar (even a disabled one). This runs in the
     # launching process, and a live thread there makes the launcher spawn workers instead of

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .. import checks
+from ..core import checks
 
 _M32 = 0xFFFFFFFF
 

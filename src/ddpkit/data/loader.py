@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from ..device import cpu_count
+from ..core.device import cpu_count
+from ..core.seed import SeedWorker, loader_generator
+from ..core.tree import empty_like_batch, map_tensors
 from ..errors import UsageError
-from ..seed import SeedWorker, loader_generator
-from ..tree import empty_like_batch, map_tensors
 from .images import ImageSet, augment_keys, selectable
 from .samplers import GlobalBatchSampler, MicroBatch, ShardSampler
 from .text import TextSet

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from .. import checks
+from ..core import checks
 from ..errors import UsageError
 from .images import augment_keys
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from .. import checks
+from ..core import checks, dist
+from ..core.tree import empty_like_batch
 from ..errors import RunError, UsageError
-from ..tree import empty_like_batch
 from .loader import hand_out, move
 from .samplers import GlobalBatchSampler, MicroBatch, check_global_batch
 
@@ -164,7 +164,6 @@ class StreamLoader:
         by rank) would otherwise leave that rank out of the others' next collective, and the
         others be blamed for the hang. The rank whose stream ended first says so (RunError); the
         others go on, and fail as its peers when it stops."""
-        from .. import dist
 
         # Named by what every rank's loader of this stream shares, and how many ends of such a
         # loader this process has seen: not by the order loaders were made, which may differ.

@@ -31,13 +31,16 @@ from typing import Any, TextIO
 
 import cloudpickle
 
-from .. import checks, threads
-from .. import device as devices
+from ..core import checks, threads
+from ..core import device as devices
 from ..errors import Interrupted, UsageError
 from . import records
 from .failures import as_worker_failed
 from .topology import Nodes, Topology, local
 from .workers import WORKER_IMPORTS, choose_start_method, entrypoint, gc_frozen, main_hidden, preloaded
+
+# Imports inside functions: torch's elastic agent and rendezvous load in the launching process
+# only when it launches (not for `ddpkit.launch` under torchrun, nor in the workers).
 
 # How often the agent looks at its workers: how soon it sees that they finished (or one
 # failed). A look costs the launching process a few syscalls: 50 a second cost no CPU time
@@ -68,7 +71,7 @@ def launch(
     `ddpkit run`), `fn` runs in this process, as that worker: {this rank: return value}.
     """
     checks.thread_count_variable()  # the workers inherit it
-    from ..dist import detect_env
+    from ..core.dist import detect_env
 
     env = detect_env()
     if env.source != "single":  # this process is a worker already (torchrun, srun, `ddpkit run`)
@@ -399,7 +402,7 @@ def method_name(depth: int = 2) -> str:
 @contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
     """The workers' OMP_NUM_THREADS, unless the user set it: chosen here, where the load reading
-    spans this process's start-up (see ddpkit.threads), with why in DDPKIT_THREADS_CHOSEN."""
+    spans this process's start-up (see ddpkit.core.threads), with why in DDPKIT_THREADS_CHOSEN."""
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return

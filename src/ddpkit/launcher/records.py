@@ -155,7 +155,9 @@ def agent_stops(root: str) -> Iterator[None]:
     process context's `close`: after a failure, before a restart, at the end). The file exists
     from the start: its absence means the stops went unrecorded (a torch without that method)."""
     try:
-        from torch.distributed.elastic.multiprocessing.api import PContext
+        from torch.distributed.elastic.multiprocessing.api import (
+            PContext,
+        )  # the elastic agent's, in the launching process alone
     except ImportError:
         yield
         return

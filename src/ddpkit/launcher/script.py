@@ -71,7 +71,7 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _record(err: BaseException) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # only once the script failed
 
     handler = get_error_handler()
     handler.initialize()

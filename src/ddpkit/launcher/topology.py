@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import checks
-from .. import device as devices
+from ..core import checks
+from ..core import device as devices
 from ..errors import UsageError
 
 # --rdzv-conf keys that torch's c10d rendezvous reads, and the kind of each value: each is
@@ -221,7 +221,7 @@ def resolve(
     launcher that already started them. `one_process` names what forces a single process
     (for example '--strategy dp'), if anything."""
     device_type = devices.device_type(device)
-    from ..dist import detect_env, job_problem
+    from ..core.dist import detect_env, job_problem  # imports torch: not while the flags are read
 
     env = detect_env()
     problem = job_problem(env)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..timeline import froze_objects
+from ..observe.timeline import froze_objects
 from . import records
 from .failures import restart_note
 

@@ -9,9 +9,12 @@ nothing outside strategy/ tests a strategy's name or type (tests/test_strategy_s
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from .. import checks
+import torch
+from torch import nn
+
+from ..core import checks
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
 from .ddp import (
     COMM_HOOKS,
@@ -25,8 +28,7 @@ from .ddp import (
     unsettled,
 )
 from .dp import DataParallel
-from .fsdp import FSDP, FSDPOptions, full_model_state, holds_dtensors, is_sharded, load_full_model_state
-from .fsdp import load_full_optimizer_state as load_full_optimizer_state
+from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .single import Single
 
 # The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
@@ -53,15 +55,55 @@ __all__ = [
     "load_full_model_state",
     "load_full_optimizer_state",
     "local",
+    "lockstep",
     "names",
     "no_sync",
     "register",
     "resolve",
     "resolve_name",
     "settled_backward",
+    "sharded_by",
     "unsettled",
     "unwrap",
 ]
+
+
+def sharded_by(model: nn.Module) -> type[Strategy] | None:
+    """The registered strategy that sharded `model` (its `owns`), or None: a replicated model."""
+    return next((cls for cls in REGISTRY.values() if cls.sharded and cls.owns(model)), None)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether a strategy sharded `model` (see `Strategy.owns`)."""
+    return sharded_by(model) is not None
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """A sharded model's whole state_dict, bare keys, on rank 0 (collective; {} elsewhere)."""
+    return _owner(model).full_model_state(model)
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load a whole state_dict into a sharded model: each rank keeps its shards (collective)."""
+    _owner(model).load_full_model_state(model, state)
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load an `Optimizer.state_dict()`-format state (of any strategy) into a sharded model's optimizer."""
+    _owner(model).load_full_optimizer_state(model, optimizer, state)
+
+
+def lockstep(model: nn.Module) -> bool:
+    """Whether every rank must run as many forwards of `model` (its strategy's `lockstep`)."""
+    owner = sharded_by(model)
+    return owner is not None and owner.lockstep
+
+
+def _owner(model: nn.Module) -> type[Strategy]:
+    owner = sharded_by(model)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} is not sharded by any strategy")
+    return owner
 
 
 def names() -> tuple[str, ...]:

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ..core.precision import AutocastModule
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from ..precision import Precision
+    from ..core.precision import Precision
 
 
 class Strategy:
@@ -61,6 +62,31 @@ class Strategy:
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    @classmethod
+    def owns(cls, model: nn.Module) -> bool:
+        """True for a model this (sharded) strategy wrapped, so that its parameters are this
+        rank's shards: a checkpoint holding it is a directory of every rank's shards, its whole
+        state is gathered by `full_model_state`, and `rt.evaluate` runs its forwards in
+        `lockstep`. (`strategy.sharded_by` asks every registered strategy.)"""
+        return False
+
+    @classmethod
+    def full_model_state(cls, model: nn.Module) -> dict[str, Any]:
+        """The whole state_dict of a model it `owns`, bare keys, on rank 0 (collective)."""
+        raise NotImplementedError(f"{cls.name} shards no model")
+
+    @classmethod
+    def load_full_model_state(cls, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole state_dict into a model it `owns`: each rank keeps its shards."""
+        raise NotImplementedError(f"{cls.name} shards no model")
+
+    @classmethod
+    def load_full_optimizer_state(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load an `Optimizer.state_dict()`-format state into the optimizer of a model it `owns`."""
+        raise NotImplementedError(f"{cls.name} shards no model")
 
     @classmethod
     def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
@@ -121,7 +147,6 @@ class Strategy:
         channels_last: bool = False,
         compile: bool | dict = False,
     ) -> nn.Module:
-        from ..precision import AutocastModule
 
         model = self._place(model)
         if channels_last:
@@ -191,14 +216,13 @@ def compile_options(options: bool | dict) -> dict[str, Any]:
 
 def compiled_graphs() -> int:
     """How many graphs torch.compile has produced in this process so far (dynamo's counter)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # torch's compiler: 1.5 s to import, only after a compile
 
     return int(counters["stats"]["unique_graphs"])
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare model under any DDP / DataParallel / autocast / torch.compile wrappers."""
-    from ..precision import AutocastModule
 
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, AutocastModule)):

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .. import checks
+from ..core import checks
 from ..errors import UsageError
 from .base import Strategy
 
@@ -105,7 +106,6 @@ def buffer_sync_argument() -> str:
 
 def comm_hook(name: str) -> Any:
     """The DDP communication hook for `name` (None for 'none')."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return {"none": None, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
 

@@ -11,7 +11,7 @@ differ from DDP, and are handled here and where noted:
 - Every forward all-gathers, so every rank must run the same number of forwards (`lockstep`):
   the training sampler pads micro-batches and exact evaluation pads batches, with empty ones.
 - A state_dict holds shards: checkpoints are directories of every rank's shards (see
-  ddpkit.shards); model.pt gathers the whole model, a collective (`full_model_state`).
+  ddpkit.checkpoint.shards); model.pt gathers the whole model, a collective (`full_model_state`).
 
 Two things that `Strategy.wrap` does for the other strategies are done differently here:
 bf16/fp16 is FSDP2's `MixedPrecisionPolicy`, not the autocast wrapper, and `--compile` compiles
@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .. import allocator, checks, dist
+from ..core import allocator, checks, dist
 from ..errors import UsageError
 from .base import Strategy, compile_options, on_meta
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-    from ..precision import Precision
+    from ..core.precision import Precision
 
-# torch's FSDP and DCP modules are imported where they are used: importing them costs about half
-# a second, which every run (ddp too: checkpoint and evaluation ask `is_sharded`) would pay.
+# Imports inside functions: torch's FSDP and DCP modules (about half a second each to import)
+# load where they are used, not in every run (ddp too imports this module).
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,6 +136,24 @@ class FSDP(Strategy):
     keeps_ranks_in_step: ClassVar[bool] = True
 
     @classmethod
+    def owns(cls, model: nn.Module) -> bool:
+        return is_sharded(model)
+
+    @classmethod
+    def full_model_state(cls, model: nn.Module) -> dict[str, Any]:
+        return full_model_state(model)
+
+    @classmethod
+    def load_full_model_state(cls, model: nn.Module, state: dict[str, Any]) -> None:
+        load_full_model_state(model, state)
+
+    @classmethod
+    def load_full_optimizer_state(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        load_full_optimizer_state(model, optimizer, state)
+
+    @classmethod
     def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
         return cls(device, fsdp)
 
@@ -152,7 +170,7 @@ class FSDP(Strategy):
     def prepare_process(self) -> None:
         if self.device.type == "cpu":
             # Before the model exists: gathered parameters, freed after each use, go back to the
-            # system instead of piling up in glibc's heap (see ddpkit.allocator).
+            # system instead of piling up in glibc's heap (see ddpkit.core.allocator).
             allocator.mmap_large_blocks()
 
     def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions()):

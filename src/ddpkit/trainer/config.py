@@ -15,8 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from .. import checks
-from .. import device as devices
+from ..core import checks
+from ..core import device as devices
 from ..errors import UsageError
 
 
@@ -166,7 +166,7 @@ def layered(config_file: str | None, model: str | None, device: str | None) -> T
 
 def load_config_file(path: str) -> dict[str, Any]:
     """Options from a YAML file, keys with '-' or '_', values checked against TrainConfig's types."""
-    import yaml
+    import yaml  # 7 ms, for --config alone
 
     try:
         # Bytes, so that PyYAML picks the encoding as YAML says (UTF-8, or UTF-16/32 with a byte
@@ -203,7 +203,7 @@ MAX_CONFIG_VALUES = 10_000
 def _safe_load_bounded(stream: Any, path: str) -> Any:
     """yaml.safe_load, refusing a document whose aliases expand beyond MAX_CONFIG_VALUES values
     (counted on the composed nodes before any Python object is made: each shared node once)."""
-    import yaml
+    import yaml  # 7 ms, for --config alone
 
     loader = yaml.SafeLoader(stream)
     try:

@@ -16,17 +16,19 @@ from typing import Any
 
 import torch
 
-from .. import data, dist
-from ..early_stopping import EarlyStopping
-from ..ema import EMA
+from .. import data
+from ..checkpoint.shards import Pending
+from ..core import dist
+from ..core.memory import peak_memory_mib
 from ..errors import Interrupted, NotSaveState
 from ..launcher import restart_note, run_function
-from ..metrics import GpuUtilization, StepTimer, flops_per_sample, peak_memory_mib, peak_tflops, stamp
+from ..observe.metrics import GpuUtilization, StepTimer, flops_per_sample, peak_tflops, stamp
+from ..observe.timeline import Timeline, gc_paused
 from ..optim import build_optimizer, warmup_cosine
 from ..runtime import Runtime
-from ..shards import Pending
+from ..runtime.early_stopping import EarlyStopping
+from ..runtime.ema import EMA
 from ..strategy import local, unwrap
-from ..timeline import Timeline, gc_paused
 from ..version import __version__
 from .config import TrainConfig
 from .outputs import Outputs, complete

@@ -1,6 +1,6 @@
 """Everything `ddpkit train --out DIR` leaves, written by rank 0 only: metrics.jsonl and
 metrics.csv (and the trackers' runs: TensorBoard, MLflow, W&B) as the run goes, through
-`ddpkit.tracking`, config.yaml, checkpoints/, and at the end model.pt, results.json and
+`ddpkit.observe.tracking`, config.yaml, checkpoints/, and at the end model.pt, results.json and
 curves.png; and the summary printed after the run.
 
 Every file is written through `files` (a temp file renamed into place: never through a link),
@@ -14,12 +14,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import plotter, tracking
 from ..checkpoint import save_file, state_of
-from ..ema import EMA
+from ..core.files import FULL_DISK, remove, write_json, write_yaml
 from ..errors import RunError
-from ..files import FULL_DISK, remove, write_json, write_yaml
-from ..timeline import Timeline
+from ..observe import plotter, tracking
+from ..observe.timeline import Timeline
+from ..runtime.ema import EMA
 from .config import TrainConfig
 from .resume import CHECKPOINT_NAME, checkpoint_names, newest_checkpoint
 from .tasks import task_of
@@ -123,7 +123,7 @@ class Outputs:
 
     def draw_curves(self, history: list[dict[str, Any]]) -> None:
         """Rank 0 starts drawing curves.png from the finished run's records, in a helper
-        process if the command started one (see `ddpkit.plotter`); `finish` waits for it, or
+        process if the command started one (see `ddpkit.observe.plotter`); `finish` waits for it, or
         leaves it to the command (see `finish`)."""
         if self.is_main and self._curves is None:
             name, args = self.task.curves(self._steps, history)

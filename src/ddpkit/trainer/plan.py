@@ -19,16 +19,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import checks, data, models, tracking
-from .. import device as devices
+from .. import data, models
 from .. import strategy as strategies
+from ..core import checks
+from ..core import device as devices
+from ..core.files import check_writable
+from ..core.precision import PRECISIONS
 from ..data import Augment
 from ..errors import UsageError
-from ..files import check_writable
 from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
+from ..observe import tracking
 from ..optim import OPTIMIZERS
-from ..precision import PRECISIONS
 from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
 from . import resume, rundir
 from .config import FIELDS, TrainConfig, model_options

@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import checks, models, shards
-from ..checkpoint import load_file
-from ..dist import detect_env
-from ..early_stopping import EarlyStopping
+from .. import models
+from ..checkpoint import load_file, shards
+from ..core import checks
+from ..core.dist import detect_env
+from ..core.files import TEMP_PREFIX
 from ..errors import IncompatibleCheckpoint, UsageError
-from ..files import TEMP_PREFIX
 from ..launcher.records import current_attempt
 from ..optim import build_optimizer
+from ..runtime.early_stopping import EarlyStopping
 from . import rundir
 from .config import TrainConfig, model_options
 

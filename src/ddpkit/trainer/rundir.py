@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import shards
-from ..dist import detect_env
+from ..checkpoint import shards
+from ..core.dist import detect_env
+from ..core.files import check_unlocked, describe_holder, hold_lock, prune_temp_files
 from ..errors import UsageError
-from ..files import check_unlocked, describe_holder, hold_lock, prune_temp_files
 
 LOCK = ".lock"
 ADVICE = "wait for that run to end, or choose another --out"

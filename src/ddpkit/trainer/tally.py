@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..metrics import seconds_between
+from ..observe.metrics import seconds_between
 
 # A log step runs the loop's check (a collective, and a read of the device) only when this
 # long has passed since the last check; the log steps in between wait for it (see LogSteps).

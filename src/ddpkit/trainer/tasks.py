@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from .. import models
 from ..data import IGNORE, DistributedLoader
-from ..evaluation import evaluate_tokens, perplexity
 from ..runtime import Runtime
+from ..runtime.evaluation import evaluate_tokens, perplexity
 from .config import TrainConfig
 
 
@@ -68,7 +68,7 @@ class Classification:
         return {"test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_samples": ev["samples"]}
 
     def curves(self, steps: list[dict[str, Any]], history: list[dict[str, Any]]) -> tuple[str, list[Any]]:
-        """curves.png: loss and accuracy per epoch (`ddpkit.plots` function, its data)."""
+        """curves.png: loss and accuracy per epoch (`ddpkit.observe.plots` function, its data)."""
         return "plot_curves", [history]
 
     def headline(self, r: dict[str, Any]) -> str:

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..core.log import print0
 from ..launcher import Topology, run_function
-from ..log import print0
 from .output import TABLE_HEADER, conclusion, header, nothing_fits, plot, row, summarize
 from .plan import Settings, resolve
 from .probe import Tuner
@@ -40,7 +40,7 @@ __all__ = [
 
 def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The search on this rank; every rank returns the same result, plus what it saw alone."""
-    from ..runtime import Runtime
+    from ..runtime import Runtime  # in the workers: the launching process never builds one
 
     with Runtime(
         strategy=settings.strategy,
@@ -67,7 +67,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
         result = summarize(trials, settings, criterion, rt.world_size, rt.device.type)
         result.update(strategy=rt.strategy, rank=rt.rank, local_failures=tuner.local)
         if rt.is_main:
-            from ..env import metadata
+            from ..observe.env import metadata  # rank 0 alone
 
             result.update(metadata(rt.device.type))
         return result
@@ -84,8 +84,9 @@ def run(settings: Settings, topology: Topology, probe_hook: Callable[[int, int],
 def find(settings: Settings, topology: Topology, json_path: str | None = None, plot_path: str | None = None) -> int:
     """The command: search, then rank 0 prints the conclusion and writes the JSON and plot.
     0 when a size fits, 1 when none does."""
-    from ..dist import detect_env
-    from ..files import write_json
+    # (dist imports torch: after the search, which ran in the workers, the launcher needs it alone)
+    from ..core.dist import detect_env
+    from ..core.files import write_json
 
     result = run(settings, topology)
     found = result["per_device_batch"] is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from ..observe.plots import pyplot, save_figure
 from .plan import Settings
 from .search import CRITERIA, KNEE_FRACTION, Trial, largest_fit, pick
 
@@ -97,7 +98,6 @@ def conclusion(r: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: str) -> None:
     """Throughput against per-device batch (log2 axis), the pick starred, failures crossed."""
-    from ..plots import pyplot, save_figure
 
     plt = pyplot()
     fits = sorted((t for t in result["trials"] if t["fits"]), key=lambda t: t["per_device_batch"])

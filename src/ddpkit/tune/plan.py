@@ -9,14 +9,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import checks, data, models
+from .. import data, models
 from .. import strategy as strategies
+from ..core import checks
+from ..core.files import check_writable
+from ..core.precision import PRECISIONS
 from ..errors import UsageError
-from ..files import check_writable
 from ..launcher import Topology
 from ..launcher import topology as topologies
 from ..optim import OPTIMIZERS
-from ..precision import PRECISIONS
 from .search import CRITERIA
 
 # the strategies a search runs (ddp on one process is the bare model)

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
-from ..metrics import available_mib, peak_memory_mib, reset_peak_memory, rss_mib, time_calls
+from ..core.memory import available_mib, peak_memory_mib, reset_peak_memory, rss_mib
+from ..observe.metrics import time_calls
 from ..optim import build_optimizer
 from ..strategy import find_ddp
 from .plan import Settings

@@ -6,7 +6,10 @@ import math
 import os
 from typing import Any
 
-from .files import atomic_write
+from ..core.files import atomic_write
+
+# Imports inside functions: matplotlib (0.1 s) loads with the first plot, in the plotter
+# helper or a command that draws; training processes never import it.
 
 
 def pyplot() -> Any:
@@ -56,7 +59,7 @@ class Curves:
     be drawn again. Drawn again with other records, it takes about half the time of a new
     figure (its artists, fonts and text layout are made already: 70 against 135 ms measured) and
     writes the same bytes a new one would. The plot helper keeps one from its warm-up, so the
-    curves.png drawn at the end of a run comes sooner (see `ddpkit.plotter`)."""
+    curves.png drawn at the end of a run comes sooner (see `ddpkit.observe.plotter`)."""
 
     def __init__(self) -> None:
         self.fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))

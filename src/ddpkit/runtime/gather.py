@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from . import dist
-from .errors import UsageError
+from ..core import dist
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..errors import UsageError
+from .checks import cut
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -154,8 +157,6 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
         return False
     problem = job_problem(env)
     if problem:
-        from .errors import UsageError
-
         raise UsageError(problem)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
@@ -311,8 +312,6 @@ class _WaitClock:
         now = time.monotonic()
         waited = now - self.start
         if waited > self.timeout_s:
-            from .errors import UsageError
-
             hint = (
                 "A worker did not reach its process group in time"
                 if self.launched
@@ -333,8 +332,6 @@ class _WaitClock:
 
 
 def _cannot_host(env: DistEnv, err: BaseException) -> Exception:
-    from .checks import cut
-    from .errors import UsageError
 
     text = str(err)
     if "in use" in text.lower() or "EADDRINUSE" in text:

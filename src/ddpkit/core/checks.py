@@ -16,7 +16,7 @@ import reprlib
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 INT64 = (-(2**63), 2**63 - 1)  # what torch and NumPy take as an integer
 
@@ -141,7 +141,7 @@ def _writable_parent(what: str, path: str) -> str:
 def memory(what: str, nbytes: float, processes: int = 1) -> None:
     """Refuse `what` when `processes` copies of `nbytes` exceed the memory this machine can
     still give out: one line now instead of an allocation traceback in every worker."""
-    from .metrics import available_mib  # imports torch: not at import time (`ddpkit --help` stays fast)
+    from .memory import available_mib  # imports torch: not at import time (`ddpkit --help` stays fast)
 
     available = available_mib()
     need = nbytes * processes / 2**20

@@ -10,7 +10,7 @@ model.pt. Whoever writes results.json, which stays the last file written, waits 
 helper's answer first: the command itself, after its workers have ended (a forked rank 0
 hands the `Drawing` back with its results), or rank 0 when it is the command.
 
-The figure is the same: the same function of `ddpkit.plots` draws it from the same records
+The figure is the same: the same function of `ddpkit.observe.plots` draws it from the same records
 (JSON carries floats exactly). Wherever there is no helper (a spawned worker, a run under
 torchrun or srun, `ddpkit.launch`), or it is gone or fails, rank 0 draws in its own process,
 as it always did. The helper never outlives the command: it ends when the command closes
@@ -28,12 +28,15 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-PLOTS = ("plot_curves", "plot_token_curves")  # what a helper draws: ddpkit.plots' functions
+from . import plots
+
+PLOTS = ("plot_curves", "plot_token_curves")  # what a helper draws: ddpkit.observe.plots' functions
 ANSWER_TIMEOUT_S = 60.0  # then rank 0 draws the figure itself
 EXIT_TIMEOUT_S = 10.0
 
@@ -88,7 +91,7 @@ def _stop(proc: subprocess.Popen | None, kill: bool) -> None:
 
 @dataclass
 class Drawing:
-    """A figure on its way to `path`: `ddpkit.plots.<name>(*args, path, title)`, asked of the
+    """A figure on its way to `path`: `ddpkit.observe.plots.<name>(*args, path, title)`, asked of the
     helper as `request` (None: no helper took it). Plain data, so a forked worker can hand
     it to the process that started the helper, which alone reads the helper's answers."""
 
@@ -110,14 +113,13 @@ class Drawing:
         if the helper drew it."""
         if self.request is not None and _helper is not None and _answered(_helper, self.request):
             return True
-        from . import plots
 
         getattr(plots, self.name)(*self.args, self.path, self.title)
         return False
 
 
 def draw_later(name: str, args: list[Any], path: str, title: str) -> Drawing:
-    """Start drawing `ddpkit.plots.<name>(*args, path, title)`; `wait()` on the result
+    """Start drawing `ddpkit.observe.plots.<name>(*args, path, title)`; `wait()` on the result
     before the file is needed."""
     if name not in PLOTS:
         raise ValueError(f"unknown plot {name!r}; known: {', '.join(PLOTS)}")
@@ -170,7 +172,6 @@ def serve() -> None:
     """The helper: import matplotlib, then draw each request read from stdin, answering on
     stdout, until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command, which ends this
-    from . import plots
 
     curves: Any = _warm_up(plots)
     for line in sys.stdin:
@@ -200,7 +201,6 @@ def _warm_up(plots: Any) -> Any:
     first figure costs about 0.15 s more than the next ones (fonts, caches), and a figure drawn
     again with a run's records half of what a new one costs, which would otherwise be paid on
     the critical path at the end of the run. What is drawn after it is the same to the byte."""
-    import tempfile
 
     epoch = {"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "train_accuracy": 0.5, "test_accuracy": 0.5}
     curves = plots.Curves()

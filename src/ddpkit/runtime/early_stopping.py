@@ -18,11 +18,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import checks
-from .errors import UsageError
+from ..core import checks
+from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from . import Runtime
 
 MODES = ("min", "max")
 

@@ -28,22 +28,24 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import checkpoint, checks, dist, draws, threads, tracking
-from . import strategy as strategies
+from .. import checkpoint
+from .. import strategy as strategies
+from ..checkpoint.shards import Pending
+from ..core import checks, dist, draws, threads
+from ..core.device import DEVICES
+from ..core.device import resolve as resolve_device
+from ..core.files import check_writable
+from ..core.log import print0
+from ..core.precision import Precision
+from ..core.seed import gather_rng_states, restore_rng_states, seed_everything, seed_rank
+from ..data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
+from ..data.adopt import Adopted, source
+from ..errors import NotSaveState, UsageError, usage_errors
+from ..observe import tracking
+from ..strategy import DDPOptions, FSDPOptions
 from .accumulation import Accumulation
-from .data import DistributedLoader, StreamLoader, eval_loader, stream_loader, train_loader
-from .data.adopt import Adopted, source
-from .device import DEVICES
-from .device import resolve as resolve_device
-from .errors import NotSaveState, UsageError, usage_errors
 from .evaluation import evaluate, evaluation_keys
-from .files import check_writable
 from .gather import gather
-from .log import print0
-from .precision import Precision
-from .seed import gather_rng_states, restore_rng_states, seed_everything, seed_rank
-from .shards import Pending
-from .strategy import DDPOptions, FSDPOptions
 
 __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
 
@@ -102,7 +104,7 @@ class Runtime:
             MLFLOW_TRACKING_URI is set), "wandb" (offline in log_dir unless WANDB_MODE is set).
         invariant_dropout: setup() puts `ddpkit.Dropout` in place of the model's nn.Dropout
             (and Dropout1d/2d/3d) modules, whose masks do not depend on the number of
-            processes (see `ddpkit.draws`); False keeps torch's, drawn from each rank's stream.
+            processes (see `ddpkit.core.draws`); False keeps torch's, drawn from each rank's stream.
     """
 
     def __init__(
@@ -150,7 +152,7 @@ class Runtime:
         self.device = resolve_device(device, self.env.local_rank)
         """The device this rank computes on: `cuda:LOCAL_RANK`, or `cpu`."""
         self.threads = None
-        """Why this process runs the torch threads it does, on CPU (see `ddpkit.threads`)."""
+        """Why this process runs the torch threads it does, on CPU (see `ddpkit.core.threads`)."""
         if self.device.type == "cpu":
             # Not one thread per core in every process, nor on cores other programs keep busy.
             self.threads = threads.apply(self.env.local_world_size, say=self.env.rank == 0)
@@ -341,7 +343,7 @@ class Runtime:
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def _follow_draws(self, model: nn.Module) -> None:
-        """Put ddpkit's dropout in the model, keyed by this run (see ddpkit.draws), and say on
+        """Put ddpkit's dropout in the model, keyed by this run (see ddpkit.core.draws), and say on
         rank 0 what still draws from the rank's own stream. Not under dp, whose replicas run in
         threads over pieces of the batch, nor under torch.compile's fullgraph, which the draw's
         graph break would fail: torch's dropout stays, and that is said."""
@@ -646,7 +648,7 @@ class Runtime:
         """Per-sample values of every rank's `eval_loader()` share, each sample once and in
         dataset order, on every rank. `values` are this rank's over its whole share, in the
         loader's order: a tensor (first dimension: samples), a list of one picklable object per
-        sample, a dict or tuple of these, or a `ddpkit.gather.Collector` that collected them
+        sample, a dict or tuple of these, or a `ddpkit.runtime.gather.Collector` that collected them
         batch by batch; None for an empty share. Returns the same structure. Counts that do not
         fit the ranks' shares (a partial pass on some rank) are a UsageError on every rank."""
         return gather(values, self.device)

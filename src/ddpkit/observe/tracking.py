@@ -32,9 +32,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import checks
-from .errors import UsageError
-from .files import json_line, json_safe, naming_full_disk, replace_with_log, write_json
+from ..core import checks
+from ..core.files import json_line, json_safe, naming_full_disk, replace_with_log, write_json
+from ..errors import UsageError
+
+# Imports inside functions: each tracker's library (tensorboard 0.2 s, mlflow, wandb: optional
+# installs) and tqdm load only when that tracker or bar is used.
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 IDS = "trackers.json"  # the MLflow and W&B runs of a run directory, for a resumed run to continue

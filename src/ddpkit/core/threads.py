@@ -252,7 +252,7 @@ def apply(processes: int, say: bool = True) -> str:
     set them (OMP_NUM_THREADS, torch.set_num_threads) or ddpkit's launcher did; returns why the
     count is what it is (and, with `say`, says on stderr when a user's count looks harmful)."""
     global _ours
-    import torch
+    import torch  # not at `import ddpkit`, which starts this module
 
     given = os.environ.get("OMP_NUM_THREADS")
     if given and os.environ.get(CHOSEN):

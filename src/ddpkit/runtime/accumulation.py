@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from . import checks, dist
-from .data import DistributedLoader, MicroBatch
-from .errors import UsageError
-from .strategy import local
+from ..core import checks, dist
+from ..data import DistributedLoader, MicroBatch
+from ..errors import UsageError
+from ..strategy import local
 
 
 class Accumulation:

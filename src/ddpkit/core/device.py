@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from ..errors import UsageError
 from . import checks
-from .errors import UsageError
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # not at `import ddpkit` or `ddpkit --help`, which read this module
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -26,7 +26,7 @@ def cpu_count() -> int:
 
 
 def gpu_count() -> int:
-    import torch
+    import torch  # not at `import ddpkit` or `ddpkit --help`, which read this module
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -35,7 +35,7 @@ def resolve(name: str, local_rank: int = 0, bind: bool = True, what: str = "--de
     """`auto` is CUDA when a GPU is visible, else CPU. Each process binds to GPU `local_rank`
     among those CUDA_VISIBLE_DEVICES shows; `bind=False` only checks (a launching parent
     should not create a CUDA context it will never use)."""
-    import torch
+    import torch  # not at `import ddpkit` or `ddpkit --help`, which read this module
 
     checks.choice(what, name, DEVICES)
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):

@@ -9,14 +9,15 @@ import os
 import platform
 import socket
 import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from . import dist, threads
-from .device import auto_nproc, cpu_count
-from .version import __version__
+from ..core import dist, threads
+from ..core.device import auto_nproc, cpu_count
+from ..version import __version__
 
 
 def _gpus() -> list[dict[str, Any]]:
@@ -158,7 +159,6 @@ def _git_commit() -> str | None:
 
 def metadata(device: str) -> dict[str, Any]:
     """Hardware, software versions and date: recorded with every result file."""
-    import torch
 
     gpu = None
     if device == "cuda" and torch.cuda.is_available():
@@ -191,7 +191,6 @@ def metadata(device: str) -> dict[str, Any]:
 
 
 def _version(dist_name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version(dist_name)

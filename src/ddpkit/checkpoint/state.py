@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from . import dist, shards
-from .ema import EMA
-from .errors import UsageError
-from .files import load_file, save_file, verify_file  # noqa: F401 - also imported from here
-from .strategy import (
+from ..core import dist
+from ..core.files import load_file, save_file, verify_file  # noqa: F401 - also imported from here
+from ..errors import UsageError
+from ..strategy import (
     full_model_state,
     holds_dtensors,
     is_sharded,
@@ -31,6 +30,7 @@ from .strategy import (
     load_full_optimizer_state,
     unwrap,
 )
+from . import shards
 
 
 def state_of(value: Any) -> Any:
@@ -43,7 +43,7 @@ def state_of(value: Any) -> Any:
         return full_model_state(bare) if is_sharded(bare) else bare.state_dict()
     if isinstance(value, torch.optim.Optimizer) and holds_dtensors(value):
         raise UsageError("an optimizer of an fsdp model is saved together with its model (one save call)")
-    if isinstance(value, EMA) and value.sharded:
+    if shards.saved_in_shards(value) and value.sharded:
         raise UsageError("an EMA of an fsdp model is saved together with its model (one save call)")
     if hasattr(value, "state_dict"):
         return value.state_dict()

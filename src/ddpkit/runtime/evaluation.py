@@ -17,7 +17,7 @@ rank with one batch fewer than rank 0 runs one forward on an empty batch (`locks
 - each of `metrics` (name -> fn(output, target) giving one value per sample, shape (n,)): its
   mean over all samples, from a float64 sum of its values per rank;
 - `outputs` with an `outputs` function (output, target) -> per-sample values: those values of
-  every sample, once each and in dataset order (`ddpkit.gather`), for metrics that are no mean
+  every sample, once each and in dataset order (`ddpkit.runtime.gather`), for metrics that are no mean
   over samples (AUC, BLEU, ...).
 
 `evaluate_tokens` measures a language model (loss per token, perplexity, next-token accuracy),
@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks, dist
-from .data import IGNORE, DistributedLoader, ShardSampler
-from .errors import UsageError
+from ..core import checks, dist
+from ..core.precision import Precision, outputs_to_fp32
+from ..data import IGNORE, DistributedLoader, ShardSampler
+from ..errors import UsageError
+from ..strategy import eval_view, lockstep
 from .gather import Collector, gather
 from .gather import samples as samples_in
-from .precision import Precision, outputs_to_fp32
-from .strategy import eval_view, is_sharded
 
 # What one batch adds to the sums: (output, target) -> numbers (tensors on the device, or ints).
 Measure = Callable[[Any, Any], tuple[Any, ...]]
@@ -262,7 +262,7 @@ def _sums(
         with precision.autocast():
             out = outputs_to_fp32(call(net, x))
         sums = [total + value for total, value in zip(sums, measure(out, y))]
-    if is_sharded(net):  # ranks' batch counts differ by at most one; rank 0 has the most
+    if lockstep(net):  # ranks' batch counts differ by at most one; rank 0 has the most
         for _ in range(loader.sampler.most_batches() - len(loader)):
             with precision.autocast():
                 call(net, _pair(loader.empty_batch(), keys)[0])

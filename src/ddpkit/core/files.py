@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TEMP_PREFIX = ".tmp-"  # every temp file of a write in progress; see prune_temp_files
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
@@ -146,7 +146,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def write_yaml(path: str | os.PathLike, mapping: dict[str, Any]) -> None:
-    import yaml
+    import yaml  # 7 ms, for config.yaml alone
 
     write_text(path, yaml.safe_dump(mapping, sort_keys=False))
 

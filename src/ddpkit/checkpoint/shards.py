@@ -42,10 +42,12 @@ from typing import Any
 
 import torch
 
-from . import checks, dist
-from .ema import EMA
-from .errors import UsageError
-from .files import FULL_DISK, TEMP_PREFIX, load_file, remove, save_file, write_json
+from ..core import checks, dist
+from ..core.files import FULL_DISK, TEMP_PREFIX, load_file, remove, save_file, write_json
+from ..errors import UsageError
+
+# Imports inside functions: torch's Distributed Checkpoint (0.5-0.6 s to import) loads with
+# the first checkpoint directory, not in every process that imports ddpkit's checkpoints.
 
 STATE_FILE = "state.pt"
 METADATA_FILE = ".metadata"
@@ -335,7 +337,7 @@ def _dcp_state(entries: dict[str, Any], model: torch.nn.Module) -> dict[str, Any
     def state(value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
             return get_model_state_dict(value)
-        if isinstance(value, EMA):
+        if saved_in_shards(value):
             return value.state_dict()
         return get_optimizer_state_dict(model, value)
 
@@ -345,7 +347,13 @@ def _dcp_state(entries: dict[str, Any], model: torch.nn.Module) -> dict[str, Any
 def in_shards(value: Any) -> bool:
     """Whether a checkpoint entry goes through DCP (modules, optimizers and EMAs: sharded
     under fsdp) or into state.pt."""
-    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer, EMA))
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or saved_in_shards(value)
+
+
+def saved_in_shards(value: Any) -> bool:
+    """An entry whose state_dict is tensors shaped as its model's (DTensors under fsdp), saved
+    and loaded in place beside the model's shards: an EMA (its class says `saved_in_shards`)."""
+    return getattr(type(value), "saved_in_shards", False) is True
 
 
 class Pending:
@@ -643,7 +651,7 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     for key, target in targets.items():
         if isinstance(target, torch.nn.Module):
             set_model_state_dict(target, state[key])
-        elif isinstance(target, EMA):
+        elif saved_in_shards(target):
             target.load_state_dict(state[key])
         else:
             set_optimizer_state_dict(model, target, state[key])

@@ -10,8 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import UsageError
-from .files import write_json
+from ..core.files import write_json
+from ..errors import UsageError
+from .plots import plot_runs, plot_steps
 from .tracking import read_records
 
 # (column header, results.json key or row key, format)
@@ -151,7 +152,6 @@ def report(
 ) -> None:
     """Print the runs' table, draw their curves to `out`, and write the table to `json_path`.
     `runs`: the directories already read with `load_run` (else they are read here)."""
-    from .plots import plot_runs, plot_steps
 
     if not out.lower().endswith(".png"):
         raise UsageError(f"--out {out}: expected a .png file name")
