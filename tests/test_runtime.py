@@ -123,8 +123,8 @@ def test_channels_last_trains_to_the_same_result(one_epoch_run, tmp_path):
 def test_close_waits_for_a_background_save_and_removes_it_when_it_never_completes(tmp_path, capsys, monkeypatch):
     from concurrent.futures import Future
 
-    from ddpkit.runtime import facade as runtime
     from ddpkit.checkpoint.shards import Pending
+    from ddpkit.runtime import facade as runtime
 
     partial = tmp_path / ".tmp-ck-1a2b3c4d"
     partial.mkdir()
