@@ -124,7 +124,7 @@ def test_close_waits_for_a_background_save_and_removes_it_when_it_never_complete
     from concurrent.futures import Future
 
     from ddpkit.checkpoint.shards import Pending
-    from ddpkit.runtime import facade as runtime
+    from ddpkit.runtime import saves
 
     partial = tmp_path / ".tmp-ck-1a2b3c4d"
     partial.mkdir()
@@ -133,10 +133,10 @@ def test_close_waits_for_a_background_save_and_removes_it_when_it_never_complete
     done = Future()
     done.set_result(None)
     finished = Pending(done, str(tmp_path / "other"), str(tmp_path / "gone"), None)
-    monkeypatch.setattr(runtime, "PENDING_WAIT_S", 0.2)
+    monkeypatch.setattr(saves, "PENDING_WAIT_S", 0.2)
     with ddpkit.Runtime("single", device="cpu") as rt:
-        rt._tracked(finished)
-        rt._tracked(never)
+        rt._background.track(finished)
+        rt._background.track(never)
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(f"ddpkit: checkpoint {tmp_path / 'ck'} is still being written in the background: waiting")
     assert err[1] == f"ddpkit: checkpoint {tmp_path / 'ck'}: not complete after 0.2 s; its partial write removed"

@@ -40,3 +40,4 @@ def test_docs_build_strictly_without_warnings(site_build):
     assert not {h.lower() for h in own} & {h.rsplit(".", 1)[-1].lower() for h in objects}, own
     assert "ddpkit.runtime.Runtime.env" not in headings and "ddpkit.runtime.Runtime.ddp_options" not in headings
     assert "ddpkit.runtime.Runtime.device" in headings and "detect_env" not in reference  # no values shown
+    assert {"ddpkit.runtime.Runtime.all_reduce", "ddpkit.runtime.Runtime.rank"} <= set(headings)  # (of Collectives)

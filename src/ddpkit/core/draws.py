@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .log import print0
+
 __all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "dropout"]
 
 # The hash: two xorshift-multiply rounds on 32-bit lanes (int32 tensors wrap on multiply on
@@ -346,3 +348,25 @@ def replace_dropout(model: nn.Module, source: Source) -> list[str]:
             module.source = source
             source.names[id(module)] = module.site
     return sorted(set(left))
+
+
+def key_dropout(model: nn.Module, source: Source) -> None:
+    """What `rt.setup` does: `replace_dropout`, then rank 0 says what still draws from the
+    rank's own stream, and `source` keys the masks from here on."""
+    left = replace_dropout(model, source)
+    if left:
+        print0(
+            f"ddpkit: {', '.join(left)}: still drawn from each rank's own stream, so it depends on the "
+            "number of processes (ddpkit.dropout in your forward is the invariant form)",
+            file=sys.stderr,
+        )
+    follow(source)
+
+
+def say_kept(model: nn.Module, why: str) -> None:
+    """Rank 0 says that the model keeps torch's dropout (`why`: under what), if it has any."""
+    if any(type(m) in REPLACED and m.p > 0 for m in model.modules()):
+        print0(
+            f"ddpkit: {why} the model keeps torch's dropout, whose masks depend on the number of processes",
+            file=sys.stderr,
+        )

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import checks
-from ..core.files import json_line, json_safe, naming_full_disk, replace_with_log, write_json
+from ..core.files import check_writable, json_line, json_safe, naming_full_disk, replace_with_log, write_json
 from ..errors import UsageError
 
 # Imports inside functions: each tracker's library (tensorboard 0.2 s, mlflow, wandb: optional
@@ -159,6 +159,53 @@ def open_for_runtime(log_dir: str | os.PathLike, names: Sequence[str], resume_st
     if resume_step is not None:
         kept = read_records(os.path.join(log_dir, "metrics.jsonl"), lambda r: r.get("step", 0) <= resume_step)
     return Tracking(log_dir, names, params_file="params.json", kept=kept, resume_step=resume_step)
+
+
+class RunLog:
+    """A Runtime's `log` and `log_params`: checked on every rank alike, written on rank 0 to
+    sinks opened at the first record, fresh or (after `resume_at`) going on from a restored
+    step. `logged`: a record was written, too late for a resume to say where the log goes on."""
+
+    def __init__(self, log_dir: str | os.PathLike | None, log_with: str | Sequence[str], is_main: bool) -> None:
+        self.names = check_log_with(log_dir, log_with)  # every rank: all fail alike
+        if log_dir is not None and is_main:
+            check_writable("Runtime(log_dir=...)", log_dir)
+        self.log_dir, self.is_main = log_dir, is_main
+        self.sinks: Tracking | None = None
+        self.resume_step: int | None = None
+        self.params: dict[str, Any] = {}  # log_params's, until the sinks open
+        self.logged = False
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        need_dir(self.log_dir, "rt.log")
+        record = metrics_record(step, metrics, self.names)
+        self.logged = True
+        if self.is_main:
+            self._open().log(plain(record))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        need_dir(self.log_dir, "rt.log_params")
+        check_names(params, self.names, "rt.log_params")
+        self.params.update(params)  # written when the sinks open (the first log), or now if they are
+        if self.is_main and self.sinks is not None:
+            self.sinks.log_params(params)
+
+    def resume_at(self, step: int) -> None:
+        """The log keeps its records up to `step`, and goes on (with a directory to log in)."""
+        if self.log_dir is not None:
+            self.resume_step = step
+
+    def close(self, exc: BaseException | None) -> None:
+        sinks, self.sinks = self.sinks, None
+        if sinks is not None:
+            sinks.close(exc)  # the trackers' runs end as finished, or failed after `exc`
+
+    def _open(self) -> Tracking:
+        if self.sinks is None:
+            self.sinks = open_for_runtime(self.log_dir, self.names, self.resume_step)
+            if self.params:
+                self.sinks.log_params(self.params)
+        return self.sinks
 
 
 def read_records(path: str, keep: Callable[[Record], bool]) -> list[Record]:

@@ -9,9 +9,10 @@ off again, so DDP's `module.` and torch.compile's `_orig_mod.` prefixes never re
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..core.precision import Precision
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class Strategy:
@@ -62,6 +65,23 @@ class Strategy:
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def build(self, make: Callable[[], M], rank: int) -> M:
+        """`make()`, the model built for `rank` (see Runtime.build): in full, except where the
+        strategy `builds_on_meta` on ranks other than 0, where it is built on the meta device
+        (in full instead, said, when its constructor cannot run there)."""
+        if not self.builds_on_meta or rank == 0:
+            return make()
+        try:
+            with torch.device("meta"):
+                return make()
+        except Exception as err:  # noqa: BLE001 - a user's constructor: whatever fails on meta
+            print(
+                f"ddpkit: rank {rank}: the model cannot be built on the meta device ({type(err).__name__}: "
+                f"{err}); building it in full on this rank",
+                file=sys.stderr,
+            )
+            return make()
 
     @classmethod
     def owns(cls, model: nn.Module) -> bool:

@@ -188,7 +188,7 @@ class Loop:
         try:
             state = self.rt.load_state(path, **self.checkpointed())
         except NotSaveState:  # ddpkit 0.1's trainer kept the step count and streams in its run state
-            state = self.rt.load(path, **self.checkpointed(), **self.rt._state(gather=False))
+            state = self.rt.load(path, **self.checkpointed(), **self.rt._entries())
             self.rt._resume(runtime_entry(state["run"]))
         self.run.restore(state, self.rt)
         self.carried = state["run"].get("throughput")
