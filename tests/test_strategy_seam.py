@@ -205,7 +205,12 @@ def test_a_strategy_names_itself_and_takes_no_others_name():
     class Impostor(Strategy):
         name = "ddp"
 
-    for cls, says in ((Unnamed, "names itself"), (Impostor, "'ddp' is taken")):
+    class Careless(Strategy):  # sharded, but which models are its own it does not say
+        name = "careless"
+        sharded = True
+
+    for cls, says in ((Unnamed, "names itself"), (Impostor, "'ddp' is taken"), (Careless, "says which models")):
         with pytest.raises(ValueError, match=says):
             strategies.register(cls)
     assert strategies.REGISTRY["single"].__name__ == "Single" and strategies.REGISTRY["ddp"].__name__ == "DDP"
+    assert "careless" not in strategies.REGISTRY and strategies.sharded_by(torch.nn.Linear(1, 1)) is None

@@ -40,13 +40,16 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec] = {}  # by the module's own name
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         found = module(spec.name.rpartition(".")[2])
-        self._spec = found.__spec__  # importlib sets the alias's spec on it: put its own back
+        self._specs[found.__name__] = found.__spec__  # importlib sets the alias's spec on it: put its own back
         return found
 
     def exec_module(self, found: ModuleType) -> None:
-        found.__spec__ = self._spec
+        found.__spec__ = self._specs.pop(found.__name__)
 
 
 def install() -> None:

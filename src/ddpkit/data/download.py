@@ -24,8 +24,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 from ..errors import UsageError
 
 
@@ -137,6 +135,7 @@ def _download(url: str, folder: str, filename: str, md5: str) -> None:
 
 def _copy(response, fd: int, total: int, filename: str) -> str:
     """Write the response to `fd`, with a progress bar on stderr for big files; its MD5."""
+    from tqdm.auto import tqdm  # 3-30 ms, for a download alone: not in every worker that reads the data
 
     # tqdm starts a monitor thread with its first bar (even a disabled one). This runs in the
     # launching process, and a live thread there makes the launcher spawn workers instead of

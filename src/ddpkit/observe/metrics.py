@@ -1,4 +1,5 @@
-"""Throughput and utilization: step-time percentiles, peak memory, model FLOPs and MFU.
+"""Throughput and utilization: step-time percentiles, model FLOPs and MFU, GPU utilization
+(memory figures: `core.memory`).
 
 Nothing here synchronizes the device per step: CUDA step ends are recorded as events and
 read once, at the end of an epoch, when the loop synchronizes anyway.
@@ -12,6 +13,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -217,3 +219,24 @@ class GpuUtilization:
         if self._thread is not None:
             self._thread.join(timeout=2)
         return statistics.fmean(self.samples) if self.samples else None
+
+
+# ddpkit 0.1's memory readers were here (`ddpkit.metrics.peak_rss_mib`): said to have moved.
+MEMORY = (
+    "proc_status_mib",
+    "peak_rss_mib",
+    "reset_peak_rss",
+    "rss_mib",
+    "available_mib",
+    "peak_memory_mib",
+    "reset_peak_memory",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in MEMORY:
+        from ..core import memory  # light; only for a caller of the old name
+
+        warnings.warn(f"{__name__}.{name} is now ddpkit.core.memory.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

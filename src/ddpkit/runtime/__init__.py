@@ -1,8 +1,32 @@
 """The Runtime (facade.py), the one object a user's own loop and `ddpkit train` hold, and what
-it delegates to: gradient accumulation, exact evaluation and the gathers it uses, early
-stopping and the EMA of the weights. Above the core, strategies, checkpoints, launcher and
-data; below the products (trainer, tune, bench) and the command line."""
+it delegates to: backward and step (steps), full-state checkpoints (saves), loaders, the
+collectives, gradient accumulation, exact evaluation and the gathers it uses, early stopping
+and the EMA of the weights. Above the core, strategies, checkpoints, launcher and data; below
+the products (trainer, tune, bench) and the command line.
 
-from .facade import Runtime
+`ddpkit.runtime` keeps what ddpkit 0.1's runtime module exported (`Runtime`, `DEVICES`,
+`resolve_device`, `seed_everything`, `seed_rank`); its constants now in `saves` are said to have
+moved.
+"""
 
-__all__ = ["Runtime"]
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+__all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
+
+MOVED = {"PENDING_WAIT_S": "saves", "AUTOMATIC": "saves"}  # ddpkit 0.1's names, now in a module beside
+
+
+# Imports inside functions: `ddpkit.EMA` or `ddpkit.EarlyStopping` (modules of this package)
+# do not load the whole Runtime, its strategies and checkpoints.
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module(".facade", __name__), name)
+    if name in MOVED:
+        new = f"{__name__}.{MOVED[name]}"
+        warnings.warn(f"{__name__}.{name} is now {new}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -120,6 +120,7 @@ class Runtime(Collectives):
         self._loaders: list[DistributedLoader | StreamLoader] = []
         self._steps: Steps | None = None  # backward and step, made once the strategy is known
         self._background = saves.Background()  # background saves not known complete (see close)
+        self._writable: set[str] = set()  # folders a save proved it can write in
         self._log: tracking.RunLog | None = None  # log() and log_params(), made with the arguments' checks
         self._acc: Accumulation | None = None  # made once the world size is known
         # What keys ddpkit.Dropout's masks besides the step and the sample: the seed, or (without
@@ -467,7 +468,7 @@ class Runtime(Collectives):
         once the checkpoint is in place (from the writing thread for a background save), e.g.
         to remove older ones. Either form loads with `load()` into any strategy on any number of
         processes."""
-        saves.check_writable_beside("rt.save", path)
+        saves.check_writable_beside("rt.save", path, self._writable)
         return self._background.track(checkpoint.save(path, state, background=background, on_complete=on_complete))
 
     def load(self, path: str | os.PathLike, **targets: Any) -> dict[str, Any]:
@@ -494,7 +495,7 @@ class Runtime(Collectives):
         `on_complete` are save()'s. `ddpkit train` saves its checkpoints through it."""
         automatic = self._entries()
         saves.check_names("save_state", extra, automatic)
-        saves.check_writable_beside("rt.save_state", path)
+        saves.check_writable_beside("rt.save_state", path, self._writable)
         run = saves.runtime_entry(self._steps.count, self.device, self._loaders, self._draw_seed)
         state = {**automatic, "runtime": run, **extra}
         return self._background.track(checkpoint.save(path, state, background=background, on_complete=on_complete))

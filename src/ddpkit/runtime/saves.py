@@ -94,9 +94,14 @@ def load_state(
         raise UsageError(f"rt.load_state: {err.args[0]}") from None
 
 
-def check_writable_beside(call: str, path: str | os.PathLike) -> None:
+def check_writable_beside(call: str, path: str | os.PathLike, proven: set[str]) -> None:
     """Rank 0 proves it can write beside `path`, and every rank raises its UsageError alike
-    (rather than rank 0 alone, the others left waiting for the file)."""
+    (rather than rank 0 alone, the others left waiting for the file). A folder proven once
+    (`proven`: by its name as given, the same on every rank) is not probed again: a write
+    that fails there later is the write's own error (a full disk, named)."""
+    folder = os.path.dirname(os.fspath(path))
+    if folder in proven:
+        return
     problem = None
     if dist.is_main():
         try:
@@ -106,6 +111,7 @@ def check_writable_beside(call: str, path: str | os.PathLike) -> None:
     problem = dist.broadcast_object(problem)
     if problem:
         raise UsageError(problem)
+    proven.add(folder)
 
 
 class Background:

@@ -116,6 +116,11 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     must name itself (not inherit a name) and take a name no other strategy has."""
     if "name" not in cls.__dict__:
         raise ValueError(f"{cls.__qualname__}: a strategy names itself (name = ...), or it would take its base's")
+    if cls.sharded and cls.owns.__func__ is Strategy.owns.__func__:
+        raise ValueError(
+            f"{cls.__qualname__}: a sharded strategy says which models are its own (owns), or its "
+            "checkpoints would be one file of rank 0's shards"
+        )
     if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
         raise ValueError(
             f"{cls.__qualname__}: the strategy name {cls.name!r} is taken by {REGISTRY[cls.name].__qualname__}"

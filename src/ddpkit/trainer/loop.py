@@ -188,6 +188,8 @@ class Loop:
         try:
             state = self.rt.load_state(path, **self.checkpointed())
         except NotSaveState:  # ddpkit 0.1's trainer kept the step count and streams in its run state
+            state = None  # (loaded again outside the handler, whose traceback holds the first read)
+        if state is None:
             state = self.rt.load(path, **self.checkpointed(), **self.rt._entries())
             self.rt._resume(runtime_entry(state["run"]))
         self.run.restore(state, self.rt)
