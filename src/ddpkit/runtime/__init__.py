@@ -15,16 +15,14 @@ import importlib
 import warnings
 from typing import Any
 
+from .facade import DEVICES, Runtime, resolve_device, seed_everything, seed_rank
+
 __all__ = ["DEVICES", "Runtime", "resolve_device", "seed_everything", "seed_rank"]
 
 MOVED = {"PENDING_WAIT_S": "saves", "AUTOMATIC": "saves"}  # ddpkit 0.1's names, now in a module beside
 
 
-# Imports inside functions: `ddpkit.EMA` or `ddpkit.EarlyStopping` (modules of this package)
-# do not load the whole Runtime, its strategies and checkpoints.
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module(".facade", __name__), name)
     if name in MOVED:
         new = f"{__name__}.{MOVED[name]}"
         warnings.warn(f"{__name__}.{name} is now {new}.{name}", DeprecationWarning, stacklevel=2)
