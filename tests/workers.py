@@ -700,3 +700,47 @@ def thread_facts() -> dict:
     """This worker's torch threads and why the Runtime says it runs that many."""
     with ddpkit.Runtime(device="cpu") as rt:
         return {"threads": torch.get_num_threads(), "why": rt.threads, "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+
+
+def checkpointed_steps(strategy: str, steps: int = 4, dropout: float = 0.2) -> dict:
+    """A tiny gpt with dropout, trained `steps` SGD steps on the same text twice in one
+    Runtime's worth of settings: with its blocks' activations checkpointed and without. Returns
+    both weights, and the names of the blocks checkpointed."""
+    from ddpkit import models
+    from ddpkit.strategy import activations
+
+    text = uneven_text(n_docs=16)
+    out = {}
+    for choice in (None, True):  # (two Runtimes one after the other: each makes its own group)
+        with ddpkit.Runtime(strategy, device="cpu", seed=3, activation_checkpointing=choice) as rt:
+            torch.manual_seed(7)
+            model = models.build("gpt", (12,), 256, width=16, depth=2, heads=2, dropout=dropout)
+            model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+            loader, done = rt.loader(text, batch_size=8, micro_batch_size=2), 0
+            while done < steps:
+                for x, y in loader:
+                    rt.backward(token_loss(model, x, y))
+                    done += rt.step(opt)
+                    if done == steps and rt.step_ready:
+                        break
+            out["checkpointed" if choice else "plain"] = flat_params(model)
+            if choice:
+                bare = rt.unwrap(model)
+                out["blocks"] = [n for n, m in bare.named_modules() if activations.is_checkpointed(m)]
+                out["strategy"] = rt.strategy
+    return out
+
+
+def sequential_runtimes(count: int = 3) -> list[float]:
+    """`count` Runtimes one after the other in this worker, each making (and at its end
+    destroying) the job's process group: a DDP step and a sum over the ranks in each."""
+    sums = []
+    for i in range(count):
+        with ddpkit.Runtime("ddp", device="cpu", seed=i) as rt:
+            model = rt.setup(toy_model(seed=i))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = toy_data(8, seed=i).tensors
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(opt)
+            sums.append(rt.all_reduce(float(rt.rank + 1)))
+    return sums

@@ -106,3 +106,12 @@ def test_a_runtime_whose_peers_never_come_says_so_at_its_timeout(monkeypatch):
     with pytest.raises(ddpkit.UsageError, match=r"^rank 0 of 2: waited 1 s for 1 more of the job's 2 processes"):
         ddpkit.Runtime("ddp", device="cpu", timeout_s=1.0)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.distributed
+def test_runtimes_one_after_another_in_a_worker_each_make_their_group():
+    # Each Runtime destroys the group it made; the next makes one again through the same agent
+    # store, which still held the last group's addresses: a rank dialled a closed port
+    # ("Gloo connectFullMesh failed ... Connection refused") in about half of such runs.
+    out = ddpkit.launch(workers.sequential_runtimes, 3, nproc=2)
+    assert out[0] == out[1] == [3.0, 3.0, 3.0]

@@ -160,11 +160,21 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
         raise UsageError(problem)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    global _groups_made
+    _groups_made += 1
     kwargs: dict[str, Any] = {}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # No agent has gathered the job: its processes meet here, in a wait that says what it
         # waits for and that Ctrl-C and SIGTERM end (torch's own waits in C++ until the timeout).
         kwargs["store"] = rendezvous(env, timeout_s)
+    elif _groups_made > 1:  # torch's own client of the agent's store, made by hand to prefix it
+        timeout = timedelta(seconds=timeout_s)
+        kwargs["store"] = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout)
+    if _groups_made > 1:
+        # A group made again in this process (a second Runtime after the first closed its own):
+        # the store still holds the last group's addresses under the names torch gives them, so
+        # a rank could dial a port that closed. Each group meets under keys of its own.
+        kwargs["store"] = tdist.PrefixStore(f"ddpkit/group-{_groups_made}", kwargs["store"])
     if device.type == "cuda":
         # Binding the group to the device lets NCCL set up eagerly and avoids the
         # "guessing device id" warning on the first barrier.
@@ -198,6 +208,8 @@ def _interruptible_in_cpp() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
 
+
+_groups_made = 0  # default process groups this process created (see init)
 
 # How long a process waits for its peers before it says so, and then how often it says it again.
 WAIT_SAID_AFTER_S, WAIT_SAID_EVERY_S = 5.0, 60.0
