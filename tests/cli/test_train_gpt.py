@@ -2,7 +2,8 @@
 of uneven text files: it trains, evaluates every test token exactly once (loss per token and
 perplexity), writes its outputs, and model.pt loads into the bare model; with --gpt-dropout it
 ends on one process where it ends on two, and a run stopped and resumed ends bit-identical to
-one that was not (the masks are keyed by the step, which the checkpoint carries)."""
+one that was not (the masks are keyed by the step, which the checkpoint carries), and so does a
+run with its activations checkpointed."""
 
 from __future__ import annotations
 
@@ -70,4 +71,9 @@ def test_gpt_trains_under_fsdp_on_two_processes(tmp_path):
     resumed, _ = train(2, "0.2", "--resume", "auto", name="stopped")
     assert "at step 5 " in resumed.stdout
     again = torch.load(tmp_path / "stopped" / "model.pt", weights_only=True)
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    # Each block's activations checkpointed (recomputed in the backward, its masks drawn again
+    # alike): the same weights to the last bit, under the same names.
+    train(2, "0.2", "--activation-checkpointing", name="checkpointed")
+    again = torch.load(tmp_path / "checkpointed" / "model.pt", weights_only=True)
     assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)

@@ -59,6 +59,8 @@ USER_MODELS = """
 import math
 import os
 
+import torch
+
 from torch import nn
 
 def tiny(in_shape, num_classes):
@@ -99,6 +101,15 @@ class NeedsValues(nn.Module):
         return self.fc(x.flatten(1)) * (1.0 if x.sum().item() == x.sum().item() else 0.0)
 
 VALUE = 3
+
+class Bare(nn.Module):
+    # Its one parameter is its own: no child block to checkpoint.
+    def __init__(self, in_shape, num_classes):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(math.prod(in_shape), num_classes))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.w
 """
 
 
@@ -216,3 +227,12 @@ def test_gpt_dropout_reaches_each_block_from_the_flag():
     x = torch.randint(0, 256, (2, 16))
     torch.manual_seed(0)
     assert not torch.equal(model(x), model(x))  # it drops
+
+
+@pytest.mark.unit
+def test_activation_checkpointing_needs_a_block_to_checkpoint(user_module):
+    # Refused in the plan, before any worker (a worker would only find out at setup()).
+    shape = {"data": "synthetic", "synthetic_shape": "1,8,8", "activation_checkpointing": True}
+    with pytest.raises(UsageError, match=rf"^--activation-checkpointing: --model {user_module}:Bare has no block"):
+        resolve(TrainConfig(model=f"{user_module}:Bare", **shape))
+    resolve(TrainConfig(model=f"{user_module}:tiny", **shape))  # its Linear is a block

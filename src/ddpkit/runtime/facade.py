@@ -34,7 +34,7 @@ from ..core.seed import seed_everything, seed_rank
 from ..data import DistributedLoader, StreamLoader
 from ..errors import UsageError
 from ..observe import tracking
-from ..strategy import DDPOptions, FSDPOptions
+from ..strategy import DDPOptions, FSDPOptions, activations
 from . import loaders, saves
 from .accumulation import Accumulation
 from .collectives import Collectives
@@ -93,6 +93,11 @@ class Runtime(Collectives):
         invariant_dropout: setup() puts `ddpkit.Dropout` in place of the model's nn.Dropout
             (and Dropout1d/2d/3d) modules, whose masks do not depend on the number of
             processes (see `ddpkit.core.draws`); False keeps torch's, drawn from each rank's stream.
+        activation_checkpointing: setup() makes chosen blocks keep only their inputs for the
+            backward and run their forward again there (less activation memory, more compute;
+            the same results): True for every direct child of the model that holds parameters
+            (each block of the built-in models), module classes, or a callable
+            `(name, module) -> bool` (see `ddpkit.strategy.activations`).
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class Runtime(Collectives):
         log_dir: str | os.PathLike | None = None,
         log_with: Sequence[str] = (),
         invariant_dropout: bool = True,
+        activation_checkpointing: activations.Choice = None,
     ):
         self._model: nn.Module | None = None
         # What save_state() holds without being told: every model and optimizer given to
@@ -126,6 +132,8 @@ class Runtime(Collectives):
         # What keys ddpkit.Dropout's masks besides the step and the sample: the seed, or (without
         # one) a number rank 0 draws at the first setup() and save_state keeps.
         self.invariant_dropout, self._draw_seed = invariant_dropout, seed
+        activations.check(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
         self._draws: draws.Source | None = None  # made at the first setup(), left at close()
         checks.thread_count_variable()
         self.env = dist.detect_env()
@@ -243,6 +251,7 @@ class Runtime(Collectives):
         """
         if self.invariant_dropout:
             self._follow_draws(model)
+        activations.apply(model, self.activation_checkpointing)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._strategy.adopt(optimizers)
         self._model = wrapped

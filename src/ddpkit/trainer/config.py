@@ -87,6 +87,9 @@ class TrainConfig:
     max_grad_norm: float | None = None  # clip gradients to this total 2-norm before each step (fsdp: over all shards)
     channels_last: bool = False  # NHWC model and batches (faster convolutions with bf16/fp16 on GPUs)
     compile: bool = False  # torch.compile the model (compile time is reported apart from step times)
+    activation_checkpointing: bool = (
+        False  # each block keeps only its inputs for backward, recomputed there: less memory, same result
+    )
     bucket_cap_mb: float | None = None  # DDP gradient bucket size in MiB (torch default 25)
     gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)

@@ -75,6 +75,7 @@ def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str,
         compile=cfg.compile,
         ddp=plan.ddp,
         fsdp=plan.fsdp,
+        activation_checkpointing=cfg.activation_checkpointing,
     ) as rt:
         timeline.mark("process_group_ready")
         # Under torchrun each rank made its own plan and clock: rank 0's win.

@@ -31,7 +31,7 @@ from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
 from ..observe import tracking
 from ..optim import OPTIMIZERS
-from ..strategy import STRATEGIES, DDPOptions, FSDPOptions
+from ..strategy import STRATEGIES, DDPOptions, FSDPOptions, activations
 from . import resume, rundir
 from .config import FIELDS, TrainConfig, model_options
 
@@ -234,6 +234,16 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
             f"--crop-padding {cfg.crop_padding} is more than the images' side ({in_shape[1]}x{in_shape[2]})"
         )
     models.check(cfg.model, in_shape, num_classes)
+    if cfg.activation_checkpointing:
+        import torch  # (the model on meta: shapes, no memory; torch is loaded by the check above)
+
+        with torch.device("meta"):
+            model = build_model(cfg, in_shape, num_classes)
+        if not activations.chosen(model, True):
+            raise UsageError(
+                f"--activation-checkpointing: --model {cfg.model} has no block to checkpoint "
+                "(no child module that holds parameters)"
+            )
     return in_shape, num_classes
 
 
