@@ -26,6 +26,7 @@ def test_gpt(tmp_path):
         assert flops > 0 and math.isclose(r["achieved_tflops"][kind], flops * rate / 1e12, rel_tol=1e-9), kind
         assert r["mfu"][kind] is None  # a CPU has no peak in ddpkit's table
     assert r["loss_finite"] and r["peak_memory_mib"] is None
+    assert r["saved_for_backward_mib"] > 0 and w["activation_checkpointing"] is False
 
 
 @pytest.mark.unit

@@ -54,6 +54,7 @@ class Work:
     warmup_steps: int
     lr: float = 3e-4
     seed: int = 0
+    activation_checkpointing: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -70,6 +71,11 @@ def add_arguments(parser: Any) -> None:
         "--precision", default="", choices=("", "fp32", "bf16", "fp16"), help="default bf16 on CUDA, fp32 on CPU"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (the first steps compile)")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="each block keeps only its inputs for the backward and recomputes the rest there",
+    )
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
@@ -86,6 +92,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
         batch_size=extra.get("batch_size") or batch,
         precision=extra.get("precision") or ("bf16" if cuda else "fp32"),
         compile=bool(extra.get("compile")),
+        activation_checkpointing=bool(extra.get("activation_checkpointing")),
         steps_per_repeat=5 if cuda else 1,
         warmup_steps=3 if cuda else (1 if opts.quick else 2),
     )
@@ -109,7 +116,12 @@ def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
 
     gc.collect()
     with Runtime(
-        strategy="single", precision=work.precision, device=device, seed=work.seed, compile=work.compile
+        strategy="single",
+        precision=work.precision,
+        device=device,
+        seed=work.seed,
+        compile=work.compile,
+        activation_checkpointing=work.activation_checkpointing or None,
     ) as rt:
         g = torch.Generator().manual_seed(work.seed)
         tokens = torch.randint(0, VOCAB, (work.batch_size * 4, work.seq_len + 1), generator=g)
@@ -120,6 +132,8 @@ def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=work.lr))
         batches = cycle(rt.loader(data, batch_size=work.batch_size, resident=True))
         losses: list[Any] = []
+        saved = _saved_for_backward(model, data.tensors, work.batch_size)
+        opt.zero_grad(set_to_none=True)
 
         def steps() -> None:
             for _ in range(work.steps_per_repeat):
@@ -141,11 +155,33 @@ def _worker(work: Work, device: str, reps: int) -> dict[str, Any]:
             "final_loss": losses[-1].item(),
             "peak_tflops": peak_tflops(rt.device, work.precision),
             "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if rt.device.type == "cuda" else None,
+            "saved_for_backward_bytes": saved,
             "device_name": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(),
         }
         batches.close()
     return out
+
+
+def _saved_for_backward(model: Any, tensors: tuple[Any, Any], batch: int) -> int:
+    """The bytes autograd keeps for the backward of one step's forward (counted as each tensor is
+    saved, through `saved_tensors_hooks`): the activations, which checkpointing trades for
+    compute. The step's gradients are left for the caller to drop."""
+    import torch
+    import torch.nn.functional as F
+
+    total = 0
+
+    def pack(t: Any) -> Any:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    x, y = (t[:batch].to(next(model.parameters()).device) for t in tensors)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    return total
 
 
 # -- assembling the result ------------------------------------------------------------------------
@@ -173,9 +209,11 @@ def _result(work: Work, device: str, reps: int, row: dict[str, Any]) -> dict[str
             f"one process on {device} ({row['device_name']}, {row['threads']} threads); gpt (width {work.width}, "
             f"depth {work.depth}, {work.heads} heads) trains through ddpkit's Runtime ({work.precision}"
             + (", torch.compile" if work.compile else "")
+            + (", each block's activations checkpointed" if work.activation_checkpointing else "")
             + f", AdamW) on random byte sequences of {work.seq_len} tokens resident on the device, batch "
             f"{work.batch_size}; {work.warmup_steps} warm-up call(s), then {reps} blocks of {work.steps_per_repeat} "
-            "step(s) timed (" + ("CUDA events" if device == "cuda" else "host clock") + "). flops_per_token: torch "
+            "step(s) timed (" + ("CUDA events" if device == "cuda" else "host clock") + "). saved_for_backward_mib: "
+            "the bytes autograd keeps for one step's backward, counted as they are saved. flops_per_token: torch "
             "FlopCounterMode (counted) and 6N + 12 x depth x width x seq_len (analytic); achieved_tflops = "
             "flops_per_token x median tokens/s; mfu = achieved / the device's dense peak for the precision."
         ),
@@ -194,6 +232,7 @@ def _result(work: Work, device: str, reps: int, row: dict[str, Any]) -> dict[str
         "final_loss": row["final_loss"],
         "loss_finite": math.isfinite(row["final_loss"]),
         "peak_memory_mib": row["peak_memory_mib"],
+        "saved_for_backward_mib": row["saved_for_backward_bytes"] / 2**20,
     }
 
 
@@ -226,6 +265,7 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     mfu, tflops = result["mfu"]["counted"], result["achieved_tflops"]["counted"]
     return [
         ("parameters", f"{result['parameters']:,}"),
+        ("kept for backward", f"{result['saved_for_backward_mib']:.1f} MiB"),
         (
             "tokens/s, step",
             f"{result['tokens_per_second']['median']:,.0f}, {result['step_ms']['median']:.1f} ms",
