@@ -499,6 +499,17 @@ def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
 
 
+def token_steps(rt: ddpkit.Runtime, model: nn.Module, opt: torch.optim.Optimizer, loader, steps: int) -> None:
+    """`steps` optimizer steps of `model` on `loader`'s (tokens, targets), by the mean token loss."""
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            rt.backward(token_loss(model, x, y))
+            done += rt.step(opt)
+            if done == steps and rt.step_ready:
+                break
+
+
 def token_weighted_steps(steps: int, global_batch: int, micro: int | None, strategy: str) -> dict:
     """`steps` SGD steps of a tiny gpt on sequences of uneven length, twice from the same
     weights: on the TextSet (its `token_counts` make the loader weigh micro-batches by
@@ -513,14 +524,7 @@ def token_weighted_steps(steps: int, global_batch: int, micro: int | None, strat
         for name, dataset in (("tokens", text), ("samples", TensorDataset(x_all, y_all))):
             model = tiny_gpt()
             model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-            loader = rt.loader(dataset, batch_size=global_batch, micro_batch_size=micro)
-            done = 0
-            while done < steps:
-                for x, y in loader:
-                    rt.backward(token_loss(model, x, y))
-                    done += rt.step(opt)
-                    if done == steps and rt.step_ready:
-                        break
+            token_steps(rt, model, opt, rt.loader(dataset, batch_size=global_batch, micro_batch_size=micro), steps)
             out[name] = flat_params(model)
         out["strategy"] = rt.strategy
         out["units"] = sorted(name for name, m in model.named_modules() if is_sharded(m))  # fsdp's
@@ -716,13 +720,7 @@ def checkpointed_steps(strategy: str, steps: int = 4, dropout: float = 0.2) -> d
             torch.manual_seed(7)
             model = models.build("gpt", (12,), 256, width=16, depth=2, heads=2, dropout=dropout)
             model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-            loader, done = rt.loader(text, batch_size=8, micro_batch_size=2), 0
-            while done < steps:
-                for x, y in loader:
-                    rt.backward(token_loss(model, x, y))
-                    done += rt.step(opt)
-                    if done == steps and rt.step_ready:
-                        break
+            token_steps(rt, model, opt, rt.loader(text, batch_size=8, micro_batch_size=2), steps)
             out["checkpointed" if choice else "plain"] = flat_params(model)
             if choice:
                 bare = rt.unwrap(model)

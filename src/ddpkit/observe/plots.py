@@ -148,24 +148,9 @@ def plot_runs(
         color = colors[i % len(colors)]
         epochs = [h["epoch"] for h in history]
         for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-            ax.plot(
-                epochs,
-                [h[f"train_{key}"] for h in history],
-                "--",
-                color=color,
-                marker="o",
-                markersize=3,
-                label=f"{label} train",
-            )
-            ax.plot(
-                epochs,
-                [h[f"test_{key}"] for h in history],
-                "-",
-                color=color,
-                marker="s",
-                markersize=3,
-                label=f"{label} test",
-            )
+            for split, style, marker in (("train", "--", "o"), ("test", "-", "s")):
+                values = [h[f"{split}_{key}"] for h in history]
+                ax.plot(epochs, values, style, color=color, marker=marker, markersize=3, label=f"{label} {split}")
     for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
         ax.set_xlabel("epoch")
         ax.set_ylabel(key)
