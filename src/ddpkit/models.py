@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import checks
-from .errors import usage_errors
+from .errors import UsageError, usage_errors
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -184,21 +184,42 @@ def fast_cifar(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which position t sees positions <= t only: one linear map
-    to queries, keys and values, torch's fused `scaled_dot_product_attention` with its causal
-    mask, one linear map back."""
+    """Multi-head self-attention in which position t sees positions <= t only: linear maps to
+    queries, keys and values, torch's fused `scaled_dot_product_attention` with its causal mask,
+    one linear map back.
+
+    The three maps are separate modules (`q`, `k`, `v`), each a whole number of heads wide, so
+    that tensor parallelism can split them column-wise by heads: a rank's share of `q`'s output
+    is its heads' queries, and the forward counts the heads it holds from the width it gets
+    (`GPT.tp_plan`). A state_dict of ddpkit 0.2 or older held one fused `qkv` map: it loads,
+    split into the three (`_split_fused_qkv`).
+    """
 
     def __init__(self, width: int, heads: int):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.head_width = width // heads
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.out = nn.Linear(width, width)
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, C / heads)
-        return self.out(y.transpose(1, 2).reshape(b, t, c))
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_width  # all of them, or this tp rank's
+        # (B, T, heads, head width) -> (B, heads, T, head width)
+        q, k, v = (z.view(b, t, heads, self.head_width).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, heads * self.head_width))
+
+
+def _split_fused_qkv(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-time: an older checkpoint's fused `qkv` (its rows the queries, then the keys, then
+    the values) becomes `q`, `k` and `v`."""
+    for kind in ("weight", "bias"):
+        fused = state.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3)):
+                state[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):
@@ -268,7 +289,7 @@ class GPT(nn.Sequential):
         super().__init__(
             OrderedDict([("embed", Embedding(vocab, context, width)), *blocks, ("head", Head(width, vocab))])
         )
-        self.context = context
+        self.context, self.vocab, self.heads = context, vocab, heads
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -277,6 +298,36 @@ class GPT(nn.Sequential):
             else:
                 residual = name.endswith(("attn.out.weight", "mlp.2.weight"))
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * depth) if residual else 0.02)
+
+
+    def tp_plan(self, tp_size: int) -> dict[str, Any]:
+        """How `--strategy tp` splits the model over `tp_size` ranks (torch's tensor-parallel
+        styles, by module name): each block's `q`, `k`, `v` and the MLP's first map column-wise
+        (a rank computes whole heads, a slice of the hidden layer), the maps back into the
+        residual stream row-wise (their shares summed: one all-reduce each), the token
+        embedding row-wise (a slice of the vocabulary), and the head column-wise with its
+        output gathered, so the loss sees whole logits. LayerNorms and the position embedding
+        stay whole on every rank."""
+        # torch's DTensor and tensor-parallel modules: 0.5 s to import, loaded where tp runs only
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        heads = self.heads
+        if heads % tp_size or self.vocab % tp_size:
+            raise UsageError(
+                f"--mesh tp={tp_size}: gpt splits whole heads and the vocabulary over the tp ranks; "
+                f"its {heads} heads and {self.vocab} tokens must be multiples of {tp_size}"
+            )
+        return {
+            "embed.tokens": RowwiseParallel(input_layouts=Replicate()),
+            "block*.attn.q": ColwiseParallel(),
+            "block*.attn.k": ColwiseParallel(),
+            "block*.attn.v": ColwiseParallel(),
+            "block*.attn.out": RowwiseParallel(),
+            "block*.mlp.0": ColwiseParallel(),
+            "block*.mlp.2": RowwiseParallel(),
+            "head.logits": ColwiseParallel(output_layouts=Replicate()),
+        }
 
 
 # `--gpt-width`, `--gpt-depth`, `--gpt-heads` defaults: about 0.8 million parameters at a
@@ -299,7 +350,7 @@ def gpt(
 
 def gpt_parameters(context: int, vocab: int, width: int, depth: int) -> int:
     """How many parameters `gpt` has, without building it."""
-    block = 12 * width * width + 13 * width  # attention 4w^2 + 4w, MLP 8w^2 + 5w, two norms 4w
+    block = 12 * width * width + 13 * width  # attention (q, k, v, out) 4w^2 + 4w, MLP 8w^2 + 5w, two norms 4w
     return (vocab + context) * width + depth * block + 2 * width + width * vocab
 
 

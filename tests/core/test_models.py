@@ -49,6 +49,37 @@ def test_gpt_is_causal_and_a_sequence_of_shard_units():
 
 
 @pytest.mark.unit
+def test_gpt_loads_an_older_state_dict_with_one_fused_qkv_map():
+    """ddpkit 0.2's attention had one `qkv` map (rows: queries, keys, values) and split it per
+    head in its forward; its state_dict loads into the separate q, k, v maps and computes the
+    same function (the old forward is written out here)."""
+    import torch.nn.functional as F
+
+    net = models.build("gpt", (8,), 256, width=32, depth=2, heads=4).eval()
+    old = {}
+    for name, value in net.state_dict().items():
+        if ".attn.q." in name:
+            kind = name.rsplit(".", 1)[1]
+            prefix = name.split(".attn.")[0] + ".attn."
+            parts = [torch.randn_like(value) for _ in range(3)]
+            old[f"{prefix}qkv.{kind}"] = torch.cat(parts)
+        elif ".attn.k." not in name and ".attn.v." not in name:
+            old[name] = value
+    net.load_state_dict(old)  # strict: every q, k, v key came from the fused one
+    x = torch.randint(0, 256, (2, 8))
+    h = net.embed(x)
+    for i in range(2):
+        block = getattr(net, f"block{i}")
+        b, t, c = h.shape
+        fused = F.linear(block.norm1(h), old[f"block{i}.attn.qkv.weight"], old[f"block{i}.attn.qkv.bias"])
+        q, k, v = fused.view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)  # the old forward
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        h = h + block.attn.out(y)
+        h = h + block.mlp(block.norm2(h))
+    torch.testing.assert_close(net.head(h), net(x))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("name,shape", [("lenet", (3, 2, 2)), ("cnn", (1, 1, 1)), ("cnn", (10,))])
 def test_model_input_checks(name, shape):
     with pytest.raises(ValueError, match=name):
