@@ -45,7 +45,8 @@ def usage_errors(prefix: str = "") -> Iterator[None]:
 class WorkerFailed(RuntimeError):
     """One or more worker processes failed; `rank` is the one that caused it.
 
-    `what` completes the sentence "rank R (pid P) on HOST ...": "failed: ValueError: boom",
+    `what` completes the sentence "rank R (pid P) on HOST ...", or "rank R (dp=1,tp=0, pid P)
+    on HOST ..." on a mesh: "failed: ValueError: boom",
     "was killed by SIGKILL (out of memory?)". `traceback` is that rank's Python traceback, or
     its stack when it was stopped or crashed."""
 
@@ -57,10 +58,17 @@ class WorkerFailed(RuntimeError):
         exitcode: int | None = None,
         traceback: str = "",
         pid: int | None = None,
+        where: str = "",
     ):
         self.rank, self.host, self.exitcode, self.traceback, self.pid = rank, host, exitcode, traceback, pid
-        who = f"rank {rank}" + (f" (pid {pid})" if pid else "")
-        super().__init__(f"{who} on {host} {what}")
+        self.where = where
+        super().__init__(f"{who(rank, pid, where)} on {host} {what}")
+
+
+def who(rank: int, pid: int | None = None, where: str = "") -> str:
+    """'rank 3 (dp=1,tp=1, pid 812)': a rank, its mesh coordinates and its pid, where known."""
+    said = ", ".join(part for part in (where, f"pid {pid}" if pid else "") if part)
+    return f"rank {rank}" + (f" ({said})" if said else "")
 
 
 class Interrupted(KeyboardInterrupt):

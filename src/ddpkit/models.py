@@ -299,7 +299,6 @@ class GPT(nn.Sequential):
                 residual = name.endswith(("attn.out.weight", "mlp.2.weight"))
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * depth) if residual else 0.02)
 
-
     def tp_plan(self, tp_size: int) -> dict[str, Any]:
         """How `--strategy tp` splits the model over `tp_size` ranks (torch's tensor-parallel
         styles, by module name): each block's `q`, `k`, `v` and the MLP's first map column-wise

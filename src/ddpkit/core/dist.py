@@ -461,45 +461,55 @@ def wait_for_main() -> None:
         tdist.barrier(group=_io_group)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce with op 'sum', 'mean', 'max' or 'min'; returns the tensor."""
-    if world_size() == 1:
+def group_size(group: Any = None) -> int:
+    """How many ranks `group` holds (None: the whole job; 1 without a process group)."""
+    return tdist.get_world_size(group) if tdist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In-place all-reduce with op 'sum', 'mean', 'max' or 'min' over `group` (None: every
+    rank); returns the tensor."""
+    n = group_size(group)
+    if n == 1:
         return tensor
     if op == "mean":
-        tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
-        return tensor.div_(world_size())
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM, group=group)
+        return tensor.div_(n)
     ops = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
-    tdist.all_reduce(tensor, op=ops[op])
+    tdist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
 
 
-def gather_rows(tensor: torch.Tensor) -> list[list[float]]:
+def gather_rows(tensor: torch.Tensor, group: Any = None) -> list[list[float]]:
     """Every rank's 1-d tensor (of the same length on every rank), as Python numbers, in rank
     order: one collective. Where a sum must not depend on how a collective orders its
-    additions, add the rows up on the host (`math.fsum`: exactly rounded)."""
-    if world_size() == 1:
+    additions, add the rows up on the host (`math.fsum`: exactly rounded). Over `group` (None:
+    every rank)."""
+    n = group_size(group)
+    if n == 1:
         return [tensor.tolist()]
-    out = tensor.new_empty(world_size() * tensor.numel())
+    out = tensor.new_empty(n * tensor.numel())
     # (torch 2.13 renamed all_gather_into_tensor, which older releases have alone)
     gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-    gather(out, tensor.contiguous())
-    return out.view(world_size(), -1).tolist()
+    gather(out, tensor.contiguous(), group=group)
+    return out.view(n, -1).tolist()
 
 
-def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's tensor, in rank order. Sizes may differ between ranks along any dimension
-    as long as the number of dimensions agrees: shapes are exchanged first, then padded data."""
-    if world_size() == 1:
+def all_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's tensor (of `group`; None: every rank), in rank order. Sizes may differ
+    between ranks along any dimension as long as the number of dimensions agrees: shapes are
+    exchanged first, then padded data."""
+    n = group_size(group)
+    if n == 1:
         return [tensor]
-    n = world_size()
     shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
     shapes = [torch.empty_like(shape) for _ in range(n)]
-    tdist.all_gather(shapes, shape)
+    tdist.all_gather(shapes, shape, group=group)
     max_shape = torch.stack(shapes).max(dim=0).values.tolist()
     padded = tensor.new_zeros(max_shape)
     padded[tuple(slice(0, s) for s in tensor.shape)] = tensor
     gathered = [torch.empty_like(padded) for _ in range(n)]
-    tdist.all_gather(gathered, padded)
+    tdist.all_gather(gathered, padded, group=group)
     return [g[tuple(slice(0, s) for s in sh.tolist())] for g, sh in zip(gathered, shapes)]
 
 
@@ -529,10 +539,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's Python object, in rank order, on every rank."""
-    if world_size() == 1:
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's Python object (of `group`; None: every rank), in rank order, on every rank."""
+    n = group_size(group)
+    if n == 1:
         return [obj]
-    out: list[Any] = [None] * world_size()
-    tdist.all_gather_object(out, obj)
+    out: list[Any] = [None] * n
+    tdist.all_gather_object(out, obj, group=group)
     return out

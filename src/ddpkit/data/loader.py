@@ -119,6 +119,10 @@ class DistributedLoader:
     (a DataLoader over the sampler); both yield the same samples in the same order.
     """
 
+    # The process group of the ranks its sampler splits the samples over (None: every rank);
+    # a Runtime sets it where tensor-parallel ranks share their samples (ddpkit.strategy.mesh).
+    group: Any = None
+
     def __init__(
         self,
         dataset: Dataset,

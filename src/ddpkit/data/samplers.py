@@ -50,12 +50,13 @@ class ShardSampler(Sampler[int]):
         return [(s, min(s + stride, self.length), self.world_size) for s in range(self.rank, self.length, stride)]
 
 
-def check_global_batch(global_batch: int, world_size: int) -> None:
-    """A global batch needs at least one sample per process; it need not divide evenly."""
+def check_global_batch(global_batch: int, world_size: int, rank: str = "process", ranks: str = "processes") -> None:
+    """A global batch needs at least one sample per process (per data rank, where tensor-parallel
+    ranks share theirs: `rank`, `ranks` name them); it need not divide evenly."""
     if global_batch < world_size:
         raise UsageError(
-            f"--batch-size {global_batch} is smaller than the {world_size} processes; "
-            f"the global batch needs at least one sample per process"
+            f"--batch-size {global_batch} is smaller than the {world_size} {ranks}; "
+            f"the global batch needs at least one sample per {rank}"
         )
 
 

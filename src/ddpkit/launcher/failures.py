@@ -25,7 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import WorkerFailed
+from ..errors import WorkerFailed, who
 from .records import LAUNCH_DIR, RankRecord, agent_stop_after, current_attempt, read_attempt, signal_name
 
 # Errors a healthy rank raises because a peer died under it. They are consequences, not causes.
@@ -60,6 +60,7 @@ class Ending:
     stack: str  # its stack when stopped or crashed
     frozen: str = ""  # the signal that stopped it, when it was never continued
     outside: bool = False  # it died of SIGTERM before the agent began to stop workers
+    where: str = ""  # its mesh coordinates, where it said them
 
     @property
     def kind(self) -> str:
@@ -87,7 +88,7 @@ def as_worker_failed(err: Any, logs: str, attempt: int) -> WorkerFailed:
         rank, (exitcode, pid, tb) = min(reported.items())
         cause = Ending(rank, pid, exitcode, 0.0, tb, "")
     what, trace = describe(cause, endings(logs, attempt, reported, offset))
-    return WorkerFailed(cause.rank, socket.gethostname(), what, cause.status, trace, cause.pid)
+    return WorkerFailed(cause.rank, socket.gethostname(), what, cause.status, trace, cause.pid, cause.where)
 
 
 def restart_cause(logs: str, attempt: int) -> str:
@@ -98,7 +99,7 @@ def restart_cause(logs: str, attempt: int) -> str:
     if cause is None or (elsewhere and cause.kind in ("stopped", "consequence", "waited")):
         return "a rank on another node failed"  # this node's ranks were only stopped, or lost it
     what, _ = describe(cause, endings(logs, attempt, {}, 0))
-    return f"rank {cause.rank}" + (f" (pid {cause.pid})" if cause.pid else "") + f" {what}"
+    return f"{who(cause.rank, cause.pid, cause.where)} {what}"
 
 
 def restart_note() -> str | None:
@@ -127,7 +128,7 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
         if rec.done and status is None:
             status = 0
         ended = rec.frozen_at if rec.frozen else min(rec.ended, when)  # a frozen rank stopped working then
-        out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen)
+        out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen, where=rec.where)
     # A SIGTERM came from outside when it killed a rank before anything else ended: the agent
     # stops workers only once one has ended (torch's process context SIGTERMs the rest as it
     # notices a failure, before its `close`, which `stops` records), or begun to stop them.

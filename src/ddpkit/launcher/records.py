@@ -80,6 +80,14 @@ def _die_with_the_launcher() -> None:
         pass
 
 
+def note_place(where: str) -> None:
+    """In a worker: its coordinates on the job's mesh ("dp=1,tp=0"), for the failure report."""
+    root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
+    if root and rank is not None and where:
+        with open(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.where"), "w") as f:
+            f.write(where)
+
+
 def mark_done() -> None:
     """In a worker whose function returned: it did not fail."""
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
@@ -98,6 +106,7 @@ class RankRecord:
     frozen: str = ""  # the signal that stopped it, if it was stopped and not continued
     frozen_at: float = float("inf")
     started: float = float("inf")  # when it wrote its pid
+    where: str = ""  # its coordinates on the mesh, where the job has one ("dp=1,tp=0")
 
 
 def read_attempt(root: str, attempt: int) -> dict[int, RankRecord]:
@@ -143,6 +152,7 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
         frozen=str(frozen.get("signal", "")),
         frozen_at=frozen.get("time", float("inf")),
         started=started,
+        where=text("where").strip(),
     )
 
 

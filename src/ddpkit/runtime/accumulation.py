@@ -29,8 +29,9 @@ from ..strategy import local
 class Accumulation:
     """The micro-batch a training loader handed out last, and the gradient-sync switch."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, group: Any = None):
+        self.world_size = world_size  # the data ranks' (see ddpkit.strategy.mesh)
+        self.group = group  # theirs (None: every rank)
         self.micro: MicroBatch | None = None
         self.no_sync: Any = None  # makes the strategy's no_sync context (Strategy.no_sync)
         self._entered: Any = None
@@ -107,7 +108,7 @@ class Accumulation:
         if not self.weighted:
             return
         self.weighted = False
-        total = dist.all_reduce(self.weights)
+        total = dist.all_reduce(self.weights, group=self.group)
         factor = torch.where(total > 0, self.world_size / total, torch.zeros_like(total))
         grads = [local(p.grad) for p in params if p.grad is not None]
         if grads:

@@ -15,7 +15,10 @@ from ..core.log import print0
 
 
 class Collectives:
-    """The Runtime's rank facts and collectives (its `env` and `device` are the Runtime's)."""
+    """The Runtime's rank facts and collectives (its `env`, `device` and `layout` are the
+    Runtime's)."""
+
+    layout: Any
 
     @property
     def rank(self) -> int:
@@ -26,6 +29,18 @@ class Collectives:
     def world_size(self) -> int:
         """The number of processes in the job (1 without a process group)."""
         return dist.world_size()
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the data ranks this process is: its place along the mesh's data dimensions
+        (replicate x dp). The global rank, unless tensor-parallel ranks share their samples."""
+        return self.layout.data_rank(self.rank)
+
+    @property
+    def data_world_size(self) -> int:
+        """How many ranks read other samples (the world size, unless tensor-parallel ranks
+        share theirs): what the global batch is split over."""
+        return self.layout.data_size
 
     @property
     def local_rank(self) -> int:
@@ -66,17 +81,23 @@ class Collectives:
                 dist.wait_for_main()
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
-        """Reduce a tensor (in place) or a Python number over ranks; op sum/mean/max/min."""
+        """Reduce a tensor (in place) or a Python number over the data ranks; op
+        sum/mean/max/min. The data ranks are every rank, unless tensor-parallel ranks share
+        their samples: then each group's copy counts once, so a sum of sample counts or losses
+        is the global batch's. (`gather_objects`, `all_gather`, `any_rank` and `barrier` are
+        over every rank: facts of each process.)"""
+        group = self.layout.data_group
         if isinstance(value, torch.Tensor):
-            return dist.all_reduce(value, op)
+            return dist.all_reduce(value, op, group)
         t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        return dist.all_reduce(t, op).item()
+        return dist.all_reduce(t, op, group).item()
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank: a decision all ranks act on
         together (stop, skip), so none leaves a loop the others stay in and waits forever.
-        One all-reduce; every rank must call it."""
-        return self.all_reduce(float(bool(flag)), op="max") > 0
+        One all-reduce over every rank; every rank must call it."""
+        t = torch.tensor(float(bool(flag)), dtype=torch.float64, device=self.device)
+        return dist.all_reduce(t, "max").item() > 0
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (sizes may differ per rank), in rank order."""

@@ -76,7 +76,7 @@ def evaluate(
     result = _summary(*sums[:5], with_loss=loss_fn is not None)
     result.update({name: total / max(1, result["samples"]) for name, total in zip(metrics, sums[5:])})
     if outputs is not None:
-        result["outputs"] = gather(seen, loader.device)
+        result["outputs"] = gather(seen, loader.device, loader.group)
     return result
 
 
@@ -268,4 +268,4 @@ def _sums(
                 call(net, _pair(loader.empty_batch(), keys)[0])
     net.train(was_training)
     sums_t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loader.device) for v in sums])
-    return dist.all_reduce(sums_t).tolist()
+    return dist.all_reduce(sums_t, group=loader.group).tolist()  # each sample on one data rank

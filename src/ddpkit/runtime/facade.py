@@ -33,6 +33,7 @@ from ..core.precision import Precision
 from ..core.seed import seed_everything, seed_rank
 from ..data import DistributedLoader, StreamLoader
 from ..errors import UsageError
+from ..launcher import records
 from ..observe import tracking
 from ..strategy import DDPOptions, FSDPOptions, activations
 from . import loaders, saves
@@ -67,8 +68,17 @@ class Runtime(Collectives):
     Args:
         strategy: 'ddp' (DistributedDataParallel; on one process the bare model), 'fsdp'
             (FSDP2: parameters, gradients and optimizer state sharded over the processes; on
-            one process the bare model), 'dp' (nn.DataParallel over
-            the visible GPUs, one process) or 'single'.
+            one process the bare model), 'hsdp' (FSDP2 sharded over `dp`, replicated over
+            `replicate`), 'tp' (tensor parallel over `tp`, FSDP2 over `dp`), 'dp'
+            (nn.DataParallel over the visible GPUs, one process) or 'single'.
+        mesh: the processes' layout, "dp=2,tp=2" or {"dp": 2, "tp": 2} (dimensions replicate,
+            dp, tp; their sizes multiply to the number of processes): a mesh with `tp` or
+            `replicate` runs that strategy when `strategy` is left at ddp. Default: the
+            strategy's own (ddp, fsdp: dp=N; hsdp: replicate=machines, dp=processes on each;
+            tp: dp=machines, tp=processes on each). See docs/parallelism.md.
+        tp_plan: under tp, for a model without a `tp_plan(tp_size)` method of its own: a dict
+            of module names (`*` wildcards) to torch's ColwiseParallel/RowwiseParallel/...
+            styles, or a callable `(model, tp_mesh) -> None` that parallelizes it.
         precision: 'fp32', 'bf16' or 'fp16' (autocast; under fsdp FSDP2's mixed-precision
             policy, fp32 shards and fp32 gradient reduction; fp16 adds a GradScaler).
         device: 'auto', 'cpu' or 'cuda'.
@@ -117,6 +127,8 @@ class Runtime(Collectives):
         log_with: Sequence[str] = (),
         invariant_dropout: bool = True,
         activation_checkpointing: activations.Choice = None,
+        mesh: str | dict[str, int] | None = None,
+        tp_plan: Any = None,
     ):
         self._model: nn.Module | None = None
         # What save_state() holds without being told: every model and optimizer given to
@@ -155,7 +167,11 @@ class Runtime(Collectives):
             self.ddp_options.check_compile(compile)
             self.precision = Precision(precision, self.device)
             """The precision in use: its `dtype`, `autocast()` and the fp16 scaler."""
-            self._strategy = strategies.resolve(strategy, self.world_size, self.device, self.ddp_options, fsdp_options)
+            spec = None if mesh is None else strategies.MeshSpec.parse(mesh, "Runtime(mesh=...)")
+            self._strategy = strategies.resolve(
+                strategy, self.world_size, self.device, self.ddp_options, fsdp_options, spec, self.env.local_world_size
+            )
+            self._strategy.tp_plan = tp_plan
             self._log = tracking.RunLog(log_dir, log_with, self.is_main)
         except BaseException:
             self.close()
@@ -166,10 +182,20 @@ class Runtime(Collectives):
         self.seed, self.channels_last, self.compile = seed, channels_last, compile
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True if cudnn_benchmark is None else cudnn_benchmark
-        self._acc = Accumulation(self.world_size)
+        self.layout: strategies.Layout = self._strategy.layout
+        """Where this rank sits: `layout.spec` the mesh, `layout.device_mesh` torch's DeviceMesh
+        (None on a plain dp layout), `layout.data_group` the group of ranks reading other samples."""
+        records.note_place(self.layout.where(self.rank))  # a failure report names the coordinates
+        self._acc = Accumulation(self.data_world_size, self.layout.data_group)
         self._steps = Steps(self._strategy, self.precision, self._acc, self._models, self._optimizers)
         self._place = loaders.Place(
-            self.world_size, self.rank, self.device, self.env.local_world_size, channels_last, self._strategy.lockstep
+            self.data_world_size,
+            self.data_rank,
+            self.device,
+            self.env.local_world_size,
+            channels_last,
+            self._strategy.lockstep,
+            self.layout.data_group,
         )
         if seed is not None:
             seed_everything(seed)
@@ -435,7 +461,7 @@ class Runtime(Collectives):
         sample, a dict or tuple of these, or a `ddpkit.runtime.gather.Collector` that collected them
         batch by batch; None for an empty share. Returns the same structure. Counts that do not
         fit the ranks' shares (a partial pass on some rank) are a UsageError on every rank."""
-        return gather(values, self.device)
+        return gather(values, self.device, self.layout.data_group)
 
     # -- output -----------------------------------------------------------------------------------
     def log(self, step: int, **metrics: Any) -> None:

@@ -142,18 +142,19 @@ def _join(parts: list[Any]) -> Any:
     return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else list(itertools.chain(*parts))
 
 
-def gather(values: Any, device: torch.device) -> Any:
+def gather(values: Any, device: torch.device, group: Any = None) -> Any:
     """Every rank's `values` (see the module's docstring), in dataset order, on every rank.
-    Tensors travel through `device` (the backend's) and come back on the device they were on."""
+    Tensors travel through `device` (the backend's) and come back on the device they were on.
+    `group`: the data ranks' (None: every rank), those the evaluation split the samples over."""
     local = values.values() if isinstance(values, Collector) else values
     mine = (None, 0, []) if local is None else (_map(_describe, local), samples(local), _objects(local))
-    shared = dist.gather_objects(mine)
+    shared = dist.gather_objects(mine, group)
     skeleton = _reference(shared)
     if skeleton is None:  # nothing anywhere: nothing to rebuild
         return local
     counts = [count for _, count, _ in shared]
     own = local if mine[1] else _map(lambda leaf: _empty(leaf, device), skeleton)
-    parts = iter(_gather_leaves(own, shared, device))
+    parts = iter(_gather_leaves(own, shared, device, group))
     return _map(lambda _: _interleave(next(parts), sum(counts)), skeleton)
 
 
@@ -190,7 +191,9 @@ def _reference(shared: list[tuple[Any, int, list]]) -> Any:
     return shared[0][0]
 
 
-def _gather_leaves(own: Any, shared: list[tuple[Any, int, list]], device: torch.device) -> Iterator[list[Any]]:
+def _gather_leaves(
+    own: Any, shared: list[tuple[Any, int, list]], device: torch.device, group: Any
+) -> Iterator[list[Any]]:
     """Each leaf's parts from every rank, in rank order."""
     objects = 0
     for _, leaf in _leaves(own):
@@ -198,7 +201,7 @@ def _gather_leaves(own: Any, shared: list[tuple[Any, int, list]], device: torch.
             yield [theirs[objects] if count else [] for _, count, theirs in shared]
             objects += 1
         else:
-            parts = dist.all_gather(leaf.detach().to(device))
+            parts = dist.all_gather(leaf.detach().to(device), group)
             yield [part.to(leaf.device) for part in parts]
 
 

@@ -19,7 +19,9 @@ from ..errors import UsageError, usage_errors
 
 @dataclass(frozen=True)
 class Place:
-    """Where this rank's batches go and how they are cut: what every loader of a Runtime shares."""
+    """Where this rank's batches go and how they are cut: what every loader of a Runtime shares.
+    `world_size` and `rank` are the data ranks' (see ddpkit.strategy.mesh): the ranks of one
+    tensor-parallel group read the same batches."""
 
     world_size: int
     rank: int
@@ -27,6 +29,7 @@ class Place:
     local_world_size: int
     channels_last: bool
     lockstep: bool  # the strategy's: as many micro-batches on every rank (fsdp)
+    group: Any = None  # the data ranks' process group (None: every rank reads other samples)
 
     def common(self) -> dict[str, Any]:
         return {
@@ -69,7 +72,7 @@ def training(
                 resident=resident,
             )
     with usage_errors():  # torch's own refusals (num_workers=-1, ...) are bad input too
-        return train_loader(
+        loader = train_loader(
             src.dataset,
             src.batch_size,
             **place.common(),
@@ -84,6 +87,8 @@ def training(
             collate_fn=src.collate_fn,
             dataloader=src.options,
         )
+    loader.group = place.group
+    return loader
 
 
 def evaluation(
@@ -103,7 +108,7 @@ def evaluation(
             "a stream has no length to split: evaluate a map-style Dataset"
         )
     with usage_errors():
-        return eval_loader(
+        loader = eval_loader(
             src.dataset,
             src.batch_size,
             **place.common(),
@@ -113,3 +118,5 @@ def evaluation(
             collate_fn=src.collate_fn,
             dataloader=src.options,
         )
+    loader.group = place.group
+    return loader

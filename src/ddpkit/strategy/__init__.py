@@ -1,5 +1,10 @@
 """How a model is spread over devices, one module per strategy: `single` (the bare model),
-`dp` (nn.DataParallel), `ddp` (DistributedDataParallel) and `fsdp` (FSDP2, sharded).
+`dp` (nn.DataParallel), `ddp` (DistributedDataParallel), `fsdp` (FSDP2, sharded), `hsdp`
+(FSDP2 on a replicate x dp mesh) and `tp` (tensor parallel, with FSDP2 over dp).
+
+The layout of the processes is a mesh (`--mesh dp=2,tp=2`, see `mesh`): a mesh naming a
+dimension of one strategy's own (`tp`, `replicate`) runs that strategy when no other is asked
+for (`for_mesh`).
 
 `resolve` turns a requested name into the strategy that will actually run on this many
 processes: `ddp` or `fsdp` on one process is `single`; `dp` without two GPUs is `single` too.
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from ..core import checks
+from ..errors import UsageError
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
 from .ddp import (
     COMM_HOOKS,
@@ -29,11 +35,19 @@ from .ddp import (
 )
 from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions, holds_dtensors
+from .hsdp import HSDP
+from .mesh import Layout, MeshSpec
 from .single import Single
+from .tp import TensorParallel
 
 # The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
 # here (`register` adds one from outside, as a test's own strategy does).
-REGISTRY: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDP, DataParallel, FSDP, Single)}
+REGISTRY: dict[str, type[Strategy]] = {
+    # (`sharded_by` asks in this order: tp's models are fsdp's too where dp > 1)
+    cls.name: cls
+    for cls in (DDP, DataParallel, TensorParallel, FSDP, HSDP, Single)
+}
+DEFAULT = "ddp"  # what runs when nothing is asked for (and what a mesh's own strategy replaces)
 STRATEGIES = tuple(sorted(REGISTRY))  # the names at import (the registry may grow: `names()`)
 
 __all__ = [
@@ -43,11 +57,14 @@ __all__ = [
     "DDPOptions",
     "DistributedDataParallel",
     "FSDPOptions",
+    "Layout",
+    "MeshSpec",
     "Strategy",
     "by_name",
     "comm_hook",
     "compiled_graphs",
     "eval_view",
+    "for_mesh",
     "find_ddp",
     "full_model_state",
     "holds_dtensors",
@@ -140,12 +157,50 @@ def resolve_name(name: str, world_size: int, device: torch.device) -> str:
     return by_name(name).runs_as(world_size, device)
 
 
+def for_mesh(name: str, mesh: MeshSpec | None) -> str:
+    """The strategy asked for: `name`, except that a mesh naming a dimension of one strategy's
+    own (`tp`, `replicate`) picks that strategy where `name` is the default. A UsageError where
+    the mesh has a dimension the strategy does not run on."""
+    if mesh is None:
+        return name
+    owned = {cls.own_dim: cls.name for cls in REGISTRY.values() if cls.own_dim in mesh.names}
+    if len(owned) > 1:
+        raise UsageError(f"--mesh {mesh}: no strategy runs on {' and '.join(sorted(owned))} together yet")
+    owners = list(owned.values())
+    if name == DEFAULT and owners:
+        name = owners[0]
+    cls = by_name(name)
+    extra = [dim for dim in mesh.names if dim not in cls.mesh_dims]
+    if extra:
+        owner = next((c.name for c in REGISTRY.values() if c.own_dim == extra[0]), None)
+        hint = f"; {extra[0]} needs --strategy {owner}" if owner else ""
+        raise UsageError(f"--mesh {mesh}: --strategy {name} runs on {', '.join(cls.mesh_dims)} only{hint}")
+    return name
+
+
+def mesh_for(cls: type[Strategy], mesh: MeshSpec | None, world_size: int, local_world_size: int) -> MeshSpec:
+    """The mesh `cls` runs on: `mesh`, checked against the number of processes, or its default."""
+    if mesh is None:
+        return cls.default_mesh(world_size, local_world_size)
+    mesh.check_processes(world_size)
+    return mesh
+
+
 def resolve(
     name: str,
     world_size: int,
     device: torch.device,
     ddp: DDPOptions = DDPOptions(),
     fsdp: FSDPOptions = FSDPOptions(),
+    mesh: MeshSpec | None = None,
+    local_world_size: int | None = None,
 ) -> Strategy:
-    """The `Strategy` object that runs `name` here (see `resolve_name`)."""
-    return REGISTRY[resolve_name(name, world_size, device)].make(device, ddp, fsdp)
+    """The `Strategy` object that runs `name` here (see `resolve_name`), on `mesh` (see
+    `for_mesh`). Where the strategy runs on torch's DeviceMesh, every rank builds it here:
+    collective."""
+    name = for_mesh(name, mesh)
+    spec = mesh_for(by_name(name), mesh, world_size, world_size if local_world_size is None else local_world_size)
+    strategy = REGISTRY[resolve_name(name, world_size, device)].make(device, ddp, fsdp)
+    mesh_needed = world_size > 1 and type(strategy).needs_device_mesh(spec)
+    strategy.layout = Layout.build(spec, device) if mesh_needed else Layout.plain(world_size)
+    return strategy

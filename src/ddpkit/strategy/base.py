@@ -19,9 +19,11 @@ from torch import nn
 
 from ..core.precision import AutocastModule
 from ..errors import UsageError
+from .mesh import MeshSpec
 
 if TYPE_CHECKING:
     from ..core.precision import Precision
+    from .mesh import Layout
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -63,8 +65,25 @@ class Strategy:
     # overhead, and `single` runs instead. Without it, a strategy runs on one process only.
     keeps_ranks_in_step: ClassVar[bool] = False
 
+    # The mesh dimensions it runs on (see ddpkit.strategy.mesh), and the one that names it: a
+    # mesh with that dimension runs this strategy when none is asked for (`for_mesh`).
+    mesh_dims: ClassVar[tuple[str, ...]] = ("dp",)
+    own_dim: ClassVar[str | None] = None
+
     def __init__(self, device: torch.device):
         self.device = device
+        self.layout: Layout | None = None  # set by strategy.resolve: where this rank sits
+        self.tp_plan: Any = None  # a user's tensor-parallel plan (tp)
+
+    @classmethod
+    def default_mesh(cls, world_size: int, local_world_size: int) -> MeshSpec:
+        """The mesh it runs on when none is given: every rank a data rank."""
+        return MeshSpec((("dp", world_size),))
+
+    @classmethod
+    def needs_device_mesh(cls, spec: MeshSpec) -> bool:
+        """Whether it runs on torch's DeviceMesh (built by every rank) rather than the plain group."""
+        return spec.names != ("dp",)
 
     def build(self, make: Callable[[], M], rank: int) -> M:
         """`make()`, the model built for `rank` (see Runtime.build): in full, except where the

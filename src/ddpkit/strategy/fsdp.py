@@ -217,20 +217,26 @@ class FSDP(Strategy):
         check_model(model)
         source = Rank0Source.take(model)  # before fully_shard replaces rank 0's full parameters
         before = dict(model.named_parameters())
+        self._parallelize(model)
+        shards = self._shards()
         # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
         for name, module in reversed(list(model.named_modules())):
             if name and self.options.is_unit(name, module):
                 if self._compile:
                     compile_forward(module, self._compile)
-                fully_shard(module, **self._shard_kwargs(root=False))
-        fully_shard(model, **self._shard_kwargs(root=True))
+                if shards:
+                    fully_shard(module, **self._shard_kwargs(root=False))
+        if shards:
+            fully_shard(model, **self._shard_kwargs(root=True))
         if any(True for _ in model.buffers()):
             model.register_forward_pre_hook(_broadcast_buffers)
-        after = dict(model.named_parameters())  # same names: FSDP2 adds no prefix
-        self._moved = {id(before[name]): after[name] for name in before}
-        del before
         # Offloaded shards live in host memory (CPUOffloadPolicy): allocate them there.
         source.fill(model, torch.device("cpu") if self.options.cpu_offload else self.device)
+        # After the fill: on a meta-built rank, to_empty replaced what no strategy split (tp on
+        # one dp rank leaves LayerNorms whole).
+        after = dict(model.named_parameters())  # same names: FSDP2 and tp add no prefix
+        self._moved = {id(before[name]): after[name] for name in before}
+        del before
         return model
 
     def _shard_kwargs(self, root: bool) -> dict[str, Any]:
@@ -243,10 +249,24 @@ class FSDP(Strategy):
             output_dtype=torch.float32 if root and self._param_dtype is not None else None,
         )
         kwargs: dict[str, Any] = {"reshard_after_forward": self.options.reshard_after_forward, "mp_policy": policy}
+        mesh = self._shard_mesh()
+        if mesh is not None:
+            kwargs["mesh"] = mesh
         if self.options.cpu_offload:
             # Pinned host memory needs an accelerator (torch 2.13 raises without one).
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         return kwargs
+
+    def _shards(self) -> bool:
+        """Whether fully_shard runs at all (tp on a mesh of one dp rank: no)."""
+        return True
+
+    def _parallelize(self, model: nn.Module) -> None:
+        """Before sharding: split the model along the mesh's other dimensions (tp)."""
+
+    def _shard_mesh(self) -> Any:
+        """The DeviceMesh fully_shard shards over (None: every process, torch's default)."""
+        return None
 
     def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
         """Point optimizers built on the model before setup() at its sharded parameters."""

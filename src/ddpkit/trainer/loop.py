@@ -76,6 +76,7 @@ def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str,
         ddp=plan.ddp,
         fsdp=plan.fsdp,
         activation_checkpointing=cfg.activation_checkpointing,
+        mesh=cfg.mesh,
     ) as rt:
         timeline.mark("process_group_ready")
         # Under torchrun each rank made its own plan and clock: rank 0's win.
@@ -395,7 +396,9 @@ class Loop:
         rows = dist.gather_rows(torch.cat([facts, *sums, *(loss.double().reshape(1) for loss in losses)]))
         firsts = [int(row[0]) - 1 for row in rows]
         finite_ranks, n = sum(int(row[1]) for row in rows), len(rows)
-        totals = [_total(column) for column in zip(*rows)][3:]
+        # The sums and losses of each data rank once (tensor-parallel ranks share their samples).
+        counted = [row for r, row in enumerate(rows) if rt.layout.leads(r)]
+        totals = [_total(column) for column in zip(*counted)][3:]
         logs.checked_at(self.run.step, rows[0][2])
         seen = [f for f in firsts if f >= 0]
         for record in logs.take(totals[k:], before=min(seen) if seen else None):
@@ -534,6 +537,7 @@ class Loop:
             "threads": torch.get_num_threads(),
             "threads_why": rt.threads,
             "strategy": rt.strategy,
+            "mesh": str(rt.layout.spec),
             "precision": cfg.precision,
             "seed": cfg.seed,
             "lr": cfg.lr,

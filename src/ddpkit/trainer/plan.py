@@ -140,6 +140,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     check_settings(cfg)
     cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
     nodes = Nodes(cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port)
+    mesh = None if cfg.mesh is None else strategies.MeshSpec.parse(cfg.mesh)
+    cfg = dataclasses.replace(cfg, strategy=strategies.for_mesh(cfg.strategy, mesh))  # --mesh tp=2: tp
     one_process = f"--strategy {cfg.strategy}" if strategies.by_name(cfg.strategy).one_process else None
     topology = topologies.resolve(cfg.device, cfg.nproc, nodes, cfg.max_restarts, one_process)
     augment = Augment.parse(cfg.augment, cfg.crop_padding)
@@ -148,7 +150,11 @@ def resolve(cfg: TrainConfig) -> RunPlan:
         checks.memory(
             _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
         )
-    data.check_global_batch(cfg.batch_size, topology.world_size)  # every node's processes
+    layout = _layout(cfg, mesh, topology)
+    if layout.data_size == topology.world_size:  # every node's processes
+        data.check_global_batch(cfg.batch_size, topology.world_size)
+    else:  # tensor-parallel ranks share their samples
+        data.check_global_batch(cfg.batch_size, layout.data_size, "data rank", f"data ranks of --mesh {layout}")
     ddp = DDPOptions(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DDPOptions)})  # the DDP flags
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
@@ -166,6 +172,26 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     return RunPlan(
         cfg, topology, in_shape, num_classes, augment, peak_lr, warmup_start, LOADERS[cfg.loader], ddp, checkpoint, fsdp
     )
+
+
+def _layout(cfg: TrainConfig, mesh: strategies.MeshSpec | None, topology: Topology) -> strategies.MeshSpec:
+    """The mesh the run's processes form (checked against their number), and under tp the
+    model's split checked against it: what the workers' Runtime will build."""
+    low, high = topology.nodes.range()
+    if mesh is not None and low != high and topology.launcher == "ddpkit":
+        raise UsageError(f"--mesh {mesh}: a mesh needs a fixed number of machines, not --nnodes {cfg.nnodes}")
+    spec = strategies.mesh_for(strategies.by_name(cfg.strategy), mesh, topology.world_size, topology.nproc)
+    tp = spec.size("tp")
+    if tp > 1 and cfg.model != "gpt" and not models.is_custom(cfg.model):
+        raise UsageError(
+            f"--strategy tp: {cfg.model} has no tensor-parallel plan (the built-in gpt has one; a model of "
+            "your own brings a tp_plan(tp_size) method)"
+        )
+    if tp > 1 and cfg.model == "gpt" and cfg.gpt_heads % tp:
+        raise UsageError(
+            f"--mesh {spec}: gpt splits whole heads over the tp ranks: --gpt-heads {cfg.gpt_heads} is not a multiple of {tp}"
+        )
+    return spec
 
 
 def check_settings(cfg: TrainConfig) -> None:

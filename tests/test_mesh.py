@@ -1,0 +1,265 @@
+"""Meshes: the layout of a job's processes (`--mesh dp=2,tp=2`, `Runtime(mesh=...)`), the
+strategies that run on them (hsdp, tp), and ddpkit's promises on each.
+
+The distributed tests share two jobs: one of 4 processes runs every 4-process layout and the
+first two legs of the resume chain, one of 2 processes the 2-process layouts and the third leg;
+the test process itself is the one-process run and the chain's last leg."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit import strategy
+from ddpkit.errors import UsageError
+from ddpkit.strategy import MeshSpec
+from tests import workers_mesh
+from tests.conftest import run_cli
+from tests.test_runtime import WORLD_SIZE_ATOL
+
+
+def fails_with_usage(proc, message: str) -> None:
+    """Exit 2 and one line on stderr, holding `message`, no traceback."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpkit train: error: ") and message in lines[0], lines
+
+
+# -- the mesh: parsed, checked, and where each rank sits ----------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "text,sizes",
+    [
+        ("dp=2,tp=2", (("dp", 2), ("tp", 2))),
+        (" tp = 4 ", (("tp", 4),)),
+        ("tp=2,replicate=3", (("replicate", 3), ("tp", 2))),  # outermost first, whatever the order given
+        ({"dp": 2, "replicate": 2}, (("replicate", 2), ("dp", 2))),
+    ],
+)
+def test_a_mesh_reads_as_named_sizes_outermost_first(text, sizes):
+    spec = MeshSpec.parse(text)
+    assert spec.sizes == sizes
+    assert MeshSpec.parse(str(spec)) == spec  # its text reads back as itself
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("dp=2;tp=2", "name=size pairs"),
+        ("dp=2,tp=", "name=size pairs"),
+        ("", "name=size pairs"),
+        ("pp=2", "unknown dimension 'pp'"),
+        ("cp=2,dp=2", "unknown dimension 'cp'"),
+        ("dp=2,dp=2", "dp is named twice"),
+        ("dp=0", "dp=0"),
+        ("tp=-2", "tp=-2"),
+        ({"tp": 2.5}, "tp=2.5"),
+        ({"tp": True}, "tp=True"),
+        ({}, "no dimension"),
+        (4, "expected a string"),
+    ],
+)
+def test_a_bad_mesh_is_one_usage_error_naming_it(value, message):
+    with pytest.raises(UsageError, match=message):
+        MeshSpec.parse(value)
+
+
+@pytest.mark.unit
+def test_ranks_sit_row_major_and_tp_neighbours_share_their_samples():
+    spec = MeshSpec.parse("replicate=2,dp=2,tp=2")
+    assert spec.processes == 8 and spec.data_size == 4
+    assert [spec.coordinates(r) for r in (0, 1, 2, 5, 7)] == [
+        {"replicate": 0, "dp": 0, "tp": 0},
+        {"replicate": 0, "dp": 0, "tp": 1},  # rank r and r + 1: one tp group (one machine)
+        {"replicate": 0, "dp": 1, "tp": 0},
+        {"replicate": 1, "dp": 0, "tp": 1},
+        {"replicate": 1, "dp": 1, "tp": 1},
+    ]
+    assert [spec.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    layout = strategy.Layout(spec)
+    assert [layout.leads(r) for r in range(4)] == [True, False, True, False]
+    assert layout.where(5) == "replicate=1,dp=0,tp=1"
+    assert strategy.Layout.plain(4).where(3) == ""  # a plain layout: the rank says it all
+    with pytest.raises(UsageError, match=r"multiply to 8 processes, but the job has 4 \(--nproc 8"):
+        spec.check_processes(4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "asked,mesh,runs",
+    [
+        ("ddp", "dp=2,tp=2", "tp"),  # the mesh names tp: tp runs
+        ("ddp", "replicate=2,dp=2", "hsdp"),
+        ("ddp", "dp=4", "ddp"),
+        ("fsdp", "dp=4", "fsdp"),
+        ("tp", "tp=4", "tp"),
+        ("hsdp", "dp=4", "hsdp"),  # one replica: fsdp's sharding under hsdp's name
+    ],
+)
+def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
+    assert strategy.for_mesh(asked, MeshSpec.parse(mesh)) == runs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "asked,mesh,message",
+    [
+        ("fsdp", "dp=2,tp=2", "--strategy fsdp runs on dp only; tp needs --strategy tp"),
+        ("hsdp", "dp=2,tp=2", "--strategy hsdp runs on replicate, dp only; tp needs --strategy tp"),
+        ("tp", "replicate=2,dp=2", "--strategy tp runs on dp, tp only; replicate needs --strategy hsdp"),
+        ("ddp", "replicate=2,tp=2", "no strategy runs on replicate and tp together yet"),
+        ("single", "tp=2", "--strategy single runs on dp only"),
+    ],
+)
+def test_a_mesh_the_strategy_does_not_run_on_is_refused(asked, mesh, message):
+    with pytest.raises(UsageError, match=message):
+        strategy.for_mesh(asked, MeshSpec.parse(mesh))
+
+
+@pytest.mark.unit
+def test_default_meshes_put_tp_and_shards_on_one_machine():
+    hsdp, tp = strategy.REGISTRY["hsdp"], strategy.REGISTRY["tp"]
+    assert str(hsdp.default_mesh(8, 4)) == "replicate=2,dp=4"  # one replica per machine
+    assert str(tp.default_mesh(8, 4)) == "dp=2,tp=4"  # one tp group per machine
+    assert str(tp.default_mesh(2, 2)) == "dp=1,tp=2"
+
+
+@pytest.mark.unit
+def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
+    from ddpkit.strategy.tp import plan_for
+
+    with pytest.raises(UsageError, match=r"has no tensor-parallel plan; pass Runtime\(tp_plan=...\)"):
+        plan_for(torch.nn.Linear(4, 4), None, 2)
+    with pytest.raises(UsageError, match="tp_plan: expected a dict"):
+        plan_for(torch.nn.Linear(4, 4), ["not", "a", "plan"], 2)
+    own = workers_mesh.mesh_gpt()
+    assert "block*.attn.q" in plan_for(own, None, 4)  # the model's own plan wins
+    with pytest.raises(UsageError, match="its 4 heads and 256 tokens must be multiples of 3"):
+        plan_for(own, None, 3)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"mesh": "dp=2,tp=2"}, "multiply to 4 processes, but the job has 1"),
+        ({"mesh": "dp=2,tp=x", "nproc": "4"}, "--mesh 'dp=2,tp=x': expected name=size pairs"),
+        ({"mesh": "tp=3", "nproc": "3"}, "--gpt-heads 4 is not a multiple of 3"),
+        ({"mesh": "dp=2,tp=2", "nproc": "4", "batch_size": 1}, "smaller than the 2 data ranks of --mesh dp=2,tp=2"),
+        ({"mesh": "dp=2,tp=2", "nproc": "4", "strategy": "fsdp"}, "tp needs --strategy tp"),
+        ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
+        ({"model": "cnn", "data": "digits", "strategy": "tp", "nproc": "2"}, "cnn has no tensor-parallel plan"),
+    ],
+)
+def test_the_plan_refuses_a_bad_mesh_before_anything_starts(tmp_path, settings, message):
+    from ddpkit.trainer import TrainConfig, resolve
+
+    cfg = {"model": "gpt", "data": "text", "device": "cpu", "out": str(tmp_path / "out"), **settings}
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(TrainConfig(**cfg))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.cli
+def test_ddpkit_train_says_a_bad_mesh_in_one_line_and_exits_2(tmp_path):
+    proc = run_cli("train", "--model", "gpt", "--mesh", "tp=2,dp=2", "--device", "cpu", "--out", str(tmp_path / "o"))
+    fails_with_usage(proc, "--mesh dp=2,tp=2: its sizes multiply to 4 processes, but the job has 1 (--nproc 4")
+
+
+@pytest.mark.distributed
+def test_a_failure_names_the_rank_and_its_mesh_coordinates():
+    with pytest.raises(
+        ddpkit.WorkerFailed, match=r"^rank 1 \(tp=1, pid \d+\) on \S+ failed: ValueError: boom on tp=1$"
+    ):
+        ddpkit.launch(workers_mesh.fail_on_rank, 1, "tp=2", nproc=2, device="cpu")
+
+
+# -- the promises on every layout ------------------------------------------------------------
+
+LAYOUTS_4 = {
+    "ddp": ("ddp", None),
+    "fsdp": ("fsdp", None),
+    "hsdp 2x2": ("hsdp", "replicate=2,dp=2"),
+    "fsdp+tp 2x2": ("tp", "dp=2,tp=2"),
+    "tp 4": ("tp", "tp=4"),
+}
+LAYOUTS_2 = {"tp 2": ("tp", "tp=2"), "hsdp 2x1": ("hsdp", "replicate=2,dp=1")}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    """One process; every 4-process layout and the chain's first two legs in one job; the
+    2-process layouts and its third leg in another; the last leg here."""
+    folder = tmp_path_factory.mktemp("chain")
+    ck = {leg: str(folder / leg) for leg in ("a", "b", "c")}
+    one = workers_mesh.train(("ddp", None))
+    unclipped = workers_mesh.train(("ddp", None), max_grad_norm=None)
+    four = {name: {"layout": layout} for name, layout in LAYOUTS_4.items()}
+    # The resume chain: fsdp+tp 2x2 to step 2 -> hsdp 2x2 to 4 -> tp 2 to 5 -> one process to 6.
+    four["chain a"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "save_at": 2, "save": ck["a"], "steps": 2}
+    four["chain b"] = {
+        "layout": LAYOUTS_4["hsdp 2x2"],
+        "load": ck["a"],
+        "start": 2,
+        "save_at": 4,
+        "save": ck["b"],
+        "steps": 4,
+    }
+    four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 2}
+    out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
+    two = {name: {"layout": layout} for name, layout in LAYOUTS_2.items()}
+    two["chain c"] = {
+        "layout": LAYOUTS_2["tp 2"],
+        "load": ck["b"],
+        "start": 4,
+        "save_at": 5,
+        "save": ck["c"],
+        "steps": 5,
+    }
+    out2 = ddpkit.launch(workers_mesh.layouts, two, nproc=2, device="cpu")
+    last = workers_mesh.train(("ddp", None), load=ck["c"], start=5)
+    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "last": last}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*LAYOUTS_4, *LAYOUTS_2])
+def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name):
+    """Token weighting with dropout, micro-batches (empty ones on some ranks), clipping by the
+    global norm over every shard and tp slice: the weights equal one process's within
+    rounding; the evaluation counts each test sample once and gathers its predictions in order;
+    the global batch is read once per data rank; the state is one plain state_dict."""
+    one = mesh_runs["one"]
+    assert (mesh_runs["unclipped"]["weights"] - one["weights"]).abs().max() > 1e-3  # the clipping clipped
+    nproc = 4 if name in LAYOUTS_4 else 2
+    out = mesh_runs["four" if nproc == 4 else "two"]
+    asked, mesh = (LAYOUTS_4 | LAYOUTS_2)[name]
+    spec = MeshSpec.parse(mesh or f"dp={nproc}")
+    for rank in range(nproc):
+        r = out[rank][name]
+        assert r["strategy"] == asked and r["mesh"] == str(spec)
+        assert r["data_world_size"] == spec.data_size and r["data_rank"] == spec.data_rank(rank)
+        assert r["where"] == ("" if mesh is None else ",".join(f"{k}={v}" for k, v in spec.coordinates(rank).items()))
+        assert r["samples"] == one["samples"] == len(workers_mesh.uneven_text())  # each test sample once
+        assert r["trained_samples"] == one["trained_samples"]  # the tp ranks' shared samples count once
+        assert r["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
+        assert torch.equal(r["predictions"], one["predictions"])  # every sample, in dataset order
+    rank0 = out[0][name]
+    assert rank0["names"] == one["names"]  # bare names: no module., no _orig_mod.
+    torch.testing.assert_close(rank0["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_runs):
+    """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process, each leg resuming the last one's
+    sharded checkpoint: the end equals the straight run within rounding. Resumed on its own
+    layout, a run ends bit-identical to the straight run there."""
+    four, one = mesh_runs["four"], mesh_runs["one"]
+    assert four[0]["chain b"]["steps"] == 4 and mesh_runs["two"][0]["chain c"]["steps"] == 5
+    torch.testing.assert_close(mesh_runs["last"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+    assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])

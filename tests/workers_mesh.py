@@ -1,0 +1,110 @@
+"""Workers for tests/test_mesh.py (importable, so `ddpkit.launch` finds them): a tiny gpt with
+dropout trained by token weighting on uneven text under each layout of a job, evaluated, and
+saved or resumed across layouts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ddpkit
+from ddpkit import models, strategy
+from ddpkit.data import IGNORE
+from tests.workers import token_loss, uneven_text
+
+STEPS, GLOBAL_BATCH, MICRO = 6, 10, 2
+MAX_GRAD_NORM = 0.5
+
+
+def mesh_gpt() -> nn.Module:
+    """Four heads of width 4: split whole over tp=2 or tp=4; the vocabulary (256) too."""
+    torch.manual_seed(7)
+    return models.build("gpt", (12,), 256, width=16, depth=2, heads=4, dropout=0.1)
+
+
+def whole_state(rt: ddpkit.Runtime, model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.pt's state: every parameter whole, bare names (on rank 0; {} elsewhere when sharded)."""
+    return strategy.full_model_state(model) if rt.sharded else rt.unwrap(model).state_dict()
+
+
+def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([state[k].detach().float().reshape(-1).cpu() for k in sorted(state)]) if state else torch.empty(0)
+
+
+def train(
+    layout: tuple[str, str | None],
+    steps: int = STEPS,
+    max_grad_norm: float | None = MAX_GRAD_NORM,
+    load: str | None = None,
+    start: int = 0,
+    save_at: int | None = None,
+    save: str | None = None,
+) -> dict:
+    """The tiny gpt under `layout` (strategy, mesh): resumed from `load` (saved after step
+    `start`) if given, trained (SGD
+    with momentum, clipped to MAX_GRAD_NORM over every shard) up to `steps` optimizer steps in
+    all, its state saved to `save` after step `save_at`; then evaluated exactly, with each test
+    sample's predictions gathered. Returns rank 0's view of the weights and every rank's facts."""
+    name, mesh = layout
+    text = uneven_text()
+    with ddpkit.Runtime(name, device="cpu", seed=5, mesh=mesh) as rt:
+        model = mesh_gpt()
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        loader = rt.loader(text, batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+        if load is not None:
+            rt.load_state(load)
+        seen, done = 0, start  # samples this rank's micro-batches held; optimizer steps
+        while done < steps:
+            for x, y in loader:
+                seen += len(x)
+                rt.backward(token_loss(model, x, y))
+                if rt.step(opt, max_grad_norm=max_grad_norm):
+                    done += 1
+                    if done in (save_at, steps):
+                        break
+            if save is not None and done == save_at:
+                rt.save_state(save)
+                save = None
+        result = rt.evaluate(  # each sample's summed token loss: its mean does not depend on the batches
+            model,
+            text,
+            metrics={
+                "sample_loss": lambda out, y: F.cross_entropy(
+                    out.transpose(1, 2), y, ignore_index=IGNORE, reduction="none"
+                ).sum(1)
+            },
+            outputs=lambda out, y: out.argmax(-1),
+            batch_size=4,
+        )
+        state = whole_state(rt, model)
+        return {
+            "strategy": rt.strategy,
+            "mesh": str(rt.layout.spec),
+            "where": rt.layout.where(rt.rank),
+            "data_rank": rt.data_rank,
+            "data_world_size": rt.data_world_size,
+            "weights": flat(state),
+            "names": sorted(state),
+            "loss": result["sample_loss"],
+            "samples": result["samples"],
+            "predictions": result["outputs"],
+            "trained_samples": rt.all_reduce(seen),
+            "steps": done,
+        }
+
+
+def layouts(runs: dict[str, dict]) -> dict:
+    """`train(**kwargs)` for each name -> kwargs, one after another in one job: the outer
+    Runtime's process group serves them all."""
+    with ddpkit.Runtime(device="cpu"):
+        return {name: train(**kwargs) for name, kwargs in runs.items()}
+
+
+def fail_on_rank(bad_rank: int, mesh: str) -> None:
+    """Raise on `bad_rank` once the Runtime has placed every rank on `mesh`."""
+    with ddpkit.Runtime("ddp", device="cpu", mesh=mesh) as rt:
+        rt.barrier()
+        if rt.rank == bad_rank:
+            raise ValueError(f"boom on {rt.layout.where(rt.rank)}")
+        rt.barrier()
