@@ -212,6 +212,7 @@ def mesh_runs(tmp_path_factory):
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 2}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
     two = {name: {"layout": layout} for name, layout in LAYOUTS_2.items()}
+    two["user plan"] = {"user_plan": "tp=2"}
     two["chain c"] = {
         "layout": LAYOUTS_2["tp 2"],
         "load": ck["b"],
@@ -222,7 +223,8 @@ def mesh_runs(tmp_path_factory):
     }
     out2 = ddpkit.launch(workers_mesh.layouts, two, nproc=2, device="cpu")
     last = workers_mesh.train(("ddp", None), load=ck["c"], start=5)
-    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "last": last}
+    user = workers_mesh.user_plan(None)
+    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "last": last, "user plan": user}
 
 
 @pytest.mark.distributed
@@ -263,3 +265,12 @@ def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_
     assert four[0]["chain b"]["steps"] == 4 and mesh_runs["two"][0]["chain c"]["steps"] == 5
     torch.testing.assert_close(mesh_runs["last"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
     assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(mesh_runs):
+    """docs/parallelism.md's example: a plan of torch's styles for a model with no plan of its
+    own, given to Runtime(tp_plan=...), on tp=2 ends where one process ends."""
+    tp = mesh_runs["two"][0]["user plan"]
+    torch.testing.assert_close(tp, mesh_runs["user plan"], rtol=0, atol=WORLD_SIZE_ATOL)

@@ -94,11 +94,35 @@ def train(
         }
 
 
+def user_plan(mesh: str | None) -> torch.Tensor:
+    """docs/parallelism.md's model of one's own with its plan given to the Runtime (under a tp
+    mesh), trained 3 clipped AdamW steps; its whole weights (on rank 0)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(3)
+    model = nn.Sequential()
+    model.add_module("up", nn.Linear(8, 16))
+    model.add_module("act", nn.GELU())
+    model.add_module("down", nn.Linear(16, 8))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=torch.Generator().manual_seed(4)))
+    with ddpkit.Runtime(device="cpu", seed=3, mesh=mesh, tp_plan=plan) as rt:
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        for (x,) in rt.loader(data, batch_size=8):
+            rt.backward(model(x).pow(2).mean())
+            rt.step(opt, max_grad_norm=0.1)
+        return flat(whole_state(rt, model))
+
+
 def layouts(runs: dict[str, dict]) -> dict:
-    """`train(**kwargs)` for each name -> kwargs, one after another in one job: the outer
-    Runtime's process group serves them all."""
+    """`train(**kwargs)` (or `user_plan(**kwargs)`, for kwargs with a "user_plan" mesh) for each
+    name -> kwargs, one after another in one job: the outer Runtime's process group serves them
+    all."""
     with ddpkit.Runtime(device="cpu"):
-        return {name: train(**kwargs) for name, kwargs in runs.items()}
+        return {
+            name: user_plan(kwargs["user_plan"]) if "user_plan" in kwargs else train(**kwargs)
+            for name, kwargs in runs.items()
+        }
 
 
 def fail_on_rank(bad_rank: int, mesh: str) -> None:

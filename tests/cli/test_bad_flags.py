@@ -69,6 +69,7 @@ KINDS = {
     ("train", "--nproc"): "nproc",
     ("train", "--device"): "choice",
     ("train", "--strategy"): "choice",
+    ("train", "--mesh"): "mesh",
     ("train", "--lr-scaling"): "choice",
     ("train", "--optimizer"): "choice",
     ("train", "--precision"): "choice",
@@ -137,6 +138,7 @@ VALUES = {
     "name": ("nope",),
     "nproc": ("0", "-1", "abc", "nan", "1.5", HUGE),
     "nnodes": ("0", "-1", "abc", "2:1", "1:x", ""),
+    "mesh": ("dp=0", "tp=x", "pp=2", "dp=2;tp=2", "dp=2,dp=2", "", "dp=3"),  # dp=3: one process
     "shape": ("3,x", "0", "-1,4", "", "nan", "3,100000,100000"),
     "int-list": ("x", "0", "-1", "64,abc"),
     "config": ("{MISSING}", "{DIR}", "{BINARY}", "{UTF16}", "{FILE}/sub.yaml"),
