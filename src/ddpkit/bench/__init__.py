@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "precision": "ddpkit.bench.precision",
     "comm": "ddpkit.bench.comm",
     "strategies": "ddpkit.bench.strategies",
+    "layouts": "ddpkit.bench.layouts",
     "checkpoint": "ddpkit.bench.checkpoint",
     "models": "ddpkit.bench.models",
     "gpt": "ddpkit.bench.gpt",

@@ -1,0 +1,52 @@
+"""`ddpkit bench layouts` as a real command at --quick size on 4 processes: the JSON it writes, and
+what must hold of its counts whatever the machine's speed: the bytes each layout keeps per rank
+and hands to each kind of collective follow from how it splits the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ddpkit.bench import layouts
+from ddpkit.models import gpt_parameters
+from tests.bench.helpers import positive_stats
+from tests.conftest import run_bench
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
+
+def test_layouts(tmp_path):
+    r = run_bench(tmp_path, "layouts")
+    w = r["work"]
+    assert w["processes"] == 4 and set(r["layouts"]) == set(layouts.LAYOUTS)
+    whole = 4 * gpt_parameters(w["context"], 256, w["width"], w["depth"])  # fp32 bytes of the model
+    mib = 2**20
+    for name, (strategy, mesh) in layouts.LAYOUTS.items():
+        got = r["layouts"][name]
+        assert got["strategy"] == strategy and got["mesh"] == mesh
+        memory = got["memory_mib"]
+        for rank in range(4):
+            # a rank's gradients are shaped like its parameters (under tp alone torch's embedding
+            # backward gives the row-wise token embedding a whole gradient); AdamW keeps two values each
+            if name == "tp 4":
+                assert memory["gradients"][rank] >= memory["parameters"][rank]
+            else:
+                assert memory["gradients"][rank] == memory["parameters"][rank]
+            assert memory["optimizer"][rank] >= 2 * memory["parameters"][rank]
+            assert memory["activations"][rank] > 0 and got["peak_mib"][rank] > 0
+        assert positive_stats(got["step_seconds"]) and positive_stats(got["hand_written_step_seconds"])
+        v = got["vs_hand_written"]
+        assert math.isfinite(v["ratio"]) and v["ratio"] > 0 and v["target"] == layouts.TARGET_STEP_TIME_RATIO
+    params = {name: [m * mib for m in got["memory_mib"]["parameters"]] for name, got in r["layouts"].items()}
+    sent = {name: got["collective_bytes_per_step"][0] for name, got in r["layouts"].items()}
+    assert params["ddp"] == [whole] * 4  # a whole copy on every rank
+    assert sent["ddp"] == {"all_reduce": whole}  # every gradient all-reduced once per step
+    assert sum(params["fsdp"]) == pytest.approx(whole, rel=0.02)  # a quarter each (plus padding)
+    assert max(params["fsdp"]) <= 0.3 * whole
+    assert set(sent["fsdp"]) == {"all_gather", "reduce_scatter"}
+    assert sent["fsdp"]["reduce_scatter"] == pytest.approx(whole, rel=0.02)  # each unit's whole gradients
+    assert sum(params["hsdp 2x2"][:2]) == pytest.approx(whole, rel=0.02)  # a replica: two halves
+    assert set(sent["hsdp 2x2"]) == {"all_gather", "reduce_scatter", "all_reduce"}  # + across replicas
+    assert max(params["fsdp+tp 2x2"]) < 0.35 * whole and max(params["tp 4"]) < 0.5 * whole
+    assert "reduce_scatter" not in sent["tp 4"] and sent["tp 4"]["all_reduce"] > 0  # row-wise layers' sums
