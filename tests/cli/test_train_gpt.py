@@ -1,9 +1,8 @@
 """`ddpkit train --model gpt --data text --strategy fsdp --nproc 2` end to end on a small folder
 of uneven text files: it trains, evaluates every test token exactly once (loss per token and
 perplexity), writes its outputs, and model.pt loads into the bare model; with --gpt-dropout it
-ends on one process where it ends on two, and a run stopped and resumed ends bit-identical to
-one that was not (the masks are keyed by the step, which the checkpoint carries), and so does a
-run with its activations checkpointed."""
+ends on one process where it ends on two, and a run with its activations checkpointed ends
+bit-identical to one without."""
 
 from __future__ import annotations
 
@@ -65,13 +64,8 @@ def test_gpt_trains_under_fsdp_on_two_processes(tmp_path):
     weights = torch.load(out / "model.pt", weights_only=True)
     model = models.build("gpt", (32,), 256, width=16, depth=2, heads=2)
     model.load_state_dict(weights, strict=True)  # bare names, whole tensors
-    # Stopped and resumed, the run ends bit-identical: the masks are keyed by the step, which
-    # the checkpoint carries (a resume drew the masks of steps from 0 again before).
-    train(2, "0.2", "--max-steps", "5", name="stopped")
-    resumed, _ = train(2, "0.2", "--resume", "auto", name="stopped")
-    assert "at step 5 " in resumed.stdout
-    again = torch.load(tmp_path / "stopped" / "model.pt", weights_only=True)
-    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    # (Stopped and resumed, a gpt run with dropout ends bit-identical, its masks keyed by the
+    # step the checkpoint carries: tests/launcher/test_faults.py, on a mesh, after a SIGKILL.)
     # Each block's activations checkpointed (recomputed in the backward, its masks drawn again
     # alike): the same weights to the last bit, under the same names.
     train(2, "0.2", "--activation-checkpointing", name="checkpointed")

@@ -9,6 +9,7 @@ ends the job at once with one line and exit code 130 or 143, no traceback and no
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -321,3 +322,46 @@ def test_a_sigkilled_fsdp_worker_resumes_from_its_sharded_checkpoint_and_ends_th
     assert not list((out / "checkpoints").glob(".tmp-*"))  # the interrupted writes were pruned or finished
     ref, got = _weights(reference), _weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill under fsdp"
+
+
+def _corpus(folder: Path) -> Path:
+    """Four documents of uneven length: a few hundred sequences of 32 bytes."""
+    folder.mkdir()
+    for i, n in enumerate((2400, 300, 5000, 90)):
+        (folder / f"doc{i}.txt").write_bytes(bytes((97 + (j * j + i) % 26) for j in range(n)))
+    return folder
+
+
+def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identical(tmp_path):
+    """`ddpkit train --model gpt --nproc 4 --mesh dp=2,tp=2` (fsdp+tp, the 2-D layout) trains and
+    writes its outputs; a worker killed after the first sharded checkpoint restarts the job,
+    whose restart line names the killed rank's mesh coordinates, and it ends bit-identical."""
+    from ddpkit import models
+
+    mesh_run = (
+        "train", "--model", "gpt", "--data", "text", "--text-path", str(_corpus(tmp_path / "corpus")),
+        "--gpt-width", "16", "--gpt-depth", "2", "--gpt-heads", "2", "--seq-len", "32", "--gpt-dropout", "0.1",
+        "--batch-size", "8", "--epochs", "1", "--max-steps", "12", "--device", "cpu", "--nproc", "4",
+        "--mesh", "dp=2,tp=2", "--checkpoint-every", "4",
+    )  # fmt: skip
+    reference = tmp_path / "reference"
+    done = _start(reference, run=mesh_run)
+    stdout, stderr = done.communicate(timeout=300)
+    assert done.returncode == 0, stderr[-3000:]
+    results = json.loads((reference / "results.json").read_text())
+    assert (results["strategy"], results["mesh"], results["world_size"]) == ("tp", "dp=2,tp=2", 4)
+    assert results["steps"] == 12 and (reference / "curves.png").exists()
+    bare = models.build("gpt", (32,), 256, width=16, depth=2, heads=2)
+    bare.load_state_dict(_weights(reference), strict=True)  # model.pt: one plain state_dict, whole tensors
+    out = tmp_path / "run"
+    proc = _start(out, "--max-restarts", "1", run=mesh_run)
+    _wait_for(proc, lambda: (out / "checkpoints" / "step-00000004" / ".metadata").exists(), "a sharded checkpoint")
+    time.sleep(0.15)
+    victim = _workers(proc)[-1]  # rank 3: dp=1, tp=1
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
+    assert len(restart) == 1 and f"(dp=1,tp=1, pid {victim}) was killed by SIGKILL" in restart[0], stdout + stderr
+    ref, got = _weights(reference), _weights(out)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill"
