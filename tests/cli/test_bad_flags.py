@@ -113,6 +113,7 @@ KINDS = {
     ("find-batch-size", "--precision"): "choice",
     ("find-batch-size", "--optimizer"): "choice",
     ("find-batch-size", "--strategy"): "choice",
+    ("find-batch-size", "--mesh"): "mesh",
     ("find-batch-size", "--criterion"): "choice",
     ("find-batch-size", "--json"): "out-file",
     ("find-batch-size", "--plot"): "out-png",

@@ -67,7 +67,25 @@ def test_cli_fsdp_runs_the_sharded_step_on_every_process(tmp_path):
     assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
 
 
+def test_cli_hsdp_searches_on_a_mesh(tmp_path):
+    json_path = tmp_path / "fbs.json"
+    proc = run_cli(
+        "find-batch-size",
+        *("--mesh", "replicate=2,dp=1", "--nproc", "2", "--device", "cpu", "--model", "mlp"),
+        *("--max-batch", "2", "--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "2 x cpu hsdp on replicate=2,dp=1" in proc.stdout  # the mesh picked hsdp
+    r = json.loads(json_path.read_text())
+    assert (r["strategy"], r["mesh"], r["world_size"]) == ("hsdp", "replicate=2,dp=1", 2)
+    assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
+
+
 BAD_INPUT = {
+    "mesh-tp": ["--mesh", "dp=2,tp=2", "--nproc", "4"],  # no search under tp yet
+    "mesh-size": ["--mesh", "replicate=3,dp=1", "--nproc", "2"],
+    "mesh-name": ["--mesh", "pp=2", "--nproc", "2"],
     "max-batch": ["--max-batch", "0"],
     "start": ["--start", "100", "--max-batch", "10"],
     "model": ["--model", "nope"],

@@ -45,7 +45,12 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--strategy",
         default="ddp",
-        help="ddp, or fsdp (parameters, gradients and optimizer state sharded over the processes); default ddp",
+        help="ddp, fsdp (parameters, gradients and optimizer state sharded over the processes) or hsdp "
+        "(sharded inside each replica); default ddp",
+    )
+    p.add_argument(
+        "--mesh",
+        help="the processes' layout, e.g. replicate=2,dp=2 (hsdp); the sizes multiply to the process count",
     )
     p.add_argument("--start", type=int, help="first per-device batch (default 8 on CUDA, 1 on CPU)")
     p.add_argument("--max-batch", type=int, default=65536, help="largest per-device batch to try (default 65536)")

@@ -47,6 +47,8 @@ class TensorParallel(FSDP):
     name = "tp"
     mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "tp")
     own_dim: ClassVar[str | None] = "tp"
+    # find-batch-size probes image models, which have no tensor-parallel plan (gpt is not searched yet)
+    tunable: ClassVar[bool] = False
 
     @classmethod
     def owns(cls, model: nn.Module) -> bool:

@@ -44,6 +44,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
 
     with Runtime(
         strategy=settings.strategy,
+        mesh=settings.mesh,
         precision=settings.precision,
         device=settings.device,
         seed=0,
@@ -52,7 +53,8 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
         tuner = Tuner(rt, settings, probe_hook)
         criterion = settings.resolved_criterion(rt.device.type)
         start = max(settings.start, tuner.smallest)
-        print0(header(settings, rt.world_size, rt.device.type, rt.strategy))
+        layout = f"{rt.strategy} on {rt.layout.spec}" if settings.mesh else rt.strategy
+        print0(header(settings, rt.world_size, rt.device.type, layout))
         if start > settings.start:
             print0(f"(the model has BatchNorm, which trains on 2 samples or more: starting at {start})")
         print0(TABLE_HEADER)
@@ -65,7 +67,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
         plateau = settings.plateau if criterion == "knee" else 0
         trials = search(trial, start, max(start, settings.max_batch), plateau, tuner.smallest)
         result = summarize(trials, settings, criterion, rt.world_size, rt.device.type)
-        result.update(strategy=rt.strategy, rank=rt.rank, local_failures=tuner.local)
+        result.update(strategy=rt.strategy, mesh=str(rt.layout.spec), rank=rt.rank, local_failures=tuner.local)
         if rt.is_main:
             from ..observe.env import metadata  # rank 0 alone
 

@@ -37,6 +37,7 @@ class Settings:
     precision: str = "fp32"
     optimizer: str = "sgd"
     strategy: str = "ddp"
+    mesh: str | None = None  # the processes' layout (hsdp: replicate=R,dp=D)
     start: int = 1
     max_batch: int = 65536
     steps: int = 5
@@ -77,6 +78,15 @@ def criterion_for(criterion: str, device_type: str) -> str:
 def resolve(a: Any) -> tuple[Settings, Topology]:
     """The search and its processes from the parsed command line (`cli.find_batch_size`)."""
     topology = topologies.resolve(a.device, a.nproc)
+    mesh = None if a.mesh is None else strategies.MeshSpec.parse(a.mesh)
+    strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
+    if strategy in strategies.names() and strategy not in TUNE_STRATEGIES:
+        raise UsageError(
+            f"--strategy {strategy}: find-batch-size does not search under it yet (it probes image models, "
+            "which have no tensor-parallel plan); use --strategy ddp, fsdp or hsdp"
+        )
+    checks.choice("--strategy", strategy, TUNE_STRATEGIES)
+    strategies.mesh_for(strategies.by_name(strategy), mesh, topology.world_size, topology.nproc)
     # Language models (--model gpt on --data text) are not probed yet: the probe feeds images.
     name = checks.choice("--data", a.data, [d for d in data.DATASETS if d not in data.TEXT_DATASETS])
     if a.model in models.LANGUAGE_MODELS:
@@ -95,7 +105,8 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         device=topology.device_type,
         precision=a.precision,
         optimizer=a.optimizer,
-        strategy=a.strategy,
+        strategy=strategy,
+        mesh=None if mesh is None else str(mesh),
         start=start,
         max_batch=a.max_batch,
         steps=a.steps,
