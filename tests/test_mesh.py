@@ -209,6 +209,7 @@ def mesh_runs(tmp_path_factory):
         "save": ck["b"],
         "steps": 4,
     }
+    four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 2}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
     two = {name: {"layout": layout} for name, layout in LAYOUTS_2.items()}
@@ -274,3 +275,14 @@ def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(
     own, given to Runtime(tp_plan=...), on tp=2 ends where one process ends."""
     tp = mesh_runs["two"][0]["user plan"]
     torch.testing.assert_close(tp, mesh_runs["user plan"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_activation_checkpointing_under_fsdp_and_tp_changes_no_bit(mesh_runs):
+    """Each block's activations checkpointed under fsdp+tp 2x2 (its forward run again in the
+    backward, dropout masks drawn again alike): the same weights to the last bit."""
+    four = mesh_runs["four"][0]
+    assert four["checkpointed"]["checkpointed"] == ["block0", "block1", "embed", "head"]
+    assert four["fsdp+tp 2x2"]["checkpointed"] == []
+    assert torch.equal(four["checkpointed"]["weights"], four["fsdp+tp 2x2"]["weights"])

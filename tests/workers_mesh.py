@@ -11,6 +11,7 @@ from torch import nn
 import ddpkit
 from ddpkit import models, strategy
 from ddpkit.data import IGNORE
+from ddpkit.strategy import activations
 from tests.workers import token_loss, uneven_text
 
 STEPS, GLOBAL_BATCH, MICRO = 6, 10, 2
@@ -40,15 +41,17 @@ def train(
     start: int = 0,
     save_at: int | None = None,
     save: str | None = None,
+    checkpointing: bool = False,
 ) -> dict:
     """The tiny gpt under `layout` (strategy, mesh): resumed from `load` (saved after step
     `start`) if given, trained (SGD
     with momentum, clipped to MAX_GRAD_NORM over every shard) up to `steps` optimizer steps in
     all, its state saved to `save` after step `save_at`; then evaluated exactly, with each test
-    sample's predictions gathered. Returns rank 0's view of the weights and every rank's facts."""
+    sample's predictions gathered; with `checkpointing`, each block's activations checkpointed.
+    Returns rank 0's view of the weights and every rank's facts."""
     name, mesh = layout
     text = uneven_text()
-    with ddpkit.Runtime(name, device="cpu", seed=5, mesh=mesh) as rt:
+    with ddpkit.Runtime(name, device="cpu", seed=5, mesh=mesh, activation_checkpointing=checkpointing or None) as rt:
         model = mesh_gpt()
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
         loader = rt.loader(text, batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
@@ -91,6 +94,7 @@ def train(
             "predictions": result["outputs"],
             "trained_samples": rt.all_reduce(seen),
             "steps": done,
+            "checkpointed": sorted(n for n, m in rt.unwrap(model).named_modules() if activations.is_checkpointed(m)),
         }
 
 

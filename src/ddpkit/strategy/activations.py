@@ -81,7 +81,8 @@ def apply(model: nn.Module, choice: Choice) -> list[str]:
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return type(module) in _SUBCLASSES.values()
+    # isinstance: fully_shard makes the class a subclass of its own (FSDP<Name>) after the swap
+    return isinstance(module, tuple(_SUBCLASSES.values()))
 
 
 def _subclass(cls: type[nn.Module]) -> type[nn.Module]:
