@@ -7,6 +7,8 @@ the test process itself is the one-process run and the chain's last leg."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -148,7 +150,8 @@ def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
     [
         ({"mesh": "dp=2,tp=2"}, "multiply to 4 processes, but the job has 1"),
         ({"mesh": "dp=2,tp=x", "nproc": "4"}, "--mesh 'dp=2,tp=x': expected name=size pairs"),
-        ({"mesh": "tp=3", "nproc": "3"}, "--gpt-heads 4 is not a multiple of 3"),
+        ({"mesh": "tp=3", "nproc": "3"}, "--gpt-heads 4 and the 256 tokens must be multiples of 3"),
+        ({"mesh": "tp=3", "nproc": "3", "gpt_heads": 3, "gpt_width": 12}, "the 256 tokens must be multiples of 3"),
         ({"mesh": "dp=2,tp=2", "nproc": "4", "batch_size": 1}, "smaller than the 2 data ranks of --mesh dp=2,tp=2"),
         ({"mesh": "dp=2,tp=2", "nproc": "4", "strategy": "fsdp"}, "tp needs --strategy tp"),
         ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
@@ -162,6 +165,62 @@ def test_the_plan_refuses_a_bad_mesh_before_anything_starts(tmp_path, settings, 
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(TrainConfig(**cfg))
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+OWN_MODELS = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+
+class Planless(nn.Sequential):
+    pass
+
+
+class BadPlan(nn.Sequential):
+    def tp_plan(self, tp_size):
+        return {"0": "colwise"}
+
+
+def planless(in_shape, num_classes):
+    return Planless(nn.Flatten(), nn.Linear(64, num_classes))
+
+
+def bad_plan(in_shape, num_classes):
+    return BadPlan(nn.Flatten(), nn.Linear(64, num_classes))
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "function,message",
+    [
+        ("planless", "has no tp_plan(tp_size) method"),
+        ("bad_plan", "tp_plan(2): tp_plan: '0': 'colwise' is not one of torch's parallel styles"),
+    ],
+)
+def test_the_plan_refuses_a_model_of_ones_own_without_a_fitting_tp_plan(tmp_path, monkeypatch, function, message):
+    from ddpkit.trainer import TrainConfig, resolve
+
+    (tmp_path / "own_models.py").write_text(OWN_MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(model=f"own_models:{function}", device="cpu", mesh="tp=2", nproc="2", out=str(tmp_path / "o"))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        resolve(cfg)
+
+
+@pytest.mark.unit
+def test_a_tp_plan_outside_tp_or_not_of_parallel_styles_is_refused():
+    with pytest.raises(UsageError, match=r"tp_plan=...\) applies under tp only"):
+        ddpkit.Runtime("ddp", device="cpu", tp_plan={"up": "colwise"})
+    with pytest.raises(UsageError, match="'up': 'colwise' is not one of torch's parallel styles"):
+        ddpkit.Runtime("tp", device="cpu", tp_plan={"up": "colwise"})
+    with pytest.raises(
+        UsageError,
+        match="Runtime\\(mesh=...\\) dp=2,tp=2: its sizes multiply to 4 processes, but the job has 1 \\(4 processes",
+    ):
+        ddpkit.Runtime(device="cpu", mesh={"dp": 2, "tp": 2})
 
 
 @pytest.mark.cli
@@ -272,7 +331,9 @@ def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_
 @pytest.mark.slow
 def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(mesh_runs):
     """docs/parallelism.md's example: a plan of torch's styles for a model with no plan of its
-    own, given to Runtime(tp_plan=...), on tp=2 ends where one process ends."""
+    own, given to Runtime(tp_plan=...), on tp=2 ends where one process ends; on samples with
+    noise drawn from the process's stream as they are read, which the two ranks of the tp group
+    (one data rank) draw alike, as the one process does."""
     tp = mesh_runs["two"][0]["user plan"]
     torch.testing.assert_close(tp, mesh_runs["user plan"], rtol=0, atol=WORLD_SIZE_ATOL)
 

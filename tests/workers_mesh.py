@@ -98,9 +98,23 @@ def train(
         }
 
 
+class Noisy(torch.utils.data.Dataset):
+    """Each sample with noise drawn as it is read, from the process's random stream (as a
+    random augmentation does): the ranks of a tp group must draw the same."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        return (self.x[i] + 0.1 * torch.randn(self.x.shape[1:]),)
+
+
 def user_plan(mesh: str | None) -> torch.Tensor:
     """docs/parallelism.md's model of one's own with its plan given to the Runtime (under a tp
-    mesh), trained 3 clipped AdamW steps; its whole weights (on rank 0)."""
+    mesh), trained 3 clipped AdamW steps on noisy samples; its whole weights (on rank 0)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     torch.manual_seed(3)
@@ -109,8 +123,8 @@ def user_plan(mesh: str | None) -> torch.Tensor:
     model.add_module("act", nn.GELU())
     model.add_module("down", nn.Linear(16, 8))
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-    data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=torch.Generator().manual_seed(4)))
-    with ddpkit.Runtime(device="cpu", seed=3, mesh=mesh, tp_plan=plan) as rt:
+    data = Noisy(torch.randn(24, 8, generator=torch.Generator().manual_seed(4)))
+    with ddpkit.Runtime("tp", device="cpu", seed=3, mesh=mesh, tp_plan=plan) as rt:
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
         for (x,) in rt.loader(data, batch_size=8):
             rt.backward(model(x).pow(2).mean())

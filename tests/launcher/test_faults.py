@@ -357,11 +357,14 @@ def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identi
     proc = _start(out, "--max-restarts", "1", run=mesh_run)
     _wait_for(proc, lambda: (out / "checkpoints" / "step-00000004" / ".metadata").exists(), "a sharded checkpoint")
     time.sleep(0.15)
-    victim = _workers(proc)[-1]  # rank 3: dp=1, tp=1
+    victim = _workers(proc)[-1]
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
-    assert len(restart) == 1 and f"(dp=1,tp=1, pid {victim}) was killed by SIGKILL" in restart[0], stdout + stderr
+    said = re.search(rf"rank (\d) \((dp=\d,tp=\d), pid {victim}\) was killed by SIGKILL", restart[0] if restart else "")
+    assert len(restart) == 1 and said, stdout + stderr
+    rank, where = int(said.group(1)), said.group(2)  # the killed rank, and its place on the mesh
+    assert where == f"dp={rank // 2},tp={rank % 2}"
     ref, got = _weights(reference), _weights(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill"

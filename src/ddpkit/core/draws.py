@@ -114,7 +114,7 @@ class Source:
     seed: Callable[[], int]
     step: Callable[[], int]  # optimizer steps taken
     micro: Callable[[], Any]  # the loader's current MicroBatch (its rows' place), or None
-    rank: int
+    rank: int  # the data rank (tensor-parallel ranks share their samples, so their draws too)
     forward: Callable[[], Any]  # changes with each micro-batch a loader hands out
     names: dict[int, str] = field(default_factory=dict)  # id(module) -> its name in the model
     active: bool = True  # until its Runtime closes
@@ -126,8 +126,7 @@ class Source:
     def say_once(self, site: str, what: str) -> None:
         if site not in self.warned:
             self.warned.add(site)
-            if self.rank == 0:
-                print(f"ddpkit: dropout at {site}: {what}", file=sys.stderr)
+            print0(f"ddpkit: dropout at {site}: {what}", file=sys.stderr)
 
 
 _current: Source | None = None  # the last Runtime's that set up a model: the functional form's

@@ -172,10 +172,12 @@ class StreamLoader:
         ends = dist.compare_everywhere(f"stream-end/{what}/{seen}", end)
         if ends is None:
             return
-        if len(ends) < self.world_size:  # the others are still reading: inside a step without this rank
-            missing = sorted(set(range(self.world_size)) - set(ends))
+        # (`ends` is keyed by the job's ranks, every process of it: tensor-parallel ranks, which
+        # share a data rank, each read the stream too)
+        if len(ends) < dist.world_size():  # the others are still reading: inside a step without this rank
+            missing = sorted(set(range(dist.world_size())) - set(ends))
             raise RunError(
-                f"rank {self.rank}'s stream ended after {end} samples of epoch {self.epoch}, while rank(s) "
+                f"rank {dist.rank()}'s stream ended after {end} samples of epoch {self.epoch}, while rank(s) "
                 f"{', '.join(map(str, missing))} did not reach the end of theirs in "
                 f"{dist.compare_wait_s():.0f} s (they read on past it, or are that far behind): {_SAME_STREAM}"
             )
@@ -183,7 +185,7 @@ class StreamLoader:
         if end == shortest:
             others = ", ".join(f"rank {r}'s after {e}" for r, e in ends.items() if e != shortest)
             raise RunError(
-                f"rank {self.rank}'s stream ended after {end} samples of epoch {self.epoch}, {others}: {_SAME_STREAM}"
+                f"rank {dist.rank()}'s stream ended after {end} samples of epoch {self.epoch}, {others}: {_SAME_STREAM}"
             )
 
     def _open(self) -> Iterator[Any]:

@@ -83,9 +83,14 @@ def _die_with_the_launcher() -> None:
 def note_place(where: str) -> None:
     """In a worker: its coordinates on the job's mesh ("dp=1,tp=0"), for the failure report."""
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
-    if root and rank is not None and where:
-        with open(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.where"), "w") as f:
-            f.write(where)
+    if root and rank is not None:
+        path = os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.where")
+        if where:
+            with open(path, "w") as f:
+                f.write(where)
+        else:  # a Runtime without a mesh after one with: its coordinates no longer hold
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def mark_done() -> None:

@@ -168,6 +168,10 @@ class Runtime(Collectives):
             self.precision = Precision(precision, self.device)
             """The precision in use: its `dtype`, `autocast()` and the fp16 scaler."""
             spec = None if mesh is None else strategies.MeshSpec.parse(mesh, "Runtime(mesh=...)")
+            if tp_plan is not None:
+                if strategies.by_name(strategies.for_mesh(strategy, spec)).own_dim != "tp":
+                    raise UsageError("Runtime(tp_plan=...) applies under tp only: pass strategy='tp' or a mesh with tp")
+                strategies.check_plan(tp_plan)
             self._strategy = strategies.resolve(
                 strategy, self.world_size, self.device, self.ddp_options, fsdp_options, spec, self.env.local_world_size
             )
@@ -286,8 +290,9 @@ class Runtime(Collectives):
         self._steps.adopt(wrapped, self.world_size, bool(self.compile))
         if self.seed is not None:
             # The model was built from the same seed on every rank; from here on (dropout,
-            # augmentation, sampling) each rank draws from its own stream.
-            seed_rank(self.seed, self.rank)
+            # augmentation, sampling) each data rank draws from its own stream: the ranks of a
+            # tensor-parallel group, which read the same samples, draw the same numbers.
+            seed_rank(self.seed, self.data_rank)
         return (wrapped, *optimizers) if optimizers else wrapped
 
     def _follow_draws(self, model: nn.Module) -> None:
@@ -306,7 +311,7 @@ class Runtime(Collectives):
                 lambda: self._draw_seed,
                 lambda: steps.count,
                 lambda: acc.micro,
-                self.rank,
+                self.data_rank,
                 lambda: (id(acc.micro), *[(loader.epoch, loader.position) for loader in made]),
             )
         draws.key_dropout(model, self._draws)

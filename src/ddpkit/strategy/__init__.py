@@ -38,7 +38,7 @@ from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
 from .single import Single
-from .tp import TensorParallel
+from .tp import TensorParallel, check_plan
 
 # The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
 # here (`register` adds one from outside, as a test's own strategy does).
@@ -61,6 +61,7 @@ __all__ = [
     "MeshSpec",
     "Strategy",
     "by_name",
+    "check_plan",
     "comm_hook",
     "compiled_graphs",
     "eval_view",
@@ -178,11 +179,13 @@ def for_mesh(name: str, mesh: MeshSpec | None) -> str:
     return name
 
 
-def mesh_for(cls: type[Strategy], mesh: MeshSpec | None, world_size: int, local_world_size: int) -> MeshSpec:
+def mesh_for(
+    cls: type[Strategy], mesh: MeshSpec | None, world_size: int, local_world_size: int, what: str = "--mesh"
+) -> MeshSpec:
     """The mesh `cls` runs on: `mesh`, checked against the number of processes, or its default."""
     if mesh is None:
         return cls.default_mesh(world_size, local_world_size)
-    mesh.check_processes(world_size)
+    mesh.check_processes(world_size, what)
     return mesh
 
 
@@ -199,7 +202,8 @@ def resolve(
     `for_mesh`). Where the strategy runs on torch's DeviceMesh, every rank builds it here:
     collective."""
     name = for_mesh(name, mesh)
-    spec = mesh_for(by_name(name), mesh, world_size, world_size if local_world_size is None else local_world_size)
+    local = world_size if local_world_size is None else local_world_size
+    spec = mesh_for(by_name(name), mesh, world_size, local, "Runtime(mesh=...)")
     strategy = REGISTRY[resolve_name(name, world_size, device)].make(device, ddp, fsdp)
     mesh_needed = world_size > 1 and type(strategy).needs_device_mesh(spec)
     strategy.layout = Layout.build(spec, device) if mesh_needed else Layout.plain(world_size)

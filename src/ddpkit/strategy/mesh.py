@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..core import dist
 from ..errors import UsageError
 
 # Outermost first (torch's DeviceMesh is row-major: the last dimension's ranks are neighbours).
@@ -72,7 +73,7 @@ class MeshSpec:
             if name in sizes:
                 raise UsageError(f"{what}: {name} is named twice")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise UsageError(f"{what}: {name}={size} (a size is a whole number of processes, at least 1)")
+                raise UsageError(f"{what}: {name}={size!r} (a size is a whole number of processes, at least 1)")
             sizes[name] = size
         if not sizes:
             raise UsageError(f"{what}: no dimension given (e.g. dp=2,tp=2)")
@@ -99,9 +100,10 @@ class MeshSpec:
 
     def check_processes(self, world_size: int, what: str = "--mesh") -> None:
         if self.processes != world_size:
+            start = f"--nproc {self.processes}" if what == "--mesh" else f"{self.processes} processes"
             raise UsageError(
                 f"{what} {self}: its sizes multiply to {self.processes} processes, but the job has {world_size} "
-                f"(--nproc {self.processes}, or a mesh of {world_size})"
+                f"({start}, or a mesh of {world_size})"
             )
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -138,6 +140,11 @@ class Layout:
         the group of data ranks where some ranks share their samples."""
         from torch.distributed.device_mesh import init_device_mesh  # torch.distributed.tensor: 0.5 s
 
+        seen = sorted(set(dist.gather_objects(str(spec))))
+        if len(seen) > 1:  # default meshes on machines of different process counts, say
+            raise UsageError(
+                f"the ranks do not agree on the mesh ({' / '.join(seen)}): give every rank the same --mesh"
+            )
         # Every mesh has a dp dimension (of size 1 where none was named): its group is the data
         # ranks' wherever tensor-parallel ranks share their samples.
         dims = [(name, spec.size(name)) for name in DIMS if name in spec.names or name == "dp"]

@@ -90,12 +90,17 @@ class TensorParallel(FSDP):
             logging.getLogger(f"torch.distributed.tensor.{name}").setLevel(logging.ERROR)
         mesh = self.layout.sub("tp")
         plan = plan_for(model, self.tp_plan, self.layout.spec.size("tp"))
-        if callable(plan):
-            plan(model, mesh)
-        else:
-            # src_data_rank=None: no values are sent here; each rank keeps its part of its own
-            # tensors, and FSDP's Rank0Source then fills every part with rank 0's values.
-            parallelize_module(model, mesh, plan, src_data_rank=None)
+        try:
+            if callable(plan):
+                plan(model, mesh)
+            else:
+                # src_data_rank=None: no values are sent here; each rank keeps its part of its own
+                # tensors, and FSDP's Rank0Source then fills every part with rank 0's values.
+                parallelize_module(model, mesh, plan, src_data_rank=None)
+        except (ValueError, TypeError, NotImplementedError, AttributeError) as err:
+            # torch's refusals of a plan that does not fit the model (a style on a module it does
+            # not split): bad input, one line, on every rank alike
+            raise UsageError(f"tp_plan: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
         if not holds_dtensor_parameters(model):
             raise UsageError("--strategy tp: the tensor-parallel plan split no parameter of the model")
 
@@ -125,11 +130,27 @@ def plan_for(model: nn.Module, given: Any, tp_size: int) -> dict[str, Any] | Cal
             "(module names to ColwiseParallel/RowwiseParallel, see docs/parallelism.md) or give the model "
             "a tp_plan(tp_size) method"
         )
-    if not (callable(given) or isinstance(given, dict)):
-        raise UsageError(
-            f"tp_plan: expected a dict of module names to parallel styles or a callable, got {type(given).__name__}"
-        )
+    check_plan(given)
     return given
+
+
+def check_plan(plan: Any) -> None:
+    """A plan is a callable, or a dict of module names to torch's parallel styles (UsageError
+    naming what is not)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if callable(plan):
+        return
+    if not isinstance(plan, dict):
+        raise UsageError(
+            f"tp_plan: expected a dict of module names to parallel styles or a callable, got {type(plan).__name__}"
+        )
+    for name, style in plan.items():
+        if not isinstance(name, str) or not isinstance(style, ParallelStyle):
+            raise UsageError(
+                f"tp_plan: {name!r}: {style!r} is not one of torch's parallel styles (ColwiseParallel(), "
+                "RowwiseParallel(), ...) for a module name"
+            )
 
 
 def holds_dtensor_parameters(model: nn.Module) -> bool:

@@ -352,7 +352,7 @@ class Loop:
     def _skip_step(self) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
         Collective: one scalar all-reduce per step, paid only with --on-nonfinite skip."""
-        bad = self.rt.all_reduce(self.tally.bad_in(self.run.step + 1).double(), op="max").item() > 0
+        bad = self.rt.any_rank(bool(self.tally.bad_in(self.run.step + 1).item()))  # every process decides
         if bad:
             self.opt.zero_grad(set_to_none=True)
             self.run.skipped += 1

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import data, models
 from .. import strategy as strategies
 from ..core import checks
@@ -26,7 +28,7 @@ from ..core import device as devices
 from ..core.files import check_writable
 from ..core.precision import PRECISIONS
 from ..data import Augment
-from ..errors import UsageError
+from ..errors import UsageError, usage_errors
 from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
 from ..observe import tracking
@@ -150,7 +152,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
         checks.memory(
             _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
         )
-    layout = _layout(cfg, mesh, topology)
+    layout = _layout(cfg, mesh, topology, in_shape, num_classes)
     if layout.data_size == topology.world_size:  # every node's processes
         data.check_global_batch(cfg.batch_size, topology.world_size)
     else:  # tensor-parallel ranks share their samples
@@ -174,7 +176,13 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     )
 
 
-def _layout(cfg: TrainConfig, mesh: strategies.MeshSpec | None, topology: Topology) -> strategies.MeshSpec:
+def _layout(
+    cfg: TrainConfig,
+    mesh: strategies.MeshSpec | None,
+    topology: Topology,
+    in_shape: tuple[int, ...],
+    num_classes: int,
+) -> strategies.MeshSpec:
     """The mesh the run's processes form (checked against their number), and under tp the
     model's split checked against it: what the workers' Runtime will build."""
     low, high = topology.nodes.range()
@@ -187,10 +195,24 @@ def _layout(cfg: TrainConfig, mesh: strategies.MeshSpec | None, topology: Topolo
             f"--strategy tp: {cfg.model} has no tensor-parallel plan (the built-in gpt has one; a model of "
             "your own brings a tp_plan(tp_size) method)"
         )
-    if tp > 1 and cfg.model == "gpt" and cfg.gpt_heads % tp:
+    if tp > 1 and cfg.model == "gpt" and (cfg.gpt_heads % tp or num_classes % tp):
         raise UsageError(
-            f"--mesh {spec}: gpt splits whole heads over the tp ranks: --gpt-heads {cfg.gpt_heads} is not a multiple of {tp}"
+            f"--mesh {spec}: gpt splits whole heads and its vocabulary over the tp ranks: --gpt-heads "
+            f"{cfg.gpt_heads} and the {num_classes} tokens must be multiples of {tp}"
         )
+    if tp > 1 and models.is_custom(cfg.model):
+        with torch.device("meta"):  # shapes only: nothing allocated
+            model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
+        if not callable(getattr(model, "tp_plan", None)):
+            raise UsageError(
+                f"--strategy tp: {cfg.model} has no tp_plan(tp_size) method: the tensor-parallel plan of a model "
+                "of your own comes with it (see docs/parallelism.md)"
+            )
+        try:
+            with usage_errors():
+                strategies.check_plan(model.tp_plan(tp))
+        except UsageError as err:
+            raise UsageError(f"--model {cfg.model}: tp_plan({tp}): {err}") from None
     return spec
 
 

@@ -80,7 +80,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     topology = topologies.resolve(a.device, a.nproc)
     mesh = None if a.mesh is None else strategies.MeshSpec.parse(a.mesh)
     strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
-    if strategy in strategies.names() and strategy not in TUNE_STRATEGIES:
+    if strategy in strategies.names() and strategies.by_name(strategy).own_dim == "tp":
         raise UsageError(
             f"--strategy {strategy}: find-batch-size does not search under it yet (it probes image models, "
             "which have no tensor-parallel plan); use --strategy ddp, fsdp or hsdp"

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models
+from ..core import dist
 from ..core.memory import available_mib, peak_memory_mib, reset_peak_memory, rss_mib
 from ..observe.metrics import time_calls
 from ..optim import build_optimizer
@@ -104,7 +105,7 @@ class Tuner:
         world = self.rt.world_size
         codes = torch.zeros(world, dtype=torch.float32, device=self.rt.device)
         codes[self.rt.rank] = code
-        self.rt.all_reduce(codes)  # the agreement: every rank learns every rank's verdict
+        dist.all_reduce(codes)  # the agreement: every process learns every process's verdict
         failed = [r for r in range(world) if codes[r] > 0]
         if failed:
             reason = REASONS[int(codes[failed[0]].item())]
@@ -112,7 +113,7 @@ class Tuner:
         step_s, peak = self.timed(size)
         self.last_fit = (size, peak)
         worst = torch.tensor([step_s, peak], dtype=torch.float64, device=self.rt.device)
-        self.rt.all_reduce(worst, op="max")
+        dist.all_reduce(worst, op="max")  # the slowest, fullest process
         step_s, peak = worst.tolist()
         return Trial(
             size,
