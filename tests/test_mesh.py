@@ -273,6 +273,7 @@ def mesh_runs(tmp_path_factory):
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
     two = {name: {"layout": layout} for name, layout in LAYOUTS_2.items()}
     two["user plan"] = {"user_plan": "tp=2"}
+    two["old qkv"] = {"old_qkv": "tp=2"}
     two["chain c"] = {
         "layout": LAYOUTS_2["tp 2"],
         "load": ck["b"],
@@ -347,3 +348,12 @@ def test_activation_checkpointing_under_fsdp_and_tp_changes_no_bit(mesh_runs):
     assert four["checkpointed"]["checkpointed"] == ["block0", "block1", "embed", "head"]
     assert four["fsdp+tp 2x2"]["checkpointed"] == []
     assert torch.equal(four["checkpointed"]["weights"], four["fsdp+tp 2x2"]["weights"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_older_gpt_state_with_fused_qkv_loads_into_a_split_model(mesh_runs):
+    """ddpkit 0.2's gpt state (one fused qkv map per block) loaded whole into gpt split by tp over
+    2 ranks: its q, k and v parts land on their ranks' slices, as in the bare model."""
+    got = mesh_runs["two"][0]["old qkv"]
+    assert torch.equal(got["split"], got["bare"])

@@ -132,13 +132,37 @@ def user_plan(mesh: str | None) -> torch.Tensor:
         return flat(whole_state(rt, model))
 
 
+def old_qkv(mesh: str) -> dict:
+    """A state_dict of ddpkit 0.2's gpt (one fused `qkv` map per block) loaded whole into the
+    tiny gpt split under `mesh` (tp, FSDP over dp), and into the bare model: both whole states."""
+    bare = mesh_gpt()
+    old = {}
+    for name, value in bare.state_dict().items():
+        prefix, _, rest = name.partition(".attn.")
+        if rest in ("q.weight", "q.bias"):
+            kind = rest.split(".")[1]
+            parts = [bare.state_dict()[f"{prefix}.attn.{m}.{kind}"] + i for i, m in enumerate("qkv")]
+            old[f"{prefix}.attn.qkv.{kind}"] = torch.cat(parts)
+        elif rest[:2] not in ("k.", "v.", "q."):
+            old[name] = value + 0.5
+    bare.load_state_dict(old)
+    with ddpkit.Runtime("tp", device="cpu", seed=5, mesh=mesh) as rt:
+        model, _ = rt.setup(mesh_gpt(), torch.optim.SGD(mesh_gpt().parameters(), lr=0.1))
+        strategy.load_full_model_state(model, old)
+        return {"split": flat(whole_state(rt, model)), "bare": flat(bare.state_dict())}
+
+
 def layouts(runs: dict[str, dict]) -> dict:
     """`train(**kwargs)` (or `user_plan(**kwargs)`, for kwargs with a "user_plan" mesh) for each
     name -> kwargs, one after another in one job: the outer Runtime's process group serves them
     all."""
     with ddpkit.Runtime(device="cpu"):
         return {
-            name: user_plan(kwargs["user_plan"]) if "user_plan" in kwargs else train(**kwargs)
+            name: user_plan(kwargs["user_plan"])
+            if "user_plan" in kwargs
+            else old_qkv(kwargs["old_qkv"])
+            if "old_qkv" in kwargs
+            else train(**kwargs)
             for name, kwargs in runs.items()
         }
 

@@ -200,7 +200,7 @@ class CausalSelfAttention(nn.Module):
         self.head_width = width // heads
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.out = nn.Linear(width, width)
-        self._register_load_state_dict_pre_hook(_split_fused_qkv)
+        self._register_load_state_dict_pre_hook(_split_fused_qkv, with_module=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -212,14 +212,23 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, heads * self.head_width))
 
 
-def _split_fused_qkv(state: dict[str, Any], prefix: str, *args: Any) -> None:
+def _split_fused_qkv(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-time: an older checkpoint's fused `qkv` (its rows the queries, then the keys, then
-    the values) becomes `q`, `k` and `v`."""
+    the values) becomes `q`, `k` and `v`; laid out as their parameters are where a strategy
+    split them (a whole state loaded into fsdp's or tp's shards)."""
     for kind in ("weight", "bias"):
         fused = state.pop(f"{prefix}qkv.{kind}", None)
-        if fused is not None:
-            for name, part in zip("qkv", fused.chunk(3)):
-                state[f"{prefix}{name}.{kind}"] = part
+        if fused is None:
+            continue
+        for name, part in zip("qkv", fused.chunk(3)):
+            target = getattr(getattr(module, name), kind)
+            if hasattr(target, "device_mesh") and not hasattr(part, "device_mesh"):  # a DTensor's part
+                from torch.distributed.tensor import distribute_tensor  # DTensor: loaded where one exists
+
+                part = distribute_tensor(
+                    part.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+                )
+            state[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):

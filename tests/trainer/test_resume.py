@@ -264,3 +264,27 @@ def test_a_checkpoint_of_ddpkit_0_1_continues_bit_identical(tmp_path):
     torch.save(today, tmp_path / "today.pt")
     again = train(tmp_path / "again", *run, "--resume", str(tmp_path / "today.pt"))
     assert max_diff(resumed["weights"], again["weights"]) == 0
+
+
+@pytest.mark.slow
+def test_a_gpt_checkpoint_with_fused_qkv_is_refused_naming_why(tmp_path):
+    """A gpt checkpoint of ddpkit 0.2 (one fused qkv map per block) cannot continue (its optimizer
+    state holds one tensor where there are three now): one line, the weights' way out named."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "doc.txt").write_bytes(bytes(97 + (j * j) % 26 for j in range(3000)))
+    shape = ("--gpt-width", "16", "--gpt-depth", "1", "--gpt-heads", "2", "--seq-len", "16")
+    run = ("--model", "gpt", "--data", "text", "--text-path", str(corpus), *shape, "--max-steps", "2")
+    train(tmp_path / "out", *run, "--checkpoint-every", "2")
+    path = tmp_path / "out" / "checkpoints" / "step-00000002.pt"
+    state = torch.load(path, weights_only=True)
+    model = state["model"]
+    for kind in ("weight", "bias"):  # as ddpkit 0.2 saved it
+        model[f"block0.attn.qkv.{kind}"] = torch.cat([model.pop(f"block0.attn.{m}.{kind}") for m in "qkv"])
+    torch.save(state, tmp_path / "old.pt")
+    proc = run_cli(*COMMON, *run, "--resume", str(tmp_path / "old.pt"), "--out", str(tmp_path / "new"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a gpt of ddpkit 0.2" in lines[0] and "optimizer state cannot continue" in lines[0], (
+        lines
+    )

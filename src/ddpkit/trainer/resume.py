@@ -170,6 +170,13 @@ def check_resumable(
             f"checkpoint {path}: the run already finished its {run['epoch']} epochs; raise --epochs to continue it"
         )
     model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
+    saved = shards.saved_shapes(metadata, "model") if sharded else state["model"]
+    if any(name.endswith(".attn.qkv.weight") for name in saved):
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path}: a gpt of ddpkit 0.2 (one fused q, k, v map per block, now three): its weights "
+            "still load into today's gpt (model.pt, load_state_dict), but its optimizer state cannot continue; "
+            "start a new run"
+        )
     if sharded:
         want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         problem = shards.shape_problem(shards.saved_shapes(metadata, "model"), want)
