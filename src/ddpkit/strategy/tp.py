@@ -47,8 +47,11 @@ class TensorParallel(FSDP):
     name = "tp"
     mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "tp")
     own_dim: ClassVar[str | None] = "tp"
-    # find-batch-size probes image models, which have no tensor-parallel plan (gpt is not searched yet)
+    takes_tp_plan: ClassVar[bool] = True
     tunable: ClassVar[bool] = False
+    refuses_search: ClassVar[str] = (
+        "it probes image models, which have no tensor-parallel plan; gpt is not searched yet"
+    )
 
     @classmethod
     def owns(cls, model: nn.Module) -> bool:

@@ -80,10 +80,11 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     topology = topologies.resolve(a.device, a.nproc)
     mesh = None if a.mesh is None else strategies.MeshSpec.parse(a.mesh)
     strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
-    if strategy in strategies.names() and strategies.by_name(strategy).own_dim == "tp":
+    refusal = strategies.REGISTRY[strategy].refuses_search if strategy in strategies.REGISTRY else ""
+    if refusal:
         raise UsageError(
-            f"--strategy {strategy}: find-batch-size does not search under it yet (it probes image models, "
-            "which have no tensor-parallel plan); use --strategy ddp, fsdp or hsdp"
+            f"--strategy {strategy}: find-batch-size does not search under it yet ({refusal}); "
+            "use --strategy ddp, fsdp or hsdp"
         )
     checks.choice("--strategy", strategy, TUNE_STRATEGIES)
     strategies.mesh_for(strategies.by_name(strategy), mesh, topology.world_size, topology.nproc)
