@@ -51,34 +51,29 @@ def test_cli_two_processes_json_png_and_the_knee(tmp_path):
     assert proc.stdout.count("per-device   global") == 1  # one table, from rank 0 only
 
 
-def test_cli_fsdp_runs_the_sharded_step_on_every_process(tmp_path):
+@pytest.mark.parametrize(
+    "flags,header,strategy,mesh,sizes",
+    [
+        (("--strategy", "fsdp"), "2 x cpu fsdp", "fsdp", "dp=2", [1, 2, 4, 8]),
+        # the mesh picks hsdp
+        (("--mesh", "replicate=2,dp=1"), "2 x cpu hsdp on replicate=2,dp=1", "hsdp", "replicate=2,dp=1", [1, 2]),
+    ],
+    ids=["fsdp", "hsdp-mesh"],
+)
+def test_cli_a_sharded_strategy_runs_its_step_on_every_process(tmp_path, flags, header, strategy, mesh, sizes):
     json_path = tmp_path / "fbs.json"
     proc = run_cli(
         "find-batch-size",
-        *("--strategy", "fsdp", "--nproc", "2", "--device", "cpu", "--model", "mlp"),
-        *("--max-batch", "8", "--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
+        *flags,
+        *("--nproc", "2", "--device", "cpu", "--model", "mlp", "--max-batch", str(sizes[-1])),
+        *("--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
         timeout=120,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "2 x cpu fsdp" in proc.stdout
+    assert header in proc.stdout
     r = json.loads(json_path.read_text())
-    assert r["strategy"] == "fsdp" and r["world_size"] == 2
-    assert [t["per_device_batch"] for t in r["trials"]] == [1, 2, 4, 8]
-    assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
-
-
-def test_cli_hsdp_searches_on_a_mesh(tmp_path):
-    json_path = tmp_path / "fbs.json"
-    proc = run_cli(
-        "find-batch-size",
-        *("--mesh", "replicate=2,dp=1", "--nproc", "2", "--device", "cpu", "--model", "mlp"),
-        *("--max-batch", "2", "--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
-        timeout=120,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "2 x cpu hsdp on replicate=2,dp=1" in proc.stdout  # the mesh picked hsdp
-    r = json.loads(json_path.read_text())
-    assert (r["strategy"], r["mesh"], r["world_size"]) == ("hsdp", "replicate=2,dp=1", 2)
+    assert (r["strategy"], r["mesh"], r["world_size"]) == (strategy, mesh, 2)
+    assert [t["per_device_batch"] for t in r["trials"]] == sizes
     assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
 
 

@@ -190,8 +190,8 @@ def _hand_written(work: Work, strategy: str, mesh: str, rt: Any) -> Callable[[],
     spec = MeshSpec.parse(mesh)
     torch.manual_seed(work.seed)
     model = work.model().to(rt.device)
-    dims = [(name, spec.size(name)) for name in ("replicate", "dp", "tp") if name in spec.names or name == "dp"]
-    grid = init_device_mesh(rt.device.type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    shape, names = spec.grid()
+    grid = init_device_mesh(rt.device.type, shape, mesh_dim_names=names)
     if strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:

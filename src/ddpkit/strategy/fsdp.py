@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -100,11 +100,14 @@ def is_sharded(model: nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def holds_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+def any_dtensor(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is a DTensor (a strategy's shard or slice)."""
     tensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    return tensor is not None and any(
-        isinstance(p, tensor.DTensor) for group in optimizer.param_groups for p in group["params"]
-    )
+    return tensor is not None and any(isinstance(t, tensor.DTensor) for t in tensors)
+
+
+def holds_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    return any_dtensor(p for group in optimizer.param_groups for p in group["params"])
 
 
 @contextlib.contextmanager

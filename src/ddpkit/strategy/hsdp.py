@@ -25,8 +25,8 @@ class HSDP(FSDP):
 
     @classmethod
     def default_mesh(cls, world_size: int, local_world_size: int) -> MeshSpec:
-        local = local_world_size if 0 < local_world_size <= world_size and world_size % local_world_size == 0 else 1
-        return MeshSpec((("replicate", world_size // local), ("dp", local)))
+        machines, local = MeshSpec.per_machine(world_size, local_world_size)
+        return MeshSpec((("replicate", machines), ("dp", local)))
 
     @classmethod
     def needs_device_mesh(cls, spec: MeshSpec) -> bool:

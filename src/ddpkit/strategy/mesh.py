@@ -106,6 +106,20 @@ class MeshSpec:
                 f"({start}, or a mesh of {world_size})"
             )
 
+    def grid(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """torch's `init_device_mesh` shape and dimension names: every mesh has a dp dimension
+        (of size 1 where none was named), whose group is the data ranks' where tensor-parallel
+        ranks share their samples."""
+        dims = [(name, self.size(name)) for name in DIMS if name in self.names or name == "dp"]
+        return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+
+    @staticmethod
+    def per_machine(world_size: int, local_world_size: int) -> tuple[int, int]:
+        """(machines, processes on each) for a default two-level mesh: one group per machine,
+        or groups of one process where the machines do not split the job evenly."""
+        local = local_world_size if 0 < local_world_size <= world_size and world_size % local_world_size == 0 else 1
+        return world_size // local, local
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global `rank` sits along each dimension (row-major, as DeviceMesh lays it out)."""
         out: dict[str, int] = {}
@@ -145,10 +159,8 @@ class Layout:
             raise UsageError(
                 f"the ranks do not agree on the mesh ({' / '.join(seen)}): give every rank the same --mesh"
             )
-        # Every mesh has a dp dimension (of size 1 where none was named): its group is the data
-        # ranks' wherever tensor-parallel ranks share their samples.
-        dims = [(name, spec.size(name)) for name in DIMS if name in spec.names or name == "dp"]
-        mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        shape, names = spec.grid()
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         group = None
         if spec.data_size != spec.processes:
             data = tuple(name for name in DATA_DIMS if name in mesh.mesh_dim_names)

@@ -24,7 +24,6 @@ asks the loss to run inside its context; not offered yet.
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -34,7 +33,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .base import local
-from .fsdp import FSDP, is_sharded
+from .fsdp import FSDP, any_dtensor, is_sharded
 from .mesh import MeshSpec
 
 # Imports inside functions: torch's tensor-parallel and DTensor modules (0.5 s) load where a
@@ -60,8 +59,8 @@ class TensorParallel(FSDP):
     @classmethod
     def default_mesh(cls, world_size: int, local_world_size: int) -> MeshSpec:
         # One tensor-parallel group per machine (its ranks talk at every layer), data parallel across.
-        local = local_world_size if 0 < local_world_size <= world_size and world_size % local_world_size == 0 else 1
-        return MeshSpec((("dp", world_size // local), ("tp", local)))
+        machines, local = MeshSpec.per_machine(world_size, local_world_size)
+        return MeshSpec((("dp", machines), ("tp", local)))
 
     @classmethod
     def needs_device_mesh(cls, spec: MeshSpec) -> bool:
@@ -157,8 +156,7 @@ def check_plan(plan: Any) -> None:
 
 
 def holds_dtensor_parameters(model: nn.Module) -> bool:
-    tensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
+    return any_dtensor(model.parameters())
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
