@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..core import checks
+from ..core.signals import set_handler
 from ..errors import Interrupted, RunError, UsageError, WorkerFailed
 from ..version import __version__
 
@@ -170,12 +171,12 @@ def _sigterm_interrupts() -> Iterator[None]:
     # SIGHUP too (the terminal closed), unless it is ignored (nohup): a run of several processes
     # ends on it with its line through the launcher's agent, and one in this process alike.
     hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL else []
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, *hangup)}
+    previous = {sig: set_handler(sig, interrupt) for sig in (signal.SIGTERM, *hangup)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            set_handler(sig, handler)
 
 
 def _a_launchers_worker() -> bool:

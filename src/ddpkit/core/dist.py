@@ -24,6 +24,7 @@ import torch.distributed as tdist
 
 from ..errors import UsageError
 from .checks import cut
+from .signals import set_handler
 
 
 @dataclass(frozen=True)
@@ -202,11 +203,11 @@ def _interruptible_in_cpp() -> Iterator[None]:
     if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = set_handler(signal.SIGINT, signal.SIG_DFL)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        set_handler(signal.SIGINT, previous)
 
 
 _groups_made = 0  # default process groups this process created (see init)

@@ -33,6 +33,7 @@ import cloudpickle
 
 from ..core import checks, threads
 from ..core import device as devices
+from ..core.signals import set_handler
 from ..errors import Interrupted, UsageError
 from . import records
 from .failures import as_worker_failed
@@ -290,7 +291,7 @@ def _signal_handlers_kept() -> Iterator[None]:
         yield
     finally:
         for sig, handler in saved:
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            set_handler(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 _PREFIX = re.compile(r"\[rank\d+\]: ?")

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..core.signals import set_handler
+
 LAUNCH_DIR = "DDPKIT_LAUNCH_DIR"
 
 _stack_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
@@ -275,11 +277,11 @@ class ExitWatch:
         if threading.current_thread() is not threading.main_thread() or not hasattr(os, "waitid"):
             yield
             return
-        previous = signal.signal(signal.SIGCHLD, self._on_child)
+        previous = set_handler(signal.SIGCHLD, self._on_child)
         try:
             yield
         finally:
-            signal.signal(signal.SIGCHLD, previous)
+            set_handler(signal.SIGCHLD, previous)
             self._on_child()  # a last look, for a child that ended just now
 
     def _on_child(self, *_: Any) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..core.signals import set_handler
 from ..observe.timeline import froze_objects
 from . import records
 from .failures import restart_note
@@ -53,9 +54,21 @@ def _interrupted(signum: int, frame: Any) -> None:
     """SIGINT in a worker: KeyboardInterrupt, as in any Python process, once. Ctrl-C in a
     terminal reaches the workers and the agent, which then stops them with the same signal: a
     second KeyboardInterrupt, raised while the first one unwinds (in a `finally`, a generator
-    being closed), would print a traceback of its own. The second one ends the process."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    raise KeyboardInterrupt
+    being closed), would print a traceback of its own. The second one ends the process, killed
+    by SIGINT.
+
+    The handler stays in place between the two: switching to SIG_DFL on the first would let a
+    second SIGINT that arrives while the switch is made be reported by Python as "Signal 2
+    ignored due to race condition" (bpo-43406), a traceback of its own in the run's output."""
+    if not _interrupted_once:
+        _interrupted_once.append(signum)
+        raise KeyboardInterrupt
+    sys.stdout.flush()
+    set_handler(signal.SIGINT, signal.SIG_DFL)  # (a SIGINT held meanwhile ends the process here)
+    signal.raise_signal(signal.SIGINT)
+
+
+_interrupted_once: list[int] = []  # the first SIGINT's number, once it was turned into KeyboardInterrupt
 
 
 def _like_a_spawned_worker() -> None:
@@ -67,11 +80,12 @@ def _like_a_spawned_worker() -> None:
     # cause of the failure rather than a consequence.
     # The launcher watches SIGCHLD for its workers' exit statuses (records.ExitWatch); this
     # process's own children are none of its business.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    set_handler(signal.SIGCHLD, signal.SIG_DFL)
+    _interrupted_once.clear()
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):
-            signal.signal(sig, _interrupted if sig == signal.SIGINT else signal.SIG_DFL)
+            set_handler(sig, _interrupted if sig == signal.SIGINT else signal.SIG_DFL)
     # A spawned worker's torch reads OMP_NUM_THREADS when it is imported; this one's was
     # imported by the parent, with the parent's count (all cores: oversubscription).
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -224,7 +238,7 @@ def _join_for_fork() -> None:
     `_deliver_held` after theirs."""
     global _preload
     if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
-        _saved[:] = [(sig, signal.signal(sig, _hold)) for sig in _AGENT_SIGNALS]
+        _saved[:] = [(sig, set_handler(sig, _hold)) for sig in _AGENT_SIGNALS]
     thread = _preload
     if thread is None or thread is threading.current_thread():
         return
@@ -241,7 +255,7 @@ def _restore_handlers() -> None:
     """The handlers `_join_for_fork` replaced, back."""
     saved, _saved[:] = list(_saved), []
     for sig, handler in saved:
-        signal.signal(sig, handler)
+        set_handler(sig, handler)
 
 
 def _in_child() -> None:

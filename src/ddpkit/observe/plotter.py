@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.signals import set_handler
 from . import plots
 
 PLOTS = ("plot_curves", "plot_token_curves")  # what a helper draws: ddpkit.observe.plots' functions
@@ -171,7 +172,7 @@ _unread = bytearray()  # what was read of the helper's answers and not yet taken
 def serve() -> None:
     """The helper: import matplotlib, then draw each request read from stdin, answering on
     stdout, until stdin closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command, which ends this
+    set_handler(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command, which ends this
 
     curves: Any = _warm_up(plots)
     for line in sys.stdin:
