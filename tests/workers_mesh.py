@@ -12,7 +12,7 @@ import ddpkit
 from ddpkit import models, strategy
 from ddpkit.data import IGNORE
 from ddpkit.strategy import activations
-from tests.workers import token_loss, uneven_text
+from tests.workers import uneven_text
 
 STEPS, GLOBAL_BATCH, MICRO = 6, 10, 2
 MAX_GRAD_NORM = 0.5
@@ -22,6 +22,10 @@ def mesh_gpt() -> nn.Module:
     """Four heads of width 4: split whole over tp=2 or tp=4; the vocabulary (256) too."""
     torch.manual_seed(7)
     return models.build("gpt", (12,), 256, width=16, depth=2, heads=4, dropout=0.1)
+
+
+def mean_token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
 
 
 def whole_state(rt: ddpkit.Runtime, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -42,6 +46,7 @@ def train(
     save_at: int | None = None,
     save: str | None = None,
     checkpointing: bool = False,
+    schedule: str = "1f1b",
 ) -> dict:
     """The tiny gpt under `layout` (strategy, mesh): resumed from `load` (saved after step
     `start`) if given, trained (SGD
@@ -51,7 +56,9 @@ def train(
     Returns rank 0's view of the weights and every rank's facts."""
     name, mesh = layout
     text = uneven_text()
-    with ddpkit.Runtime(name, device="cpu", seed=5, mesh=mesh, activation_checkpointing=checkpointing or None) as rt:
+    with ddpkit.Runtime(
+        name, device="cpu", seed=5, mesh=mesh, activation_checkpointing=checkpointing or None, pp_schedule=schedule
+    ) as rt:
         model = mesh_gpt()
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
         loader = rt.loader(text, batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
@@ -61,7 +68,7 @@ def train(
         while done < steps:
             for x, y in loader:
                 seen += len(x)
-                rt.backward(token_loss(model, x, y))
+                rt.forward_backward(model, x, y, mean_token_loss)  # (under pp: through the schedule)
                 if rt.step(opt, max_grad_norm=max_grad_norm):
                     done += 1
                     if done in (save_at, steps):

@@ -328,20 +328,39 @@ def _planner() -> Any:
     return Planner()
 
 
-def _dcp_state(entries: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+def _dcp_state(entries: dict[str, Any], model: torch.nn.Module, flat: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Each entry's state in the helpers' form: each rank's own shards of an fsdp model, whole
-    tensors of a replicated one; an optimizer's (of `model`) keyed by parameter name; an EMA's
-    own tensors (DTensors under fsdp), which DCP loads in place."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    tensors of a replicated one; an optimizer's (of `model`) keyed by parameter name, flat for
+    the keys in `flat` (an entry per parameter and setting, as a pipeline stage writes them: see
+    `saved_flat`), else as one list of parameter groups; an EMA's own tensors (DTensors under fsdp), which DCP
+    loads in place."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
-    def state(value: Any) -> Any:
+    def state(key: str, value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
             return get_model_state_dict(value)
         if saved_in_shards(value):
             return value.state_dict()
-        return get_optimizer_state_dict(model, value)
+        options = StateDictOptions(flatten_optimizer_state_dict=key in flat)
+        return get_optimizer_state_dict(model, value, options=options)
 
-    return {key: state(value) for key, value in entries.items()}
+    return {key: state(key, value) for key, value in entries.items()}
+
+
+def saved_flat(metadata: Any, key: str) -> bool:
+    """Whether the checkpoint's entry `key` (an optimizer's) was saved flat: an entry per
+    parameter and setting (`state.<name>.exp_avg`, `param_groups.<name>.lr`), as `save` writes
+    them, so that a checkpoint of any layout loads under any other, a pipeline's included: a
+    pipeline stage's parameter groups hold its own parameters only, and of an entry every rank
+    writes DCP keeps one rank's copy, so one list of groups would be one stage's. (Checkpoints
+    written before pipelines came keep one list of groups: they load on every layout but a
+    pipeline's.)"""
+    nested = re.compile(rf"{re.escape(key)}\.param_groups\.\d+\.params")  # a group's list of parameter names
+    return not any(nested.fullmatch(k) for k in metadata.state_dict_metadata)
 
 
 def in_shards(value: Any) -> bool:
@@ -420,8 +439,9 @@ def save(
     # Buffers (BatchNorm's running statistics) are replicated, and DCP saves one rank's copy of
     # a replicated tensor, not always rank 0's: make every rank's rank 0's, which the next
     # training forward would broadcast anyway (see strategy.fsdp), so a resume is bit-identical.
-    dist.broadcast_tensors(list(model.buffers()))
-    state = _dcp_state(entries, model)
+    if whole_shapes(model) is None:  # (a pipeline stage's buffers are its own)
+        dist.broadcast_tensors(list(model.buffers()))
+    state = _dcp_state(entries, model, frozenset(entries))  # optimizers flat (see saved_flat)
     writer = _writer(tmp)
     no_dist = dist.world_size() == 1
     if not background:
@@ -631,7 +651,7 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     every rank reads the whole tensors). Collective under a process group. Returns state.pt's
     entries."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     path = os.fspath(path)
     metadata = read_metadata(path)
@@ -639,7 +659,13 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
     verified_here(path)
     if not targets:
         return rest
-    state = _dcp_state(targets, model)
+    flat = frozenset(key for key in targets if saved_flat(metadata, key))
+    if whole_shapes(model) is not None and any(key not in flat and is_optimizer(t) for key, t in targets.items()):
+        raise UsageError(
+            f"checkpoint {path}: its optimizer state is one list of every parameter, which a pipeline stage "
+            "cannot take its share of; resume it on another layout first (its next checkpoint loads under pp)"
+        )
+    state = _dcp_state(targets, model, flat)
     _check_keys(path, metadata, state, targets)
     try:
         with _one_process_quiet():
@@ -654,8 +680,13 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
         elif saved_in_shards(target):
             target.load_state_dict(state[key])
         else:
-            set_optimizer_state_dict(model, target, state[key])
+            options = StateDictOptions(flatten_optimizer_state_dict=key in flat)
+            set_optimizer_state_dict(model, target, state[key], options=options)
     return rest
+
+
+def is_optimizer(value: Any) -> bool:
+    return not isinstance(value, torch.nn.Module) and not saved_in_shards(value)
 
 
 def _check_keys(path: str, metadata: Any, state: dict[str, Any], targets: dict[str, Any]) -> None:
@@ -667,10 +698,19 @@ def _check_keys(path: str, metadata: Any, state: dict[str, Any], targets: dict[s
             have = sorted({k.split(".")[0] for k in saved_keys})
             raise KeyError(f"checkpoint {path} has no entry {key!r}; it has {have}")
         if isinstance(target, torch.nn.Module):
-            want = {name: tuple(t.shape) for name, t in state[key].items() if isinstance(t, torch.Tensor)}
+            want = whole_shapes(target) or {
+                name: tuple(t.shape) for name, t in state[key].items() if isinstance(t, torch.Tensor)
+            }
             problem = shape_problem(saved_shapes(metadata, key), want)
             if problem:
                 raise UsageError(f"checkpoint {path}: its weights do not fit this model ({problem})")
+
+
+def whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]] | None:
+    """The whole model's state shapes where `model` holds a part of it: a pipeline stage (see
+    ddpkit.strategy.pp), whose own state is its share of a checkpoint's entries."""
+    stage = getattr(model, "_ddpkit_stage", None)
+    return None if stage is None else stage.shapes
 
 
 def shape_problem(saved: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> str | None:

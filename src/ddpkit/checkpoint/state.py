@@ -141,7 +141,7 @@ def load_state(target: Any, state: Any, sharded: torch.nn.Module | None = None) 
             load_full_model_state(bare, state)
         else:
             bare.load_state_dict(state)
-    elif isinstance(target, torch.optim.Optimizer) and holds_dtensors(target):
+    elif isinstance(target, torch.optim.Optimizer) and (sharded is not None or holds_dtensors(target)):
         if sharded is None:
             raise UsageError("an optimizer of an fsdp model is loaded together with its model (one load call)")
         load_full_optimizer_state(sharded, target, state)

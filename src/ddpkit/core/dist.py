@@ -531,12 +531,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
             offset += t.numel()
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """The `src` rank's Python object, on every rank."""
-    if world_size() == 1:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """The `src` rank's Python object (a global rank), on every rank (of `group`; None: every rank)."""
+    if group_size(group) == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

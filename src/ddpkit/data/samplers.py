@@ -208,6 +208,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
             layout.append((start, stop, MicroBatch(stop - start, batch_len, i == len(starts) - 1, start=start)))
         return tuple(layout)
 
+    def most_micro_batches(self) -> tuple[int, int]:
+        """(micro-batches, samples in the largest) of the rank with the largest share of a full
+        global batch: what a pipeline's schedule is built for (every step padded to it)."""
+        largest = -(-self.global_batch // self.world_size)
+        micro = self.micro or max(1, largest)
+        return max(1, -(-largest // micro)), micro
+
     def _padding(self, batch_len: int, count: int) -> int:
         """Empty micro-batches this rank adds to its `count` for a global batch of `batch_len`."""
         if not (self.lockstep and self.micro):  # without micro-batches every rank runs one

@@ -38,7 +38,7 @@ from ..core import checks, dist
 from ..core.precision import Precision, outputs_to_fp32
 from ..data import IGNORE, DistributedLoader, ShardSampler
 from ..errors import UsageError
-from ..strategy import eval_view, lockstep
+from ..strategy import eval_view, lockstep, stage_of
 from .gather import Collector, gather
 from .gather import samples as samples_in
 
@@ -148,7 +148,13 @@ def evaluation_keys(keys: Any) -> Keys | None:
 
 
 def call(net: Any, x: Any) -> Any:
-    """The model on an evaluation batch's input: `net(x)`, or `net(**x)` for several named inputs."""
+    """The model on an evaluation batch's input: `net(x)`, or `net(**x)` for several named inputs;
+    through the pipeline for a pipeline stage (every stage gets the last one's output)."""
+    stage = stage_of(net)
+    if stage is not None and stage.pipeline is not None:
+        if isinstance(x, Inputs):
+            raise UsageError("evaluate under pp: one input tensor per batch, not named inputs")
+        return stage.pipeline.forward(x)
     return net(**x) if isinstance(x, Inputs) else net(x)
 
 

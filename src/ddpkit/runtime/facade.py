@@ -71,14 +71,17 @@ class Runtime(Collectives):
             one process the bare model), 'hsdp' (FSDP2 sharded over `dp`, replicated over
             `replicate`), 'tp' (tensor parallel over `tp`, FSDP2 over `dp`), 'dp'
             (nn.DataParallel over the visible GPUs, one process) or 'single'.
-        mesh: the processes' layout, "dp=2,tp=2" or {"dp": 2, "tp": 2} (dimensions replicate,
-            dp, tp; their sizes multiply to the number of processes): a mesh with `tp` or
+        mesh: the processes' layout, "dp=2,tp=2" or {"dp": 2, "tp": 2} (dimensions pp, replicate,
+            dp, tp; their sizes multiply to the number of processes): a mesh with `tp`, `pp` or
             `replicate` runs that strategy when `strategy` is left at ddp. Default: the
             strategy's own (ddp, fsdp: dp=N; hsdp: replicate=machines, dp=processes on each;
             tp: dp=machines, tp=processes on each). See docs/parallelism.md.
         tp_plan: under tp, for a model without a `tp_plan(tp_size)` method of its own: a dict
             of module names (`*` wildcards) to torch's ColwiseParallel/RowwiseParallel/...
             styles, or a callable `(model, tp_mesh) -> None` that parallelizes it.
+        pp_schedule: under pp, torch's pipeline schedule: '1f1b' (one forward, one backward in
+            the steady state: at most as many micro-batches' activations held as stages) or
+            'gpipe' (every forward, then every backward).
         precision: 'fp32', 'bf16' or 'fp16' (autocast; under fsdp FSDP2's mixed-precision
             policy, fp32 shards and fp32 gradient reduction; fp16 adds a GradScaler).
         device: 'auto', 'cpu' or 'cuda'.
@@ -129,6 +132,7 @@ class Runtime(Collectives):
         activation_checkpointing: activations.Choice = None,
         mesh: str | dict[str, int] | None = None,
         tp_plan: Any = None,
+        pp_schedule: str = strategies.SCHEDULES[0],
     ):
         self._model: nn.Module | None = None
         # What save_state() holds without being told: every model and optimizer given to
@@ -176,6 +180,8 @@ class Runtime(Collectives):
                 strategy, self.world_size, self.device, self.ddp_options, fsdp_options, spec, self.env.local_world_size
             )
             self._strategy.tp_plan = tp_plan
+            checks.choice("pp_schedule", pp_schedule, strategies.SCHEDULES)
+            self._strategy.schedule = pp_schedule
             self._log = tracking.RunLog(log_dir, log_with, self.is_main)
         except BaseException:
             self.close()
@@ -210,6 +216,12 @@ class Runtime(Collectives):
         """True when the strategy shards the parameters over the ranks (fsdp): its checkpoints
         are directories every rank writes, and a forward on one rank alone waits for the others."""
         return self._strategy.sharded
+
+    @property
+    def pipelined(self) -> bool:
+        """True when training steps run through a pipeline schedule (pp): train with
+        `forward_backward`, not `model(x)` and `backward`."""
+        return self._strategy.pipelined
 
     @property
     def devices(self) -> int:
@@ -361,6 +373,61 @@ class Runtime(Collectives):
         strategy.settled_backward).
         """
         self._steps.backward(loss, weight)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        x: Any,
+        y: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        measure: Callable[[Any, Any], tuple[Any, ...]] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """A training micro-batch from `loader()`, forward and backward, on any strategy:
+        `loss_fn(model(x), y)` (the micro-batch's MEAN loss) back-propagated as `backward` does.
+        Returns `[(loss, *measure(output, y))]`, detached (just `[(loss,)]` without `measure`).
+
+        Under pp the micro-batches of a step are held until its last one; then the pipeline's
+        schedule runs them all, forward and backward, and the last stage returns one such tuple
+        per micro-batch that holds samples ([] before that, and on the other stages)."""
+        pipeline = self._pipeline(model)
+        if pipeline is None:
+            out = model(x)
+            loss = loss_fn(out, y)
+            self.backward(loss)
+            return [(loss.detach(), *(measure(out.detach(), y) if measure else ()))]
+        acc = self._acc
+        micro = acc.micro
+        if micro is None:
+            raise UsageError("rt.forward_backward under pp takes the micro-batches of a loader from rt.loader()")
+        pipeline.add(x, y, micro)
+        if not micro.last:
+            return []
+        weights = [m.count * self.data_world_size / m.step_count if m.count else 0.0 for _, _, m in pipeline._queue]
+        sampler = getattr(self._loaders[-1], "sampler", None) if self._loaders else None
+        if not hasattr(sampler, "most_micro_batches"):
+            raise UsageError("rt.forward_backward under pp takes the micro-batches of a loader from rt.loader()")
+        chunks, rows = sampler.most_micro_batches()
+        try:
+            return pipeline.run(chunks, rows, weights, loss_fn, measure)
+        finally:
+            acc.micro = micro  # the step's last, as the loader left it (rt.step reads it)
+            self._steps.counted = False  # a backward ran: the next step() counts
+
+    def _pipeline(self, model: nn.Module) -> Any:
+        """`model`'s pipeline under pp (its micro-batches keying dropout), else None."""
+        if not self._strategy.pipelined:
+            return None
+        stage = strategies.stage_of(model)
+        if stage is None or stage.pipeline is None:
+            raise UsageError("rt.forward_backward under pp takes the model setup() returned")
+        if stage.pipeline.on_chunk is None:
+            acc = self._acc
+
+            def on_chunk(micro: Any) -> None:
+                acc.micro = micro
+
+            stage.pipeline.on_chunk = on_chunk
+        return stage.pipeline
 
     @property
     def step_ready(self) -> bool:

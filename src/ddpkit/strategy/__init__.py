@@ -1,9 +1,10 @@
 """How a model is spread over devices, one module per strategy: `single` (the bare model),
 `dp` (nn.DataParallel), `ddp` (DistributedDataParallel), `fsdp` (FSDP2, sharded), `hsdp`
-(FSDP2 on a replicate x dp mesh) and `tp` (tensor parallel, with FSDP2 over dp).
+(FSDP2 on a replicate x dp mesh), `tp` (tensor parallel, with FSDP2 over dp) and `pp` (pipeline
+stages of an nn.Sequential).
 
 The layout of the processes is a mesh (`--mesh dp=2,tp=2`, see `mesh`): a mesh naming a
-dimension of one strategy's own (`tp`, `replicate`) runs that strategy when no other is asked
+dimension of one strategy's own (`tp`, `replicate`, `pp`) runs that strategy when no other is asked
 for (`for_mesh`).
 
 `resolve` turns a requested name into the strategy that will actually run on this many
@@ -37,6 +38,7 @@ from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
+from .pp import SCHEDULES, PipelineParallel, split_stages, stage_of
 from .single import Single
 from .tp import TensorParallel, check_plan
 
@@ -45,7 +47,7 @@ from .tp import TensorParallel, check_plan
 REGISTRY: dict[str, type[Strategy]] = {
     # (`sharded_by` asks in this order: tp's models are fsdp's too where dp > 1)
     cls.name: cls
-    for cls in (DDP, DataParallel, TensorParallel, FSDP, HSDP, Single)
+    for cls in (DDP, DataParallel, TensorParallel, FSDP, HSDP, PipelineParallel, Single)
 }
 DEFAULT = "ddp"  # what runs when nothing is asked for (and what a mesh's own strategy replaces)
 STRATEGIES = tuple(sorted(REGISTRY))  # the names at import (the registry may grow: `names()`)
@@ -53,6 +55,7 @@ STRATEGIES = tuple(sorted(REGISTRY))  # the names at import (the registry may gr
 __all__ = [
     "COMM_HOOKS",
     "REGISTRY",
+    "SCHEDULES",
     "STRATEGIES",
     "DDPOptions",
     "DistributedDataParallel",
@@ -81,6 +84,8 @@ __all__ = [
     "resolve_name",
     "settled_backward",
     "sharded_by",
+    "split_stages",
+    "stage_of",
     "unsettled",
     "unwrap",
 ]

@@ -69,6 +69,9 @@ class Strategy:
     # mesh with that dimension runs this strategy when none is asked for (`for_mesh`).
     mesh_dims: ClassVar[tuple[str, ...]] = ("dp",)
     own_dim: ClassVar[str | None] = None
+    # Its training steps run through a pipeline schedule (pp): `rt.forward_backward` hands it each
+    # micro-batch, and `model(x)` in training is refused.
+    pipelined: ClassVar[bool] = False
     # It splits layers by a tensor-parallel plan (tp): Runtime(tp_plan=...) applies to it only.
     takes_tp_plan: ClassVar[bool] = False
     # Why `ddpkit find-batch-size` cannot search under it, where that is the reason (else the

@@ -3,6 +3,8 @@
 A mesh names each dimension and its size; the product of the sizes is the number of
 processes. The dimensions, outermost first:
 
+- `pp`: pipeline parallel: the ranks along it hold consecutive stages of the model and read
+  the same samples (`--strategy pp`);
 - `replicate`: whole copies of the model, each sharded over `dp` (HSDP, `--strategy hsdp`);
 - `dp`: data parallel: each rank along it reads other samples (ddp replicates the model over
   it, fsdp, hsdp and tp shard it);
@@ -33,7 +35,7 @@ from ..core import dist
 from ..errors import UsageError
 
 # Outermost first (torch's DeviceMesh is row-major: the last dimension's ranks are neighbours).
-DIMS = ("replicate", "dp", "tp")
+DIMS = ("pp", "replicate", "dp", "tp")
 # Those along which ranks read other samples.
 DATA_DIMS = ("replicate", "dp")
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(-?\d+)\s*$")
@@ -175,9 +177,11 @@ class Layout:
         return self.spec.data_rank(rank)
 
     def leads(self, rank: int) -> bool:
-        """Whether global `rank` is the first of the ranks that read its samples (tp coordinate
-        0): the one whose sums count, where every rank's are gathered."""
-        return all(at == 0 for name, at in self.spec.coordinates(rank).items() if name not in DATA_DIMS)
+        """Whether global `rank` is the one of the ranks that read its samples whose sums count,
+        where every rank's are gathered: tp coordinate 0, and the last pipeline stage (the one
+        that computes the loss)."""
+        last = {"pp": self.spec.size("pp") - 1}
+        return all(at == last.get(name, 0) for name, at in self.spec.coordinates(rank).items() if name not in DATA_DIMS)
 
     def where(self, rank: int) -> str:
         """`dp=1,tp=0`: the rank's coordinates, for messages (empty on a plain layout)."""

@@ -29,8 +29,9 @@ class TrainConfig:
     model: str = "cnn"  # cnn, simple-cnn, lenet, mlp, resnet18, fast-cifar, gpt (both recipes: see docs/flags.md), or your own package.module:function, called as function(in_shape, num_classes) -> nn.Module
     nproc: str = "auto"  # processes on this machine: N, or auto (one per GPU; on CPU one per 4 cores)
     device: str = "auto"  # auto, cpu or cuda
-    strategy: str = "ddp"  # ddp, fsdp (FSDP2: parameters sharded), hsdp (sharded per replica), tp (tensor parallel, fsdp over dp), dp (nn.DataParallel, one process) or single
-    mesh: str | None = None  # process layout, e.g. dp=2,tp=2 or replicate=2,dp=2; tp/replicate pick the strategy
+    strategy: str = "ddp"  # ddp, fsdp (FSDP2: parameters sharded), hsdp (sharded per replica), tp (tensor parallel, fsdp over dp), pp (pipeline stages), dp (nn.DataParallel, one process) or single
+    mesh: str | None = None  # process layout, e.g. dp=2,tp=2 or pp=2; tp/replicate/pp pick the strategy
+    pp_schedule: str = "1f1b"  # --mesh pp: the pipeline schedule, 1f1b or gpipe
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # GLOBAL batch: samples per optimizer step over all processes together
     micro_batch_size: int | None = None  # most samples per forward on one process; more accumulate

@@ -77,6 +77,7 @@ def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str,
         fsdp=plan.fsdp,
         activation_checkpointing=cfg.activation_checkpointing,
         mesh=cfg.mesh,
+        pp_schedule=cfg.pp_schedule,
     ) as rt:
         timeline.mark("process_group_ready")
         # Under torchrun each rank made its own plan and clock: rank 0's win.
@@ -305,14 +306,18 @@ class Loop:
         self.timer.start()
         for x, y in batches:
             n = self.train_loader.current.count  # what the loss is a mean over: samples, or tokens
-            try:
-                logits = self.model(x)
-                loss = self.task.loss(logits, y)
-            except torch.cuda.OutOfMemoryError:
-                raise torch.cuda.OutOfMemoryError(self._oom_advice(len(x))) from None
-            rt.backward(loss)
-            if n:
-                tally.add(loss.detach(), self.task.correct(logits.detach(), y), n, run.step + 1)
+            if rt.pipelined:  # the step's micro-batches go through the schedule at its last one
+                for loss, correct, count in rt.forward_backward(self.model, x, y, self.task.loss, self._measure):
+                    tally.add(loss, correct, count, run.step + 1)
+            else:
+                try:
+                    logits = self.model(x)
+                    loss = self.task.loss(logits, y)
+                except torch.cuda.OutOfMemoryError:
+                    raise torch.cuda.OutOfMemoryError(self._oom_advice(len(x))) from None
+                rt.backward(loss)
+                if n:
+                    tally.add(loss.detach(), self.task.correct(logits.detach(), y), n, run.step + 1)
             if skip and rt.step_ready and self._skip_step():
                 pass  # no update on any rank: the step's data is spent, the schedule moves on
             elif not rt.step(self.opt, max_grad_norm=cfg.max_grad_norm):
@@ -348,6 +353,11 @@ class Loop:
             if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
                 self.save(out)
         return True
+
+    def _measure(self, logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pipelined micro-batch's correct predictions and count (its real targets: the
+        schedule's padding is ignored)."""
+        return self.task.correct(logits, y), (y != data.IGNORE).sum()
 
     def _skip_step(self) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.

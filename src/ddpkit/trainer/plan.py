@@ -55,6 +55,7 @@ CHOICES = {
     "lr_scaling": LR_SCALINGS,
     "on_nonfinite": ("stop", "skip"),
     "loader": tuple(LOADERS),
+    "pp_schedule": strategies.SCHEDULES,
 }
 POSITIVE = (
     "epochs",
@@ -153,6 +154,7 @@ def resolve(cfg: TrainConfig) -> RunPlan:
             _synthetic_what(cfg), data.synthetic_bytes(in_shape, cfg.synthetic_size, num_classes), topology.nproc
         )
     layout = _layout(cfg, mesh, topology, in_shape, num_classes)
+    cfg = _pipeline_micro_batches(cfg, layout)
     if layout.data_size == topology.world_size:  # every node's processes
         data.check_global_batch(cfg.batch_size, topology.world_size)
     else:  # tensor-parallel ranks share their samples
@@ -213,7 +215,40 @@ def _layout(
                 strategies.check_plan(model.tp_plan(tp))
         except UsageError as err:
             raise UsageError(f"--model {cfg.model}: tp_plan({tp}): {err}") from None
+    pp = spec.size("pp")
+    if pp > 1:
+        if cfg.precision == "fp16":
+            raise UsageError(f"--mesh {spec}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
+        if cfg.compile:
+            raise UsageError(f"--mesh {spec}: --compile under a pipeline is not supported yet")
+        with torch.device("meta"):  # shapes only: nothing allocated
+            model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
+        strategies.split_stages(model, pp)  # one line if it cannot be split so
     return spec
+
+
+def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> TrainConfig:
+    """Under pp, the micro-batches are the pipeline's: without --micro-batch-size, each data
+    rank's share of a step is cut into as many as there are stages (the results do not depend on
+    it); with it, 1f1b needs at least as many micro-batches as stages."""
+    pp = layout.size("pp")
+    if pp == 1:
+        return cfg
+    share = -(-cfg.batch_size // layout.data_size)
+    if cfg.micro_batch_size is None:
+        if share < pp and cfg.pp_schedule == "1f1b":
+            raise UsageError(
+                f"--mesh {layout}: a step's {share} sample(s) per data rank cannot fill {pp} pipeline stages; "
+                f"raise --batch-size to at least {pp * layout.data_size}, or use --pp-schedule gpipe"
+            )
+        return dataclasses.replace(cfg, micro_batch_size=-(-share // pp))
+    chunks = -(-share // min(cfg.micro_batch_size, share))
+    if chunks < pp and cfg.pp_schedule == "1f1b":
+        raise UsageError(
+            f"--pp-schedule 1f1b: --micro-batch-size {cfg.micro_batch_size} gives {chunks} micro-batch(es) per step "
+            f"for {pp} pipeline stages; give at most {-(-share // pp)}, or use --pp-schedule gpipe"
+        )
+    return cfg
 
 
 def check_settings(cfg: TrainConfig) -> None:

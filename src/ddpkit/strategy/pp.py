@@ -1,0 +1,443 @@
+"""`pp`: pipeline parallel over the mesh's `pp` dimension (`--mesh pp=2`), with torch's
+`torch.distributed.pipelining` (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`).
+
+The model is an `nn.Sequential` (ddpkit's gpt and image models are): each rank keeps a
+contiguous run of its children, chosen so that the stages hold about as many parameters each,
+and drops the others. The children it keeps keep their names (`block2.attn.q.weight` stays
+that), so a stage's state_dict is its share of the whole model's, and a checkpoint written under
+pp loads under any other layout and the other way round.
+
+A training step goes through the schedule, not through `model(x)` and `rt.backward`: the loop
+hands `rt.forward_backward` each micro-batch of the step; on the last one, the schedule runs
+them all, forward and backward, as the pipeline's micro-batches (each padded to the same
+number of rows, the padding's targets ignored). The loss of each micro-batch is weighted by its
+share of the global batch's samples or tokens, the schedule does not rescale (`scale_grads=False`),
+so the gradients are the global batch's mean, as on one process. Dropout draws per micro-batch
+as the loader laid it out: the same masks as on any other layout.
+
+Evaluation runs each batch through a forward-only schedule, and the last stage's output is
+broadcast to the other stages: every rank's `model(x)` then returns the whole output, and exact
+evaluation, metrics and gathered outputs work as under any strategy. (The broadcast costs one
+copy of the output per evaluation batch; the loss alone would be cheaper, not done yet.)
+
+The pipeline's ranks read the same samples: `pp` is not a data dimension (see ddpkit.strategy.mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..core import dist
+from ..errors import UsageError
+from .base import Strategy, unwrap
+from .mesh import MeshSpec
+
+SCHEDULES = ("1f1b", "gpipe")
+DEFAULT_SCHEDULE = "1f1b"
+
+
+@dataclass
+class Stage:
+    """What a pipelined model knows of its place: which stage it is, of how many, the names of
+    the children it kept and the whole model's parameter shapes; and its pipeline."""
+
+    index: int
+    count: int
+    kept: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    names: dict[int, str] = field(default_factory=dict)  # id of each whole-model parameter -> its name (until adopt)
+    pipeline: Pipeline | None = None
+    # id of an optimizer -> its parameter groups as the whole model's parameter names, as built
+    # (what a whole optimizer state's indices refer to: see load_full_optimizer_state)
+    optimizer_groups: dict[int, list[list[str]]] = field(default_factory=dict)
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def stage_of(model: nn.Module) -> Stage | None:
+    """The `Stage` of a model `pp` split (through any wrapper), else None."""
+    return getattr(unwrap(model), "_ddpkit_stage", None)
+
+
+class PipelineParallel(Strategy):
+    """Stages of an nn.Sequential over `pp`, run by torch's schedules (see the module docstring)."""
+
+    name = "pp"
+    mesh_dims: ClassVar[tuple[str, ...]] = ("pp",)
+    own_dim: ClassVar[str | None] = "pp"
+    lockstep: ClassVar[bool] = True
+    sharded: ClassVar[bool] = True
+    keeps_ranks_in_step: ClassVar[bool] = True
+    sync_batchnorm: ClassVar[bool] = False
+    refuses_sync_batchnorm: ClassVar[str] = "--strategy pp does not support SyncBatchNorm (--sync-batchnorm)"
+    refuses_search: ClassVar[str] = "a pipeline's memory depends on its schedule's micro-batches, not searched yet"
+    pipelined: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device, schedule: str = DEFAULT_SCHEDULE):
+        super().__init__(device)
+        self.schedule = schedule
+        self._kept: set[int] = set()  # ids of the parameters this stage kept (adopt)
+        self._stage: Stage | None = None
+
+    @classmethod
+    def default_mesh(cls, world_size: int, local_world_size: int) -> MeshSpec:
+        return MeshSpec((("pp", world_size),))
+
+    @classmethod
+    def needs_device_mesh(cls, spec: MeshSpec) -> bool:
+        return True
+
+    @classmethod
+    def owns(cls, model: nn.Module) -> bool:
+        return stage_of(model) is not None
+
+    @classmethod
+    def bytes_per_weight(cls, world_size: int) -> float:
+        return 16.0  # a stage's share, but every rank builds the whole model first
+
+    @classmethod
+    def full_model_state(cls, model: nn.Module) -> dict[str, Any]:
+        """Every stage's state_dict, gathered (in CPU memory) and merged on rank 0."""
+        own = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+        parts = dist.gather_objects(own)
+        if dist.rank() != 0:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    @classmethod
+    def load_full_model_state(cls, model: nn.Module, state: dict[str, Any]) -> None:
+        bare = unwrap(model)
+        own = bare.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise KeyError(f"the state has no {', '.join(missing[:3])}")
+        bare.load_state_dict({k: state[k] for k in own})
+
+    @classmethod
+    def load_full_optimizer_state(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """An `Optimizer.state_dict()` of an optimizer built on the whole model (one process,
+        ddp): this stage's parameters' share of it, matched by name."""
+        stage = stage_of(model)
+        assert stage is not None
+        whole = stage.optimizer_groups.get(id(optimizer))
+        saved = state["param_groups"]
+        if whole is None or len(saved) != len(whole) or any(len(s["params"]) != len(w) for s, w in zip(saved, whole)):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
+        name_of = {i: name for s, w in zip(saved, whole) for i, name in zip(s["params"], w)}
+        own = dict(unwrap(model).named_parameters())
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        groups = [
+            {**{k: v for k, v in s.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+            for s, g in zip(saved, optimizer.param_groups)
+        ]
+        kept = {index[id(own[name_of[i]])]: v for i, v in state["state"].items() if name_of.get(i) in own}
+        optimizer.load_state_dict({"state": kept, "param_groups": groups})
+
+    def wrap(
+        self, model: nn.Module, precision: Any = None, channels_last: bool = False, compile: Any = False
+    ) -> nn.Module:
+        if precision is not None and precision.scaler is not None:
+            raise UsageError("--strategy pp: fp16's loss scaling does not run through a pipeline schedule; use bf16")
+        if compile:
+            raise UsageError("--strategy pp: torch.compile under a pipeline is not supported yet")
+        self._stage = split(model, self._pp_index(), self._pp_size())
+        self._kept = {id(p) for p in model.parameters()}
+        return super().wrap(model, precision, channels_last, compile)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        stage = stage_of(model)
+        assert stage is not None and self.layout is not None
+        stage.pipeline = Pipeline(model, stage, self.layout.sub("pp").get_group(), self.device, self.schedule)
+        return model
+
+    def _pp_index(self) -> int:
+        assert self.layout is not None
+        return self.layout.spec.coordinates(dist.rank()).get("pp", 0)
+
+    def _pp_size(self) -> int:
+        assert self.layout is not None
+        return self.layout.spec.size("pp")
+
+    def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        """An optimizer built on the whole model steps this stage's parameters only."""
+        stage = self._stage
+        assert stage is not None
+        for opt in optimizers:
+            if opt.state:
+                raise UsageError("under pp, pass setup() an optimizer that has not stepped yet")
+            stage.optimizer_groups[id(opt)] = [
+                [stage.names.get(id(p), "") for p in g["params"]] for g in opt.param_groups
+            ]
+            for group in opt.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in self._kept]
+        stage.names = {}  # (the dropped parameters may go: their ids with them)
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """The norm over every stage's gradients: each stage's sum of squares, added up over the pipeline."""
+        assert self.layout is not None
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        own = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.device)
+        squares = dist.all_reduce(own.double().reshape(1) ** 2, group=self.layout.sub("pp").get_group())
+        norm = squares.sqrt().reshape(()).float()
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].device))
+        return norm
+
+
+def split(model: nn.Module, index: int, count: int) -> Stage:
+    """Keep stage `index` of `count` of the Sequential `model` in place (its children's names
+    unchanged), the stages cut where each holds about as many parameters. UsageError for a
+    model that cannot be split so."""
+    if not isinstance(model, nn.Sequential):
+        raise UsageError(
+            f"--strategy pp splits an nn.Sequential model between its children (ddpkit's gpt and image models "
+            f"are one); {type(model).__name__} is not"
+        )
+    names = list(model._modules)
+    if len(names) < count:
+        raise UsageError(f"--mesh pp={count}: the model has {len(names)} children to split into {count} stages")
+    sizes = [sum(p.numel() for p in model._modules[n].parameters()) for n in names]  # type: ignore[union-attr]
+    bounds = balanced_cuts(sizes, count)
+    owner: dict[int, int] = {}  # id of a parameter -> the stage holding it
+    for s in range(count):
+        for name in names[bounds[s] : bounds[s + 1]]:
+            for p in model._modules[name].parameters():  # type: ignore[union-attr]
+                if owner.setdefault(id(p), s) != s:
+                    raise UsageError(
+                        f"--strategy pp: {name} shares a parameter with a child on another stage (tied weights); "
+                        "a pipeline cannot split it there"
+                    )
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    kept = tuple(names[bounds[index] : bounds[index + 1]])
+    for name in names:
+        if name not in kept:
+            del model._modules[name]  # (not `del model[i]`: that renumbers the children)
+    stage = Stage(index, count, kept, shapes, param_names)
+    model._ddpkit_stage = stage  # type: ignore[assignment]
+    return stage
+
+
+def split_stages(model: nn.Module, count: int) -> None:
+    """The UsageError `split` would raise for `model` on `count` stages, if any (checked on a
+    copy built on the meta device: it is cut)."""
+    split(model, 0, count)
+
+
+def balanced_cuts(sizes: Sequence[int], parts: int) -> list[int]:
+    """Cut points [0, ..., len(sizes)] of `parts` contiguous non-empty runs whose largest sum is
+    the least it can be (the first such cut, scanning from the left)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the least largest run covering sizes[:i] with k runs; cut[k][i]: where the last began
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds, i = [n], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+@dataclass
+class Pipeline:
+    """One stage's schedules: the training one (made at the first step, when the number of
+    micro-batches is known) and a forward-only one per shape of evaluation batch."""
+
+    module: nn.Module  # the stage as the strategy wrapped it (what the schedules call)
+    stage: Stage
+    group: Any
+    device: torch.device
+    schedule: str
+    _train: Any = None
+    _train_shape: tuple[int, int] | None = None  # (micro-batches, rows each)
+    _evals: dict[Any, Any] = field(default_factory=dict)
+    _queue: list[tuple[Any, Any, Any]] = field(default_factory=list)  # the step's (x, y, MicroBatch)
+    _micros: list[Any] = field(default_factory=list)  # each chunk's MicroBatch, during a step
+
+    def __post_init__(self) -> None:
+        self.on_chunk: Callable[[Any], None] | None = None  # told each chunk's MicroBatch (dropout's keys)
+        self._loss: Callable[[Any, Any], torch.Tensor] | None = None  # the step's weighted loss
+        self._running = False  # a schedule is calling the module
+        self._index: int | None = None  # the micro-batch the schedule runs now
+        self.module.register_forward_pre_hook(self._guard)
+
+    def _guard(self, module: nn.Module, args: Any) -> None:
+        if not self._running:
+            raise UsageError(
+                "under pp a stage's forward runs inside the pipeline's schedule: train with "
+                "rt.forward_backward(model, x, y, loss_fn), evaluate with rt.evaluate (or ddpkit's evaluation)"
+            )
+
+    @property
+    def last_rank(self) -> int:
+        """The global rank of the last stage (of this rank's pipeline)."""
+        return torch.distributed.get_global_rank(self.group, self.stage.count - 1)
+
+    def chunk(self, index: int) -> None:
+        """The schedule is about to run micro-batch `index` forward or backward (a backward may
+        recompute the forward: activation checkpointing)."""
+        self._index = index
+        if self._micros and self.on_chunk is not None:
+            self.on_chunk(self._micros[index])
+
+    # -- training ------------------------------------------------------------------------------
+    def add(self, x: torch.Tensor, y: torch.Tensor, micro: Any) -> None:
+        self._queue.append((x, y, micro))
+
+    def run(
+        self,
+        chunks: int,
+        rows: int,
+        weights: list[float],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        measure: Callable[[Any, Any], tuple[Any, ...]] | None,
+    ) -> list[tuple[Any, ...]]:
+        """The queued micro-batches of a step, forward and backward through the schedule, as
+        `chunks` micro-batches of `rows` rows (padded, their targets ignored); `weights`: what
+        each queued one's mean loss counts. Returns, on the last stage, (loss, *measure) of each
+        queued micro-batch that holds samples ([] on the others)."""
+        queue, self._queue = self._queue, []
+        if len(queue) > chunks:
+            raise UsageError(f"--strategy pp: a step of {len(queue)} micro-batches, more than the {chunks} planned")
+        xs, ys, micros = padded(queue, chunks, rows)
+        schedule = self._training(chunks, rows)
+        results: list[tuple[Any, ...]] = []
+        weights = weights + [0.0] * (chunks - len(weights))
+
+        def weighted(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(out, y)
+            i = self._index  # the micro-batch whose forward just ran
+            if i is None:  # torch's first look at the shapes (its metadata inference): no micro-batch
+                return loss
+            if i < len(queue) and queue[i][2].count:
+                results.append((loss.detach(), *(measure(out.detach(), y) if measure else ())))
+            w = weights[i]
+            return loss * w if w > 0 else loss.nan_to_num(0.0) * 0.0
+
+        self._loss, self._micros, self._index = weighted, micros, None  # (the loss: once per micro-batch, in order)
+        self._running = True
+        try:
+            first = self.stage.index == 0
+            schedule.step(
+                *((torch.cat(xs),) if first else ()),
+                target=torch.cat(ys) if self.stage.is_last else None,
+                return_outputs=False,
+            )
+        finally:
+            self._loss, self._micros, self._running = None, [], False
+        return results
+
+    def _training(self, chunks: int, rows: int) -> Any:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        if self._train is None:
+            cls = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
+            if cls is Schedule1F1B and chunks < self.stage.count:
+                raise UsageError(
+                    f"--pp-schedule 1f1b: {chunks} micro-batch(es) per step for {self.stage.count} stages; give "
+                    "--micro-batch-size so each step has at least as many, or --pp-schedule gpipe"
+                )
+            self._train = cls(self._new_stage(), chunks, loss_fn=self._step_loss, scale_grads=False)
+            self._train_shape = (chunks, rows)
+        elif self._train_shape != (chunks, rows):
+            raise UsageError(f"--strategy pp: steps of {chunks} x {rows} after {self._train_shape}: one shape per run")
+        return self._train
+
+    def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert self._loss is not None
+        return self._loss(out, y)
+
+    def _new_stage(self) -> Any:
+        """torch's PipelineStage over this stage's module, telling `chunk` of each micro-batch."""
+        from torch.distributed.pipelining import PipelineStage
+
+        pipeline = self
+
+        class KeyedStage(PipelineStage):
+            def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                pipeline.chunk(fwd_chunk_id)
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+            def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                pipeline.chunk(bwd_chunk_id)
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        return KeyedStage(self.module, self.stage.index, self.stage.count, self.device, group=self.group)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` through every stage (forward only); the last stage's output, on every stage."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        shape = (tuple(x.shape), x.dtype) if self.stage.index == 0 else None
+        shape = dist.broadcast_object(shape, src=torch.distributed.get_global_rank(self.group, 0), group=self.group)
+        if shape[0][0] == 0:  # an empty batch (lockstep's padding): nothing to run
+            return torch.empty(0, device=self.device)
+        if shape not in self._evals:
+            self._evals[shape] = ScheduleGPipe(self._new_stage(), 1)
+        self._running = True
+        try:
+            out = self._evals[shape].step(*((x,) if self.stage.index == 0 else ()))
+        finally:
+            self._running = False
+        meta = (tuple(out.shape), out.dtype) if self.stage.is_last else None
+        meta = dist.broadcast_object(meta, src=self.last_rank, group=self.group)
+        if not self.stage.is_last:
+            out = torch.empty(meta[0], dtype=meta[1], device=self.device)
+        torch.distributed.broadcast(out, src=self.last_rank, group=self.group)
+        return out
+
+
+def padded(queue: list[tuple[Any, Any, Any]], chunks: int, rows: int) -> tuple[list[Any], list[Any], list[Any]]:
+    """The step's micro-batches as `chunks` of `rows` rows each: each one padded (inputs zero,
+    targets ignored), all-padding ones added; and each chunk's MicroBatch, `rows` long (what
+    dropout keys its rows by)."""
+    from ..data import IGNORE
+
+    x0, y0, _ = queue[0]
+    xs, ys, micros = [], [], []
+    for i in range(chunks):
+        if i < len(queue):
+            x, y, micro = queue[i]
+        else:
+            x, y, micro = x0[:0], y0[:0], None
+        extra = rows - len(x)
+        if extra < 0:
+            raise UsageError(f"--strategy pp: a micro-batch of {len(x)} samples, more than the {rows} planned")
+        if extra:
+            x = torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+            y = torch.cat([y, y.new_full((extra, *y.shape[1:]), IGNORE)])
+        xs.append(x)
+        ys.append(y)
+        start = micro.start if micro is not None else (micros[-1].start + rows if micros else 0)
+        base = micro if micro is not None else queue[-1][2]
+        micros.append(dataclasses.replace(base, size=rows, start=start, last=False))
+    return xs, ys, micros
