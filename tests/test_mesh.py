@@ -1,9 +1,10 @@
 """Meshes: the layout of a job's processes (`--mesh dp=2,tp=2`, `Runtime(mesh=...)`), the
 strategies that run on them (hsdp, tp), and ddpkit's promises on each.
 
-The distributed tests share two jobs: one of 4 processes runs every 4-process layout and the
-first two legs of the resume chain, one of 2 processes the 2-process layouts and the third leg;
-the test process itself is the one-process run and the chain's last leg."""
+The distributed tests share three jobs: one of 4 processes runs every 4-process layout and the
+first two legs of the resume chain, one of 2 processes its third leg, and one of 2 processes the
+2-process layouts and its last leg; the test process itself is the one-process run and the
+chain's fourth leg."""
 
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ def test_a_mesh_reads_as_named_sizes_outermost_first(text, sizes):
         ("dp=2;tp=2", "name=size pairs"),
         ("dp=2,tp=", "name=size pairs"),
         ("", "name=size pairs"),
-        ("pp=2", "unknown dimension 'pp'"),
         ("cp=2,dp=2", "unknown dimension 'cp'"),
         ("dp=2,dp=2", "dp is named twice"),
         ("dp=0", "dp=0"),
@@ -100,6 +100,7 @@ def test_ranks_sit_row_major_and_tp_neighbours_share_their_samples():
         ("fsdp", "dp=4", "fsdp"),
         ("tp", "tp=4", "tp"),
         ("hsdp", "dp=4", "hsdp"),  # one replica: fsdp's sharding under hsdp's name
+        ("ddp", "pp=2", "pp"),
     ],
 )
 def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
@@ -115,6 +116,9 @@ def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
         ("tp", "replicate=2,dp=2", "--strategy tp runs on dp, tp only; replicate needs --strategy hsdp"),
         ("ddp", "replicate=2,tp=2", "no strategy runs on replicate and tp together yet"),
         ("single", "tp=2", "--strategy single runs on dp only"),
+        ("fsdp", "pp=2", "--strategy fsdp runs on dp only; pp needs --strategy pp"),
+        ("ddp", "pp=2,tp=2", "no strategy runs on pp and tp together yet"),
+        ("pp", "dp=2,pp=2", "--strategy pp runs on pp only"),
     ],
 )
 def test_a_mesh_the_strategy_does_not_run_on_is_refused(asked, mesh, message):
@@ -156,6 +160,15 @@ def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
         ({"mesh": "dp=2,tp=2", "nproc": "4", "strategy": "fsdp"}, "tp needs --strategy tp"),
         ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
         ({"model": "cnn", "data": "digits", "strategy": "tp", "nproc": "2"}, "cnn has no tensor-parallel plan"),
+        ({"mesh": "pp=2", "nproc": "2", "precision": "fp16"}, "fp16's loss scaling does not run through a pipeline"),
+        ({"mesh": "pp=2", "nproc": "2", "compile": True}, "--compile under a pipeline is not supported yet"),
+        ({"mesh": "pp=4", "nproc": "4", "gpt_depth": 1}, "the model has 3 children to split into 4 stages"),
+        ({"mesh": "pp=2", "nproc": "2", "batch_size": 1}, "a step's 1 sample(s) per data rank cannot fill 2"),
+        ({"mesh": "pp=2", "nproc": "2", "micro_batch_size": 64}, "gives 1 micro-batch(es) per step for 2 pipeline"),
+        (
+            {"mesh": "pp=2", "nproc": "2", "pp_schedule": "zb"},
+            "--pp-schedule: unknown value 'zb'; choose from 1f1b, gpipe",
+        ),
     ],
 )
 def test_the_plan_refuses_a_bad_mesh_before_anything_starts(tmp_path, settings, message):
@@ -245,47 +258,53 @@ LAYOUTS_4 = {
     "hsdp 2x2": ("hsdp", "replicate=2,dp=2"),
     "fsdp+tp 2x2": ("tp", "dp=2,tp=2"),
     "tp 4": ("tp", "tp=4"),
+    "pp 4": ("pp", "pp=4"),  # a stage per child of the tiny gpt: embed, block0, block1, head
 }
-LAYOUTS_2 = {"tp 2": ("tp", "tp=2"), "hsdp 2x1": ("hsdp", "replicate=2,dp=1")}
+LAYOUTS_2 = {
+    "tp 2": ("tp", "tp=2"),
+    "hsdp 2x1": ("hsdp", "replicate=2,dp=1"),
+    "pp 2": ("pp", "pp=2"),
+    "pp 2 gpipe": ("pp", "pp=2"),
+}
+SCHEDULES = {"pp 2 gpipe": "gpipe"}  # the others: 1f1b
 
 
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory):
-    """One process; every 4-process layout and the chain's first two legs in one job; the
-    2-process layouts and its third leg in another; the last leg here."""
+    """One process; every 4-process layout and the chain's first two legs in one job; its
+    third leg in a 2-process job; its fourth here; the 2-process layouts and its last leg in
+    another 2-process job."""
     folder = tmp_path_factory.mktemp("chain")
-    ck = {leg: str(folder / leg) for leg in ("a", "b", "c")}
+    ck = {leg: str(folder / leg) for leg in ("a", "b", "c", "d", "pp")}
     one = workers_mesh.train(("ddp", None))
     unclipped = workers_mesh.train(("ddp", None), max_grad_norm=None)
     four = {name: {"layout": layout} for name, layout in LAYOUTS_4.items()}
-    # The resume chain: fsdp+tp 2x2 to step 2 -> hsdp 2x2 to 4 -> tp 2 to 5 -> one process to 6.
-    four["chain a"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "save_at": 2, "save": ck["a"], "steps": 2}
+    # The resume chain: fsdp+tp 2x2 to step 1 -> hsdp 2x2 to 3 -> tp 2 to 4 -> one process to 5 -> pp 2 to 6.
+    four["chain a"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "save_at": 1, "save": ck["a"], "steps": 1}
     four["chain b"] = {
         "layout": LAYOUTS_4["hsdp 2x2"],
         "load": ck["a"],
-        "start": 2,
-        "save_at": 4,
+        "start": 1,
+        "save_at": 3,
         "save": ck["b"],
-        "steps": 4,
+        "steps": 3,
     }
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
-    four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 2}
+    four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
-    two = {name: {"layout": layout} for name, layout in LAYOUTS_2.items()}
+    leg_c = {"layout": LAYOUTS_2["tp 2"], "load": ck["b"], "start": 3, "save_at": 4, "save": ck["c"], "steps": 4}
+    ddpkit.launch(workers_mesh.layouts, {"chain c": leg_c}, nproc=2, device="cpu")
+    workers_mesh.train(("ddp", None), load=ck["c"], start=4, save_at=5, save=ck["d"], steps=5)
+    two = {name: {"layout": layout, "schedule": SCHEDULES.get(name, "1f1b")} for name, layout in LAYOUTS_2.items()}
     two["user plan"] = {"user_plan": "tp=2"}
     two["old qkv"] = {"old_qkv": "tp=2"}
-    two["chain c"] = {
-        "layout": LAYOUTS_2["tp 2"],
-        "load": ck["b"],
-        "start": 4,
-        "save_at": 5,
-        "save": ck["c"],
-        "steps": 5,
-    }
+    two["chain e"] = {"layout": LAYOUTS_2["pp 2"], "load": ck["d"], "start": 5}
+    two["pp saved"] = {"layout": LAYOUTS_2["pp 2"], "save_at": 3, "save": ck["pp"], "steps": 3}
+    two["pp resumed"] = {"layout": LAYOUTS_2["pp 2"], "load": ck["pp"], "start": 3}
+    two["pp checkpointed"] = {"layout": LAYOUTS_2["pp 2"], "checkpointing": True}
     out2 = ddpkit.launch(workers_mesh.layouts, two, nproc=2, device="cpu")
-    last = workers_mesh.train(("ddp", None), load=ck["c"], start=5)
     user = workers_mesh.user_plan(None)
-    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "last": last, "user plan": user}
+    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "user plan": user}
 
 
 @pytest.mark.distributed
@@ -319,13 +338,15 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_runs):
-    """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process, each leg resuming the last one's
-    sharded checkpoint: the end equals the straight run within rounding. Resumed on its own
-    layout, a run ends bit-identical to the straight run there."""
-    four, one = mesh_runs["four"], mesh_runs["one"]
-    assert four[0]["chain b"]["steps"] == 4 and mesh_runs["two"][0]["chain c"]["steps"] == 5
-    torch.testing.assert_close(mesh_runs["last"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+    """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process -> pp 2, each leg resuming the last one's
+    checkpoint (sharded, but the one-process leg's single file): the end equals the straight run
+    within rounding. Resumed on its own layout, a run ends bit-identical to the straight run there
+    (fsdp+tp 2x2 and pp 2)."""
+    four, two, one = mesh_runs["four"], mesh_runs["two"], mesh_runs["one"]
+    assert four[0]["chain b"]["steps"] == 3 and two[0]["chain e"]["steps"] == workers_mesh.STEPS
+    torch.testing.assert_close(two[0]["chain e"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
     assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])
+    assert torch.equal(two[0]["pp resumed"]["weights"], two[0]["pp 2"]["weights"])
 
 
 @pytest.mark.distributed
@@ -341,13 +362,17 @@ def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_activation_checkpointing_under_fsdp_and_tp_changes_no_bit(mesh_runs):
+def test_activation_checkpointing_under_fsdp_and_tp_or_pp_changes_no_bit(mesh_runs):
     """Each block's activations checkpointed under fsdp+tp 2x2 (its forward run again in the
     backward, dropout masks drawn again alike): the same weights to the last bit."""
     four = mesh_runs["four"][0]
     assert four["checkpointed"]["checkpointed"] == ["block0", "block1", "embed", "head"]
     assert four["fsdp+tp 2x2"]["checkpointed"] == []
     assert torch.equal(four["checkpointed"]["weights"], four["fsdp+tp 2x2"]["weights"])
+    two = mesh_runs["two"]  # and under pp 2 (each stage's blocks, run again in the backward of each micro-batch)
+    assert two[0]["pp checkpointed"]["checkpointed"] == ["block0", "embed"]
+    assert two[1]["pp checkpointed"]["checkpointed"] == ["block1", "head"]
+    assert torch.equal(two[0]["pp checkpointed"]["weights"], two[0]["pp 2"]["weights"])
 
 
 @pytest.mark.distributed

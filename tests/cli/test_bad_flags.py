@@ -70,6 +70,7 @@ KINDS = {
     ("train", "--device"): "choice",
     ("train", "--strategy"): "choice",
     ("train", "--mesh"): "mesh",
+    ("train", "--pp-schedule"): "choice",
     ("train", "--lr-scaling"): "choice",
     ("train", "--optimizer"): "choice",
     ("train", "--precision"): "choice",

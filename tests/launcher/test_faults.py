@@ -332,24 +332,30 @@ def _corpus(folder: Path) -> Path:
     return folder
 
 
-def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identical(tmp_path):
-    """`ddpkit train --model gpt --nproc 4 --mesh dp=2,tp=2` (fsdp+tp, the 2-D layout) trains and
-    writes its outputs; a worker killed after the first sharded checkpoint restarts the job,
-    whose restart line names the killed rank's mesh coordinates, and it ends bit-identical."""
+@pytest.mark.parametrize(
+    "mesh,nproc,runs",
+    [("dp=2,tp=2", 4, "tp"), ("pp=2", 2, "pp")],
+    ids=["fsdp+tp 2x2", "pp 2"],
+)
+def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identical(tmp_path, mesh, nproc, runs):
+    """`ddpkit train --model gpt --nproc 4 --mesh dp=2,tp=2` (fsdp+tp, the 2-D layout) and
+    `--nproc 2 --mesh pp=2` (two pipeline stages) train and write their outputs; a worker killed
+    after the first sharded checkpoint restarts the job, whose restart line names the killed
+    rank's mesh coordinates, and it ends bit-identical."""
     from ddpkit import models
 
     mesh_run = (
         "train", "--model", "gpt", "--data", "text", "--text-path", str(_corpus(tmp_path / "corpus")),
         "--gpt-width", "16", "--gpt-depth", "2", "--gpt-heads", "2", "--seq-len", "32", "--gpt-dropout", "0.1",
-        "--batch-size", "8", "--epochs", "1", "--max-steps", "12", "--device", "cpu", "--nproc", "4",
-        "--mesh", "dp=2,tp=2", "--checkpoint-every", "4",
+        "--batch-size", "8", "--epochs", "1", "--max-steps", "12", "--device", "cpu", "--nproc", str(nproc),
+        "--mesh", mesh, "--checkpoint-every", "4",
     )  # fmt: skip
     reference = tmp_path / "reference"
     done = _start(reference, run=mesh_run)
     stdout, stderr = done.communicate(timeout=300)
     assert done.returncode == 0, stderr[-3000:]
     results = json.loads((reference / "results.json").read_text())
-    assert (results["strategy"], results["mesh"], results["world_size"]) == ("tp", "dp=2,tp=2", 4)
+    assert (results["strategy"], results["mesh"], results["world_size"]) == (runs, mesh, nproc)
     assert results["steps"] == 12 and (reference / "curves.png").exists()
     bare = models.build("gpt", (32,), 256, width=16, depth=2, heads=2)
     bare.load_state_dict(_weights(reference), strict=True)  # model.pt: one plain state_dict, whole tensors
@@ -362,9 +368,12 @@ def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identi
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
-    said = re.search(rf"rank (\d) \((dp=\d,tp=\d), pid {victim}\) was killed by SIGKILL", restart[0] if restart else "")
+    said = re.search(
+        rf"rank (\d) \(((?:dp|tp|pp)=\d(?:,tp=\d)?), pid {victim}\) was killed by SIGKILL",
+        restart[0] if restart else "",
+    )
     assert len(restart) == 1 and said, stdout + stderr
     rank, where = int(said.group(1)), said.group(2)  # the killed rank, and its place on the mesh
-    assert where == f"dp={rank // 2},tp={rank % 2}"
+    assert where == (f"dp={rank // 2},tp={rank % 2}" if runs == "tp" else f"pp={rank}")
     ref, got = _weights(reference), _weights(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill"

@@ -82,9 +82,9 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
     refusal = strategies.REGISTRY[strategy].refuses_search if strategy in strategies.REGISTRY else ""
     if refusal:
+        named = f"--mesh {mesh}: it runs --strategy {strategy}" if strategy != a.strategy else f"--strategy {strategy}"
         raise UsageError(
-            f"--strategy {strategy}: find-batch-size does not search under it yet ({refusal}); "
-            "use --strategy ddp, fsdp or hsdp"
+            f"{named}; find-batch-size does not search under it yet ({refusal}); use --strategy ddp, fsdp or hsdp"
         )
     checks.choice("--strategy", strategy, TUNE_STRATEGIES)
     strategies.mesh_for(strategies.by_name(strategy), mesh, topology.world_size, topology.nproc)
