@@ -50,3 +50,9 @@ def test_layouts(tmp_path):
     assert set(sent["hsdp 2x2"]) == {"all_gather", "reduce_scatter", "all_reduce"}  # + across replicas
     assert max(params["fsdp+tp 2x2"]) < 0.35 * whole and max(params["tp 4"]) < 0.5 * whole
     assert "reduce_scatter" not in sent["tp 4"] and sent["tp 4"]["all_reduce"] > 0  # row-wise layers' sums
+    # pp 4: a stage per child of the quick gpt (embed, block0, block1, head), its parameters its own;
+    # what crosses is one activation per micro-batch forward and its gradient back, between neighbours
+    assert sum(params["pp 4"]) == whole and max(params["pp 4"]) < 0.5 * whole
+    activation = 4 * w["batch"] * w["context"] * w["width"]  # fp32 bytes of a step's hidden states
+    sends = [got["send"] for got in r["layouts"]["pp 4"]["collective_bytes_per_step"]]
+    assert set(sent["pp 4"]) == {"send"} and sends == [activation, 2 * activation, 2 * activation, activation]

@@ -1,5 +1,5 @@
 """`ddpkit bench layouts`: each layout of a 4-process job on ddpkit's gpt (ddp, fsdp, hsdp 2x2,
-fsdp+tp 2x2, tp 4; see docs/parallelism.md), per rank: the memory its parameters, gradients,
+fsdp+tp 2x2, tp 4, pp 4; see docs/parallelism.md), per rank: the memory its parameters, gradients,
 optimizer state and activations take, its peak, the step time, and the bytes each kind of
 collective moves per step; and each layout's step time against a hand-written loop of the same
 layout.
@@ -9,8 +9,9 @@ What is measured, and how:
 - Parameters, gradients and AdamW's state: the bytes of the tensors this rank holds (its shards
   and slices, DTensors' local parts), counted after a step, so the optimizer's state exists.
   Gradients are counted after a backward, before the step drops them.
-- Activations: the bytes autograd keeps for the backward of one micro-batch's forward, counted
-  as each tensor is saved (`saved_tensors_hooks`; a DTensor's local part).
+- Activations: the bytes autograd keeps for the backward of a step's forward, counted as each
+  tensor is saved (`saved_tensors_hooks`; a DTensor's local part). A pipeline's step is its 4
+  micro-batches: their sum (1F1B holds at most as many micro-batches' at once as stages).
 - Peak: on CPU the process's peak RSS (VmHWM), reset before each layout is built (all layouts
   run one after the other in the same processes, so what one freed may stay in the allocator's
   heap for the next); on CUDA `max_memory_allocated`.
@@ -18,9 +19,11 @@ What is measured, and how:
   reduce-scatters, tensor parallel's all-reduces and all-gathers), caught by a
   `TorchDispatchMode`, with the bytes of the tensors it is given: the payload a rank hands to
   each kind per step (a ring moves about 2 (N-1)/N of an all-reduce's payload per rank).
-- Step time: ddpkit's loop (`Runtime(mesh=...)`, `rt.loader`, `rt.backward`, `rt.step`) and the
-  hand-written one (DDP, or `fully_shard` on each block and the root over its mesh, after
-  `parallelize_module` with gpt's plan over `tp`; `loss.backward(); opt.step(); opt.zero_grad()`)
+- Step time: ddpkit's loop (`Runtime(mesh=...)`, `rt.loader`, `rt.forward_backward`, `rt.step`)
+  and the hand-written one (DDP, or `fully_shard` on each block and the root over its mesh, after
+  `parallelize_module` with gpt's plan over `tp`, or a `PipelineStage` of each rank's blocks under
+  `Schedule1F1B` over 4 micro-batches; `loss.backward()` or `schedule.step(...)`, `opt.step();
+  opt.zero_grad()`)
   built once in the same processes and timed in alternating blocks, the order swapped each round;
   a job's step takes its slowest rank's time. The ratio is of the medians; its CPU-time ratio
   (the CPU seconds of all ranks per step) is less disturbed by other load on a shared machine.
@@ -39,7 +42,7 @@ from typing import Any
 # DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 DESCRIPTION = (
-    "ddp / fsdp / hsdp 2x2 / fsdp+tp 2x2 / tp 4 on 4 processes: per-rank memory (parameters, gradients, "
+    "ddp / fsdp / hsdp 2x2 / fsdp+tp 2x2 / tp 4 / pp 4 on 4 processes: per-rank memory (parameters, gradients, "
     "optimizer state, activations, peak), step time, bytes per collective, and each against a hand-written loop"
 )
 PROCESSES = 4
@@ -49,6 +52,7 @@ LAYOUTS: dict[str, tuple[str, str]] = {
     "hsdp 2x2": ("hsdp", "replicate=2,dp=2"),
     "fsdp+tp 2x2": ("tp", "dp=2,tp=2"),
     "tp 4": ("tp", "tp=4"),
+    "pp 4": ("pp", "pp=4"),
 }
 TARGET_STEP_TIME_RATIO = 1.01  # ddpkit's loop / the hand-written loop of the same layout
 PARTS = ("parameters", "gradients", "optimizer", "activations")
@@ -128,15 +132,25 @@ def _layout(work: Work, strategy: str, mesh: str) -> dict[str, Any]:
         model = rt.build(work.model)
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=work.lr))
         data = _tokens(work, rt.data_world_size)
-        batches = _forever(rt.loader(data, batch_size=work.batch))
+        # A pipeline's micro-batches: as many as stages (the hand-written schedule's too).
+        micro = work.batch // PROCESSES if rt.pipelined else None
+        batches = _forever(rt.loader(data, batch_size=work.batch, micro_batch_size=micro))
+
+        def loss_fn(out: Any, y: Any) -> Any:
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+        def backward() -> None:  # a step's micro-batches, forward and backward
+            while True:
+                x, y = next(batches)
+                rt.forward_backward(model, x, y, loss_fn)
+                if rt.step_ready:
+                    return
 
         def ddpkit_step() -> None:
-            x, y = next(batches)
-            rt.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+            backward()
             rt.step(opt)
 
-        x, y = next(batches)
-        activations = _saved_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()), rt)
+        activations = _saved_bytes(backward)
         gradients = _bytes(p.grad for p in model.parameters() if p.grad is not None)
         rt.step(opt)
         with Collectives() as counted:
@@ -192,6 +206,8 @@ def _hand_written(work: Work, strategy: str, mesh: str, rt: Any) -> Callable[[],
     model = work.model().to(rt.device)
     shape, names = spec.grid()
     grid = init_device_mesh(rt.device.type, shape, mesh_dim_names=names)
+    if strategy == "pp":
+        return _hand_written_pipeline(work, model, grid, rt)
     if strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -214,6 +230,45 @@ def _hand_written(work: Work, strategy: str, mesh: str, rt: Any) -> Callable[[],
             model(x[i : i + share].to(rt.device)).flatten(0, 1), y[i : i + share].to(rt.device).flatten()
         )
         loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _hand_written_pipeline(work: Work, model: Any, grid: Any, rt: Any) -> Callable[[], None]:
+    """gpt's children cut where ddpkit cuts them, this rank's kept, torch's PipelineStage and
+    Schedule1F1B over as many micro-batches as stages; every rank reads the whole batch."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from ..strategy.pp import balanced_cuts
+
+    group = grid["pp"].get_group()
+    index, stages = torch.distributed.get_rank(group), grid["pp"].size()
+    names = [name for name, _ in model.named_children()]
+    bounds = balanced_cuts([sum(p.numel() for p in c.parameters()) for c in model.children()], stages)
+    for name in names[: bounds[index]] + names[bounds[index + 1] :]:
+        del model._modules[name]
+    stage = PipelineStage(model, index, stages, rt.device, group=group)
+
+    def loss_fn(out: Any, y: Any) -> Any:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    schedule = Schedule1F1B(stage, stages, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
+    x, y = _tokens(work, 1).tensors
+    starts = _forever(range(0, len(x) - work.batch + 1, work.batch))
+
+    def step() -> None:
+        i = next(starts)
+        if index == 0:
+            schedule.step(x[i : i + work.batch].to(rt.device))
+        elif index == stages - 1:
+            schedule.step(target=y[i : i + work.batch].to(rt.device))
+        else:
+            schedule.step()
         opt.step()
         opt.zero_grad()
 
@@ -250,8 +305,8 @@ def _bytes(tensors: Any) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _saved_bytes(loss: Callable[[], Any], rt: Any) -> int:
-    """The bytes autograd keeps for the backward of `loss()`'s forward (then backward runs)."""
+def _saved_bytes(backward: Callable[[], None]) -> int:
+    """The bytes autograd keeps for the backward of the forwards `backward()` runs."""
     import torch
 
     total = 0
@@ -262,8 +317,7 @@ def _saved_bytes(loss: Callable[[], Any], rt: Any) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        value = loss()
-    rt.backward(value)
+        backward()
     return total
 
 
@@ -303,11 +357,12 @@ KINDS = {
     "allgather": "all_gather",
     "reducescatter": "reduce_scatter",
     "broadcast": "broadcast",
+    "send": "send",  # a pipeline's activations forward, their gradients back
 }
 
 
 def _kind(op: str) -> str:
-    """'all_reduce', 'all_gather', 'reduce_scatter' or 'broadcast' for a c10d operation's name
+    """'all_reduce', 'all_gather', 'reduce_scatter', 'broadcast' or 'send' for a c10d operation's name
     (`allreduce_`, `_allgather_base_`, `all_gather_into_tensor`, ...); '' for the rest (waits)."""
     name = op.replace("_", "")
     return next((kind for prefix, kind in KINDS.items() if name.startswith(prefix)), "")
