@@ -10,7 +10,7 @@ pp loads under any other layout and the other way round.
 A training step goes through the schedule, not through `model(x)` and `rt.backward`: the loop
 hands `rt.forward_backward` each micro-batch of the step; on the last one, the schedule runs
 them all, forward and backward, as the pipeline's micro-batches (each padded to the same
-number of rows, the padding's targets ignored). The loss of each micro-batch is weighted by its
+number of rows; the loss function sees the real rows only). The loss of each micro-batch is weighted by its
 share of the global batch's samples or tokens, the schedule does not rescale (`scale_grads=False`),
 so the gradients are the global batch's mean, as on one process. Dropout draws per micro-batch
 as the loader laid it out: the same masks as on any other layout.
@@ -38,6 +38,9 @@ from ..core import dist
 from ..errors import UsageError
 from .base import Strategy, unwrap
 from .mesh import MeshSpec
+
+# Imports inside functions: torch's pipelining modules load where a pipeline runs, not in every
+# run (ddp too imports the strategies).
 
 SCHEDULES = ("1f1b", "gpipe")
 DEFAULT_SCHEDULE = "1f1b"
@@ -320,7 +323,8 @@ class Pipeline:
         measure: Callable[[Any, Any], tuple[Any, ...]] | None,
     ) -> list[tuple[Any, ...]]:
         """The queued micro-batches of a step, forward and backward through the schedule, as
-        `chunks` micro-batches of `rows` rows (padded, their targets ignored); `weights`: what
+        `chunks` micro-batches of `rows` rows (padded; `loss_fn` sees the real rows only);
+        `weights`: what
         each queued one's mean loss counts. Returns, on the last stage, (loss, *measure) of each
         queued micro-batch that holds samples ([] on the others)."""
         queue, self._queue = self._queue, []
@@ -332,11 +336,15 @@ class Pipeline:
         weights = weights + [0.0] * (chunks - len(weights))
 
         def weighted(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(out, y)
             i = self._index  # the micro-batch whose forward just ran
             if i is None:  # torch's first look at the shapes (its metadata inference): no micro-batch
-                return loss
-            if i < len(queue) and queue[i][2].count:
+                return loss_fn(out, y)
+            n = len(queue[i][0]) if i < len(queue) else 0  # its samples; the rest is padding
+            if n == 0:  # no sample: nothing to learn, but the schedule's backward still runs
+                return out.sum() * 0.0
+            out, y = out[:n], y[:n]  # the loss never sees the padding, whatever it computes
+            loss = loss_fn(out, y)
+            if queue[i][2].count:
                 results.append((loss.detach(), *(measure(out.detach(), y) if measure else ())))
             w = weights[i]
             return loss * w if w > 0 else loss.nan_to_num(0.0) * 0.0
@@ -417,11 +425,9 @@ class Pipeline:
 
 
 def padded(queue: list[tuple[Any, Any, Any]], chunks: int, rows: int) -> tuple[list[Any], list[Any], list[Any]]:
-    """The step's micro-batches as `chunks` of `rows` rows each: each one padded (inputs zero,
-    targets ignored), all-padding ones added; and each chunk's MicroBatch, `rows` long (what
-    dropout keys its rows by)."""
-    from ..data import IGNORE
-
+    """The step's micro-batches as `chunks` of `rows` rows each: each one padded with zeros,
+    all-padding ones added; and each chunk's MicroBatch, `rows` long (what dropout keys its rows
+    by)."""
     x0, y0, _ = queue[0]
     xs, ys, micros = [], [], []
     for i in range(chunks):
@@ -434,7 +440,7 @@ def padded(queue: list[tuple[Any, Any, Any]], chunks: int, rows: int) -> tuple[l
             raise UsageError(f"--strategy pp: a micro-batch of {len(x)} samples, more than the {rows} planned")
         if extra:
             x = torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
-            y = torch.cat([y, y.new_full((extra, *y.shape[1:]), IGNORE)])
+            y = torch.cat([y, y.new_zeros((extra, *y.shape[1:]))])
         xs.append(x)
         ys.append(y)
         start = micro.start if micro is not None else (micros[-1].start + rows if micros else 0)

@@ -355,9 +355,9 @@ class Loop:
         return True
 
     def _measure(self, logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pipelined micro-batch's correct predictions and count (its real targets: the
-        schedule's padding is ignored)."""
-        return self.task.correct(logits, y), (y != data.IGNORE).sum()
+        """A pipelined micro-batch's correct predictions and count: its samples, or its real
+        tokens (a language model's padding is `data.IGNORE`)."""
+        return self.task.correct(logits, y), (y != data.IGNORE).sum() if self.task.unit == "tokens" else len(y)
 
     def _skip_step(self) -> bool:
         """True (and the gradients dropped) if any rank saw a non-finite loss in this step.
