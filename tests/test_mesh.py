@@ -275,7 +275,7 @@ def mesh_runs(tmp_path_factory):
     third leg in a 2-process job; its fourth here; the 2-process layouts and its last leg in
     another 2-process job."""
     folder = tmp_path_factory.mktemp("chain")
-    ck = {leg: str(folder / leg) for leg in ("a", "b", "c", "d", "pp")}
+    ck = {leg: str(folder / leg) for leg in ("a", "b", "c", "d", "pp", "grouped one", "grouped pp")}
     one = workers_mesh.train(("ddp", None))
     unclipped = workers_mesh.train(("ddp", None), max_grad_norm=None)
     four = {name: {"layout": layout} for name, layout in LAYOUTS_4.items()}
@@ -302,9 +302,28 @@ def mesh_runs(tmp_path_factory):
     two["pp saved"] = {"layout": LAYOUTS_2["pp 2"], "save_at": 3, "save": ck["pp"], "steps": 3}
     two["pp resumed"] = {"layout": LAYOUTS_2["pp 2"], "load": ck["pp"], "start": 3}
     two["pp checkpointed"] = {"layout": LAYOUTS_2["pp 2"], "checkpointing": True}
+    two["pp counted"] = {"counted": "pp=2"}
+    # Optimizers with no parameter (or a group with none) on a stage: saved, resumed under pp
+    # and on one process; and one process's single file resumed under pp.
+    workers_mesh.grouped(None, save_at=2, save=ck["grouped one"])
+    two["grouped"] = {"grouped": {"mesh": "pp=2", "save_at": 2, "save": ck["grouped pp"]}}
+    two["grouped pp-pp"] = {"grouped": {"mesh": "pp=2", "load": ck["grouped pp"], "start": 2}}
+    two["grouped one-pp"] = {"grouped": {"mesh": "pp=2", "load": ck["grouped one"], "start": 2}}
     out2 = ddpkit.launch(workers_mesh.layouts, two, nproc=2, device="cpu")
     user = workers_mesh.user_plan(None)
-    return {"one": one, "unclipped": unclipped, "four": out4, "two": out2, "user plan": user}
+    counted = workers_mesh.counted_forwards(None)
+    grouped = workers_mesh.grouped(None)
+    grouped_resumed = workers_mesh.grouped(None, load=ck["grouped pp"], start=2)
+    return {
+        "one": one,
+        "unclipped": unclipped,
+        "four": out4,
+        "two": out2,
+        "user plan": user,
+        "counted": counted,
+        "grouped": grouped,
+        "grouped pp-one": grouped_resumed,
+    }
 
 
 @pytest.mark.distributed
@@ -382,3 +401,28 @@ def test_an_older_gpt_state_with_fused_qkv_loads_into_a_split_model(mesh_runs):
     2 ranks: its q, k and v parts land on their ranks' slices, as in the bare model."""
     got = mesh_runs["two"][0]["old qkv"]
     assert torch.equal(got["split"], got["bare"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pipeline_stage_runs_each_micro_batch_once_and_nothing_else(mesh_runs):
+    """A module that counts its training forwards in a buffer (as running statistics do) counts
+    the same under pp=2 as on one process: torch's look at the shapes before the first step,
+    which runs the stage on uninitialized tensors, leaves no trace."""
+    assert mesh_runs["counted"] == 4  # two steps of two micro-batches
+    assert mesh_runs["two"][0]["pp counted"] == mesh_runs["counted"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_optimizers_a_stage_holds_no_parameter_of_save_and_resume_across_pp(mesh_runs):
+    """Two optimizers over three parameter groups of their own settings, a LambdaLR and an EMA,
+    under pp=2, where a stage holds none of some groups' parameters (and of one optimizer's):
+    saved and resumed under pp it ends bit-identical; resumed on one process, and one process's
+    single file resumed under pp, they end as the straight run within rounding, the schedule's
+    learning rates in place."""
+    straight, two = mesh_runs["grouped"], mesh_runs["two"][0]
+    assert torch.equal(two["grouped pp-pp"]["weights"], two["grouped"]["weights"])
+    for resumed in (mesh_runs["grouped pp-one"], two["grouped one-pp"], two["grouped"]):
+        torch.testing.assert_close(resumed["weights"], straight["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+        assert resumed["lr"] == straight["lr"]

@@ -159,6 +159,79 @@ def old_qkv(mesh: str) -> dict:
         return {"split": flat(whole_state(rt, model)), "bare": flat(bare.state_dict())}
 
 
+class Counter(nn.Module):
+    """Counts its training forwards in a buffer (as a module with running statistics does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.forwards += 1
+        return x
+
+
+def counted_forwards(mesh: str | None) -> int:
+    """Two steps of 2 micro-batches through Linear, Counter, Linear (under pp=2 the Counter sits
+    on the second stage, where torch's shape inference runs it once on uninitialized tensors),
+    then an evaluation: the Counter's count, gathered whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Counter(), nn.Linear(4, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    with ddpkit.Runtime("ddp", device="cpu", seed=0, mesh=mesh) as rt:
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in rt.loader(data, batch_size=8, micro_batch_size=4):
+            rt.forward_backward(model, x, y, F.cross_entropy)
+            rt.step(opt)
+        rt.evaluate(model, data)
+        return int(whole_state(rt, model).get("1.forwards", -1))
+
+
+def grouped(
+    mesh: str | None, steps: int = 4, load: str | None = None, start: int = 0, save: str | None = None, save_at: int = 0
+) -> dict:
+    """A small MLP (Linear, Tanh, Linear, Tanh, Linear) stepped by two optimizers, AdamW over two
+    parameter groups of their own settings (one of them under a LambdaLR) and SGD over the rest,
+    with an EMA: under pp=2 some groups, and all of one optimizer's, have no parameter on a stage.
+    Resumed from `load` (saved after step `start`) if given; saved to `save` after `save_at`.
+    Returns every rank's weights and EMA merged (rank order), and AdamW's learning rates."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    p = dict(model.named_parameters())
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p["0.weight"]], "lr": 0.01},
+            {"params": [p["2.weight"], p["2.bias"]], "lr": 0.02, "weight_decay": 0},
+        ]
+    )
+    sgd = torch.optim.SGD([p["0.bias"], p["4.weight"], p["4.bias"]], lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(22, 6, generator=g), torch.randint(0, 3, (22,), generator=g))
+    with ddpkit.Runtime("ddp", device="cpu", seed=3, mesh=mesh) as rt:
+        model, adamw, sgd = rt.setup(model, adamw, sgd)
+        schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 1.0 / (1 + step))
+        ema = ddpkit.EMA(model, 0.9)
+        loader = rt.loader(data, batch_size=8, micro_batch_size=2)
+        if load is not None:
+            rt.load_state(load, schedule=schedule, ema=ema)
+        done = start
+        while done < steps:
+            for x, y in loader:
+                rt.forward_backward(model, x, y, F.cross_entropy)
+                if rt.step(adamw) and rt.step(sgd):
+                    schedule.step()
+                    ema.update()
+                    done += 1
+                    if done == save_at and save is not None:
+                        rt.save_state(save, schedule=schedule, ema=ema)
+                    if done == steps:
+                        break
+        own = {**rt.unwrap(model).state_dict(), **{f"ema.{k}": v for k, v in ema.state_dict().items()}}
+        merged = {k: v for part in rt.gather_objects(own) for k, v in part.items()}
+        return {"weights": flat(merged), "lr": [group["lr"] for group in adamw.param_groups]}
+
+
 def layouts(runs: dict[str, dict]) -> dict:
     """`train(**kwargs)` (or `user_plan(**kwargs)`, for kwargs with a "user_plan" mesh) for each
     name -> kwargs, one after another in one job: the outer Runtime's process group serves them
@@ -169,6 +242,10 @@ def layouts(runs: dict[str, dict]) -> dict:
             if "user_plan" in kwargs
             else old_qkv(kwargs["old_qkv"])
             if "old_qkv" in kwargs
+            else counted_forwards(kwargs["counted"])
+            if "counted" in kwargs
+            else grouped(**kwargs["grouped"])
+            if "grouped" in kwargs
             else train(**kwargs)
             for name, kwargs in runs.items()
         }

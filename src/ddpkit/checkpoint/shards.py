@@ -345,10 +345,28 @@ def _dcp_state(entries: dict[str, Any], model: torch.nn.Module, flat: frozenset[
             return get_model_state_dict(value)
         if saved_in_shards(value):
             return value.state_dict()
+        if not any(g["params"] for g in value.param_groups):  # none of its parameters on this pipeline stage
+            return {}
         options = StateDictOptions(flatten_optimizer_state_dict=key in flat)
-        return get_optimizer_state_dict(model, value, options=options)
+        with groups_with_parameters(value):
+            return get_optimizer_state_dict(model, value, options=options)
 
     return {key: state(key, value) for key, value in entries.items()}
+
+
+@contextlib.contextmanager
+def groups_with_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, `optimizer` lists only its parameter groups that hold parameters: a pipeline
+    stage may hold none of a group's, and torch's state-dict helpers read a group's first one.
+    (Its flat entries are by parameter name: which groups are left out changes none.) Groups a
+    load replaced are kept."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        replaced = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(replaced) if g["params"] else g for g in groups]
 
 
 def saved_flat(metadata: Any, key: str) -> bool:
@@ -679,9 +697,10 @@ def load(path: str | os.PathLike, targets: dict[str, Any], model: torch.nn.Modul
             set_model_state_dict(target, state[key])
         elif saved_in_shards(target):
             target.load_state_dict(state[key])
-        else:
+        elif any(g["params"] for g in target.param_groups):  # (none on this pipeline stage: nothing to load)
             options = StateDictOptions(flatten_optimizer_state_dict=key in flat)
-            set_optimizer_state_dict(model, target, state[key], options=options)
+            with groups_with_parameters(target):
+                set_optimizer_state_dict(model, target, state[key], options=options)
     return rest
 
 

@@ -33,6 +33,7 @@ class Accumulation:
         self.world_size = world_size  # the data ranks' (see ddpkit.strategy.mesh)
         self.group = group  # theirs (None: every rank)
         self.micro: MicroBatch | None = None
+        self.loader: DistributedLoader | None = None  # the one that handed it out
         self.no_sync: Any = None  # makes the strategy's no_sync context (Strategy.no_sync)
         self._entered: Any = None
         # Weights given to backward(loss, weight=...) this step, summed on the device (no sync);
@@ -60,6 +61,7 @@ class Accumulation:
         forward, and when a pass ends or is left (then `loader.current` is None)."""
         if self._entered is not None:
             self.leave()
+        self.loader = loader
         micro = self.micro = loader.current
         if micro is not None and not micro.last and self.no_sync is not None:
             self._entered = self.no_sync()

@@ -28,7 +28,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ..core import checks
 from ..errors import UsageError
-from ..strategy import unwrap
+from ..strategy import stage_of, unwrap
 
 
 class EMA:
@@ -90,6 +90,8 @@ class EMA:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load averaged parameters saved by `state_dict()` under any strategy and world size
         (whole tensors into fsdp shards: each rank keeps its own part)."""
+        if stage_of(self._model) is not None:  # a pipeline stage's average: its share of a whole model's
+            state = {name: value for name, value in state.items() if name in self._names}
         missing, unexpected = set(self._names) - set(state), set(state) - set(self._names)
         if missing or unexpected:
             raise UsageError(

@@ -403,9 +403,9 @@ class Runtime(Collectives):
         if not micro.last:
             return []
         weights = [m.count * self.data_world_size / m.step_count if m.count else 0.0 for _, _, m in pipeline._queue]
-        sampler = getattr(self._loaders[-1], "sampler", None) if self._loaders else None
+        sampler = getattr(acc.loader, "sampler", None)
         if not hasattr(sampler, "most_micro_batches"):
-            raise UsageError("rt.forward_backward under pp takes the micro-batches of a loader from rt.loader()")
+            raise UsageError("rt.forward_backward under pp: a stream (an IterableDataset) is not supported yet")
         chunks, rows = sampler.most_micro_batches()
         try:
             return pipeline.run(chunks, rows, weights, loss_fn, measure)

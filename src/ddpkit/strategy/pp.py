@@ -137,8 +137,13 @@ class PipelineParallel(Strategy):
         stage = stage_of(model)
         assert stage is not None
         whole = stage.optimizer_groups.get(id(optimizer))
+        if whole is None:
+            raise UsageError(
+                "under pp, a whole optimizer state loads into an optimizer given to setup() (built on the whole "
+                "model): its parameters' names are known from there"
+            )
         saved = state["param_groups"]
-        if whole is None or len(saved) != len(whole) or any(len(s["params"]) != len(w) for s, w in zip(saved, whole)):
+        if len(saved) != len(whole) or any(len(s["params"]) != len(w) for s, w in zip(saved, whole)):
             raise ValueError(
                 "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
             )
@@ -212,6 +217,13 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
         raise UsageError(
             f"--strategy pp splits an nn.Sequential model between its children (ddpkit's gpt and image models "
             f"are one); {type(model).__name__} is not"
+        )
+    norm = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    if norm is not None:
+        raise UsageError(
+            f"--strategy pp: the model's {norm[0]} is a {type(norm[1]).__name__}, whose batch statistics would count "
+            "the rows a pipeline pads its micro-batches with; use --strategy ddp or fsdp for it (or a model with "
+            "LayerNorm or GroupNorm)"
         )
     names = list(model._modules)
     if len(names) < count:
@@ -289,6 +301,7 @@ class Pipeline:
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None  # the step's weighted loss
         self._running = False  # a schedule is calling the module
         self._index: int | None = None  # the micro-batch the schedule runs now
+        self._buffers: list[torch.Tensor] | None = None  # the module's, before a new schedule's first step
         self.module.register_forward_pre_hook(self._guard)
 
     def _guard(self, module: nn.Module, args: Any) -> None:
@@ -307,8 +320,19 @@ class Pipeline:
         """The schedule is about to run micro-batch `index` forward or backward (a backward may
         recompute the forward: activation checkpointing)."""
         self._index = index
+        if self._buffers is not None:  # the first, after torch's look at the shapes
+            with torch.no_grad():
+                for buffer, kept in zip(self.module.buffers(), self._buffers):
+                    buffer.copy_(kept)
+            self._buffers = None
         if self._micros and self.on_chunk is not None:
             self.on_chunk(self._micros[index])
+
+    def _keep_buffers(self) -> None:
+        """Before a new schedule's first step: torch's PipelineStage works out the shapes it sends
+        by running the stage once (on the first micro-batch, or on uninitialized tensors past the
+        first stage), which a module with running statistics would count; `chunk` puts them back."""
+        self._buffers = [b.detach().clone() for b in self.module.buffers()]
 
     # -- training ------------------------------------------------------------------------------
     def add(self, x: torch.Tensor, y: torch.Tensor, micro: Any) -> None:
@@ -331,6 +355,8 @@ class Pipeline:
         if len(queue) > chunks:
             raise UsageError(f"--strategy pp: a step of {len(queue)} micro-batches, more than the {chunks} planned")
         xs, ys, micros = padded(queue, chunks, rows)
+        if self._train is None:
+            self._keep_buffers()
         schedule = self._training(chunks, rows)
         results: list[tuple[Any, ...]] = []
         weights = weights + [0.0] * (chunks - len(weights))
@@ -369,8 +395,8 @@ class Pipeline:
             cls = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
             if cls is Schedule1F1B and chunks < self.stage.count:
                 raise UsageError(
-                    f"--pp-schedule 1f1b: {chunks} micro-batch(es) per step for {self.stage.count} stages; give "
-                    "--micro-batch-size so each step has at least as many, or --pp-schedule gpipe"
+                    f"pp's 1f1b schedule: {chunks} micro-batch(es) per step for {self.stage.count} stages; give the "
+                    "loader a micro_batch_size (--micro-batch-size) that makes at least as many, or the gpipe schedule"
                 )
             self._train = cls(self._new_stage(), chunks, loss_fn=self._step_loss, scale_grads=False)
             self._train_shape = (chunks, rows)
@@ -411,6 +437,7 @@ class Pipeline:
             return torch.empty(0, device=self.device)
         if shape not in self._evals:
             self._evals[shape] = ScheduleGPipe(self._new_stage(), 1)
+            self._keep_buffers()
         self._running = True
         try:
             out = self._evals[shape].step(*((x,) if self.stage.index == 0 else ()))
