@@ -334,14 +334,14 @@ def _corpus(folder: Path) -> Path:
 
 @pytest.mark.parametrize(
     "mesh,nproc,runs",
-    [("dp=2,tp=2", 4, "tp"), ("pp=2", 2, "pp")],
-    ids=["fsdp+tp 2x2", "pp 2"],
+    [("dp=2,tp=2", 4, "tp"), ("replicate=2,dp=2", 4, "hsdp"), ("pp=2", 2, "pp")],
+    ids=["fsdp+tp 2x2", "hsdp 2x2", "pp 2"],
 )
 def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identical(tmp_path, mesh, nproc, runs):
-    """`ddpkit train --model gpt --nproc 4 --mesh dp=2,tp=2` (fsdp+tp, the 2-D layout) and
-    `--nproc 2 --mesh pp=2` (two pipeline stages) train and write their outputs; a worker killed
-    after the first sharded checkpoint restarts the job, whose restart line names the killed
-    rank's mesh coordinates, and it ends bit-identical."""
+    """`ddpkit train --model gpt --nproc 4 --mesh dp=2,tp=2` (fsdp+tp), `--mesh replicate=2,dp=2`
+    (hsdp) and `--nproc 2 --mesh pp=2` (two pipeline stages) train and write their outputs; a
+    worker killed after the first sharded checkpoint restarts the job, whose restart line names
+    the killed rank's mesh coordinates, and it ends bit-identical."""
     from ddpkit import models
 
     mesh_run = (
@@ -369,11 +369,12 @@ def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identi
     assert proc.returncode == 0, stderr[-3000:]
     restart = [line for line in (stdout + stderr).splitlines() if "restart 1 of 1" in line]
     said = re.search(
-        rf"rank (\d) \(((?:dp|tp|pp)=\d(?:,tp=\d)?), pid {victim}\) was killed by SIGKILL",
+        rf"rank (\d) \(((?:replicate|dp|pp)=\d(?:,(?:dp|tp)=\d)?), pid {victim}\) was killed by SIGKILL",
         restart[0] if restart else "",
     )
     assert len(restart) == 1 and said, stdout + stderr
     rank, where = int(said.group(1)), said.group(2)  # the killed rank, and its place on the mesh
-    assert where == (f"dp={rank // 2},tp={rank % 2}" if runs == "tp" else f"pp={rank}")
+    expected = {"tp": f"dp={rank // 2},tp={rank % 2}", "hsdp": f"replicate={rank // 2},dp={rank % 2}", "pp": f"pp={rank}"}
+    assert where == expected[runs]
     ref, got = _weights(reference), _weights(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill"
