@@ -65,8 +65,13 @@ def test_a_second_run_in_the_same_out_exits_2_naming_the_first_which_completes_i
     first = _start(out, "--nproc", "2", "--epochs", "8")
     try:
         holder = _wait_for_lock(out, first)
-        second = run_cli(*TRAIN, "--nproc", "2", "--epochs", "3", "--lr", "0.02", "--out", str(out))
-        assert first.poll() is None, "the first run ended before the second one tried: the test proves nothing"
+        # The first run's launcher, which holds the lock, paused while the second tries: on a
+        # fast machine the first run could otherwise end before the second one looked.
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = run_cli(*TRAIN, "--nproc", "2", "--epochs", "3", "--lr", "0.02", "--out", str(out))
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         _, first_err = first.communicate(timeout=240)
     finally:
         _stop(first)
