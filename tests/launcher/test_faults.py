@@ -374,7 +374,11 @@ def test_ddpkit_train_on_a_mesh_trains_and_a_sigkilled_worker_resumes_bit_identi
     )
     assert len(restart) == 1 and said, stdout + stderr
     rank, where = int(said.group(1)), said.group(2)  # the killed rank, and its place on the mesh
-    expected = {"tp": f"dp={rank // 2},tp={rank % 2}", "hsdp": f"replicate={rank // 2},dp={rank % 2}", "pp": f"pp={rank}"}
+    expected = {
+        "tp": f"dp={rank // 2},tp={rank % 2}",
+        "hsdp": f"replicate={rank // 2},dp={rank % 2}",
+        "pp": f"pp={rank}",
+    }
     assert where == expected[runs]
     ref, got = _weights(reference), _weights(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), "weights differ after a kill"
