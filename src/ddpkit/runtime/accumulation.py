@@ -87,7 +87,7 @@ class Accumulation:
             return loss
         if micro.count == 0:  # an empty share (or no real token): zero gradients, but the reduction still runs
             return loss.nan_to_num(0.0) * 0.0
-        weight = micro.count * self.world_size / micro.step_count  # samples, or tokens
+        weight = share(micro, self.world_size)
         # even shares, no accumulation: the hand-written loop's backward exactly
         return loss * weight if weight != 1.0 else loss
 
@@ -122,6 +122,12 @@ class Accumulation:
         if self._entered is not None:
             self._entered.__exit__(None, None, None)
             self._entered = None
+
+
+def share(micro: MicroBatch, world_size: int) -> float:
+    """What `micro`'s mean loss counts in the step: its samples or tokens over the global
+    batch's, times the data ranks (whose gradients the strategy averages); 0 when it has none."""
+    return micro.count * world_size / micro.step_count if micro.count else 0.0
 
 
 def unit_weight(micro: MicroBatch, world_size: int) -> bool:

@@ -37,7 +37,7 @@ from ..launcher import records
 from ..observe import tracking
 from ..strategy import DDPOptions, FSDPOptions, activations
 from . import loaders, saves
-from .accumulation import Accumulation
+from .accumulation import Accumulation, share
 from .collectives import Collectives
 from .evaluation import evaluate, evaluation_keys
 from .gather import gather
@@ -402,7 +402,7 @@ class Runtime(Collectives):
         pipeline.add(x, y, micro)
         if not micro.last:
             return []
-        weights = [m.count * self.data_world_size / m.step_count if m.count else 0.0 for _, _, m in pipeline._queue]
+        weights = [share(m, self.data_world_size) for m in pipeline.queued]
         sampler = getattr(acc.loader, "sampler", None)
         if not hasattr(sampler, "most_micro_batches"):
             raise UsageError("rt.forward_backward under pp: a stream (an IterableDataset) is not supported yet")
@@ -411,7 +411,7 @@ class Runtime(Collectives):
             return pipeline.run(chunks, rows, weights, loss_fn, measure)
         finally:
             acc.micro = micro  # the step's last, as the loader left it (rt.step reads it)
-            self._steps.counted = False  # a backward ran: the next step() counts
+            self._steps.ran_backward()
 
     def _pipeline(self, model: nn.Module) -> Any:
         """`model`'s pipeline under pp (its micro-batches keying dropout), else None."""

@@ -74,6 +74,10 @@ class Steps:
                 acc.leave()
         self.counted = False
 
+    def ran_backward(self) -> None:
+        """A backward ran outside `backward` (a pipeline's schedule): the next step() counts."""
+        self.counted = False
+
     def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> bool:
         acc = self.acc
         micro = acc.micro

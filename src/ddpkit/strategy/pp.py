@@ -338,6 +338,11 @@ class Pipeline:
     def add(self, x: torch.Tensor, y: torch.Tensor, micro: Any) -> None:
         self._queue.append((x, y, micro))
 
+    @property
+    def queued(self) -> list[Any]:
+        """The MicroBatch of each micro-batch held for the step."""
+        return [micro for _, _, micro in self._queue]
+
     def run(
         self,
         chunks: int,
