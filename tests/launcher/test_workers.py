@@ -266,3 +266,36 @@ def test_overlapping_launches_hand_torch_its_own_name_lookup_back():
     assert rdzv.get_method_name is method_name
     second.__exit__(None, None, None)
     assert rdzv.get_method_name is torch_own
+
+
+@pytest.mark.cli  # a real Python subprocess, forking its own children
+def test_workers_left_by_an_interrupted_start_are_stopped_and_none_else():
+    # A signal handled between two of the agent's forks raised inside torch's start_processes,
+    # before the agent recorded the workers it started: its stop missed them, they waited for
+    # their peers, and the launcher's exit waited for them (a test timed out so once).
+    proc = run_python(
+        """
+        import multiprocessing, signal, time
+        from ddpkit.launcher.elastic import stop_strays
+
+        def waits():
+            time.sleep(60)
+
+        def deaf():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(60)
+
+        print(stop_strays())  # none
+        fork = multiprocessing.get_context("fork")
+        children = [fork.Process(target=waits), fork.Process(target=deaf)]
+        for child in children:
+            child.start()
+        time.sleep(0.5)  # (the deaf one has ignored SIGTERM by now)
+        t0 = time.monotonic()
+        stopped = stop_strays(grace_s=1.0)
+        print(sorted(stopped) == sorted(c.pid for c in children), [c.exitcode for c in children])
+        print(time.monotonic() - t0 < 10, multiprocessing.active_children())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["[]", f"True [{-signal.SIGTERM}, {-signal.SIGKILL}]", "True []"], proc.stdout

@@ -168,10 +168,31 @@ def _elastic(
     except ChildFailedError as err:
         raise as_worker_failed(err, logs, _last_attempt(logs)) from None
     except SignalException as err:  # Ctrl-C or SIGTERM: the agent has stopped the workers
+        stop_strays()
         raise Interrupted(err.sigval) from None
     finally:
         if not log_dir:
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def stop_strays(grace_s: float = 5.0) -> list[int]:
+    """Stop the workers this process forked that outlived the agent's stop: a signal handled
+    between two of the agent's forks raises inside torch's `start_processes`, before the agent
+    has recorded the workers it started, so its shutdown does not reach them; they would wait
+    for their peers, and this process's exit for them. SIGTERM, SIGKILL after `grace_s`.
+    Returns their pids (none after a stop the agent made whole)."""
+    import multiprocessing
+
+    strays = multiprocessing.active_children()  # (the agent's finished ones are reaped here)
+    for proc in strays:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in strays:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.pid for proc in strays if proc.pid is not None]
 
 
 def _launch_config(topo: Topology, logs: str, output: str, start_method: str, show_ranks: set[int] | None) -> Any:
