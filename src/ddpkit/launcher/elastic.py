@@ -170,6 +170,9 @@ def _elastic(
     except SignalException as err:  # Ctrl-C or SIGTERM: the agent has stopped the workers
         stop_strays()
         raise Interrupted(err.sigval) from None
+    except KeyboardInterrupt:  # one that reached Python's own handler (between the agent's handlers)
+        stop_strays()
+        raise
     finally:
         if not log_dir:
             shutil.rmtree(logs, ignore_errors=True)
