@@ -199,11 +199,11 @@ class PipelineParallel(Strategy):
     def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The norm over every stage's gradients: each stage's sum of squares, added up over the pipeline."""
         assert self.layout is not None
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
         own = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.device)
         squares = dist.all_reduce(own.double().reshape(1) ** 2, group=self.layout.sub("pp").get_group())
         norm = squares.sqrt().reshape(()).float()
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].device))
         return norm
@@ -292,7 +292,8 @@ class Pipeline:
     schedule: str
     _train: Any = None
     _train_shape: tuple[int, int] | None = None  # (micro-batches, rows each)
-    _evals: dict[Any, Any] = field(default_factory=dict)
+    _evals: dict[Any, Any] = field(default_factory=dict)  # input (shape, dtype) -> its schedule
+    _outputs: dict[Any, Any] = field(default_factory=dict)  # input (shape, dtype) -> the output's
     _queue: list[tuple[Any, Any, Any]] = field(default_factory=list)  # the step's (x, y, MicroBatch)
     _micros: list[Any] = field(default_factory=list)  # each chunk's MicroBatch, during a step
 
@@ -353,8 +354,7 @@ class Pipeline:
     ) -> list[tuple[Any, ...]]:
         """The queued micro-batches of a step, forward and backward through the schedule, as
         `chunks` micro-batches of `rows` rows (padded; `loss_fn` sees the real rows only);
-        `weights`: what
-        each queued one's mean loss counts. Returns, on the last stage, (loss, *measure) of each
+        `weights`: what each queued one's mean loss counts. Returns, on the last stage, (loss, *measure) of each
         queued micro-batch that holds samples ([] on the others)."""
         queue, self._queue = self._queue, []
         if len(queue) > chunks:
@@ -436,8 +436,9 @@ class Pipeline:
         """`x` through every stage (forward only); the last stage's output, on every stage."""
         from torch.distributed.pipelining import ScheduleGPipe
 
-        shape = (tuple(x.shape), x.dtype) if self.stage.index == 0 else None
-        shape = dist.broadcast_object(shape, src=torch.distributed.get_global_rank(self.group, 0), group=self.group)
+        # Every stage holds the batch (a pipeline's ranks read the same samples): its shape needs
+        # no message; the output's is told once per shape.
+        shape = (tuple(x.shape), x.dtype)
         if shape[0][0] == 0:  # an empty batch (lockstep's padding): nothing to run
             return torch.empty(0, device=self.device)
         if shape not in self._evals:
@@ -448,10 +449,12 @@ class Pipeline:
             out = self._evals[shape].step(*((x,) if self.stage.index == 0 else ()))
         finally:
             self._running = False
-        meta = (tuple(out.shape), out.dtype) if self.stage.is_last else None
-        meta = dist.broadcast_object(meta, src=self.last_rank, group=self.group)
+        if shape not in self._outputs:
+            meta = (tuple(out.shape), out.dtype) if self.stage.is_last else None
+            self._outputs[shape] = dist.broadcast_object(meta, src=self.last_rank, group=self.group)
         if not self.stage.is_last:
-            out = torch.empty(meta[0], dtype=meta[1], device=self.device)
+            size, dtype = self._outputs[shape]
+            out = torch.empty(size, dtype=dtype, device=self.device)
         torch.distributed.broadcast(out, src=self.last_rank, group=self.group)
         return out
 
