@@ -180,6 +180,27 @@ def test_the_plan_refuses_a_bad_mesh_before_anything_starts(tmp_path, settings, 
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_the_default_micro_batches_fill_every_stage(stages):
+    from ddpkit.trainer.plan import pipeline_micro_batch_size
+
+    for share in range(stages, 70):
+        size = pipeline_micro_batch_size(share, stages)
+        assert -(-share // size) >= stages, (share, size)  # 1f1b: at least one micro-batch per stage
+        larger = [m for m in range(size + 1, -(-share // stages) + 1) if -(-share // m) >= stages]
+        assert not larger, (share, size, larger)  # and none larger up to an equal cut would do
+
+
+@pytest.mark.unit
+def test_the_trainer_cuts_six_samples_into_enough_micro_batches_for_four_stages(tmp_path):
+    from ddpkit.trainer import TrainConfig, resolve
+
+    # Equal pieces of 2 would make 3 micro-batches, and 1f1b could not start on 4 stages.
+    cfg = TrainConfig(model="gpt", data="text", device="cpu", mesh="pp=4", nproc="4", batch_size=6, out=str(tmp_path))
+    assert resolve(cfg).cfg.micro_batch_size == 1
+
+
 OWN_MODELS = """
 import torch
 from torch import nn

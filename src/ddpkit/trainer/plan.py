@@ -229,8 +229,9 @@ def _layout(
 
 def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> TrainConfig:
     """Under pp, the micro-batches are the pipeline's: without --micro-batch-size, each data
-    rank's share of a step is cut into as many as there are stages (the results do not depend on
-    it); with it, 1f1b needs at least as many micro-batches as stages."""
+    rank's share of a step is cut into as many as there are stages, or a few more where equal
+    pieces cannot make that many (the results do not depend on it); with it, 1f1b needs at least
+    as many micro-batches as stages."""
     pp = layout.size("pp")
     if pp == 1:
         return cfg
@@ -241,7 +242,7 @@ def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> Tr
                 f"--mesh {layout}: a step's {share} sample(s) per data rank cannot fill {pp} pipeline stages; "
                 f"raise --batch-size to at least {pp * layout.data_size}, or use --pp-schedule gpipe"
             )
-        return dataclasses.replace(cfg, micro_batch_size=-(-share // pp))
+        return dataclasses.replace(cfg, micro_batch_size=pipeline_micro_batch_size(share, pp))
     chunks = -(-share // min(cfg.micro_batch_size, share))
     if chunks < pp and cfg.pp_schedule == "1f1b":
         raise UsageError(
@@ -249,6 +250,15 @@ def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> Tr
             f"for {pp} pipeline stages; give at most {-(-share // pp)}, or use --pp-schedule gpipe"
         )
     return cfg
+
+
+def pipeline_micro_batch_size(share: int, stages: int) -> int:
+    """The largest micro-batch size up to share/stages (rounded up) that still cuts `share`
+    samples into at least `stages` micro-batches (6 over 4 stages: 1, as 2 would make 3)."""
+    size = -(-share // stages)
+    while size > 1 and -(-share // size) < stages:
+        size -= 1
+    return size
 
 
 def check_settings(cfg: TrainConfig) -> None:
