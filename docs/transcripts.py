@@ -210,6 +210,15 @@ TRANSCRIPTS: dict[str, Transcript] = {
     ),
     "fp16-warning": Transcript([Step("ddpkit train --precision fp16 --epochs 1 --out /tmp/dkfp16 > /dev/null")]),
     "find-batch-size": Transcript([Step("ddpkit find-batch-size --nproc 2 --max-batch 1024")], check="head"),
+    "find-batch-size-pp": Transcript(
+        [
+            Step(
+                "ddpkit find-batch-size --model gpt --nproc 2 --device cpu --mesh pp=2 --seq-len 32 --gpt-width 32 "
+                "--max-batch 16"
+            )
+        ],
+        check="head",
+    ),
     "runtime-digits": Transcript([Step("python train_digits.py")], files={"train_digits.py": ""}),
     "collectives": Transcript([Step(COLLECTIVES)]),
     "runtime-gather": Transcript([Step("python gather_metrics.py")], files={"gather_metrics.py": ""}),

@@ -183,10 +183,8 @@ def test_the_plan_refuses_a_bad_mesh_before_anything_starts(tmp_path, settings, 
 @pytest.mark.unit
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])
 def test_the_default_micro_batches_fill_every_stage(stages):
-    from ddpkit.trainer.plan import pipeline_micro_batch_size
-
     for share in range(stages, 70):
-        size = pipeline_micro_batch_size(share, stages)
+        size = strategy.micro_batch_size(share, stages)
         assert -(-share // size) >= stages, (share, size)  # 1f1b: at least one micro-batch per stage
         larger = [m for m in range(size + 1, -(-share // stages) + 1) if -(-share // m) >= stages]
         assert not larger, (share, size, larger)  # and none larger up to an equal cut would do
@@ -229,7 +227,7 @@ def bad_plan(in_shape, num_classes):
 @pytest.mark.parametrize(
     "function,message",
     [
-        ("planless", "has no tp_plan(tp_size) method"),
+        ("planless", "has no tensor-parallel plan: a model brings its own as a tp_plan(tp_size) method"),
         ("bad_plan", "tp_plan(2): tp_plan: '0': 'colwise' is not one of torch's parallel styles"),
     ],
 )

@@ -115,6 +115,7 @@ KINDS = {
     ("find-batch-size", "--optimizer"): "choice",
     ("find-batch-size", "--strategy"): "choice",
     ("find-batch-size", "--mesh"): "mesh",
+    ("find-batch-size", "--pp-schedule"): "choice",
     ("find-batch-size", "--criterion"): "choice",
     ("find-batch-size", "--json"): "out-file",
     ("find-batch-size", "--plot"): "out-png",
@@ -184,6 +185,7 @@ EXTRA_VALUES = {
     ("train", "--gpt-width"): ("6", "1000000"),  # not a multiple of --gpt-heads 4; 10^13 parameters
     ("train", "--ema"): ("1", "1.5"),  # a decay of 1 keeps the initial weights forever
     ("train", "--num-classes"): ("1",),  # a classifier of one class learns nothing
+    ("find-batch-size", "--gpt-width"): ("6",),  # not a multiple of --gpt-heads 4
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters
@@ -234,6 +236,11 @@ CONTEXT = {
     ("train", "--seq-len"): ("--model", "gpt"),
     ("find-batch-size", "--synthetic-shape"): ("--data", "synthetic"),
     ("find-batch-size", "--num-classes"): ("--data", "synthetic"),
+    ("find-batch-size", "--seq-len"): ("--model", "gpt"),
+    ("find-batch-size", "--gpt-width"): ("--model", "gpt"),
+    ("find-batch-size", "--gpt-depth"): ("--model", "gpt"),
+    ("find-batch-size", "--gpt-heads"): ("--model", "gpt"),
+    ("find-batch-size", "--pp-schedule"): ("--model", "gpt"),
 }
 
 # What each command gets besides the flag under test: small enough that a case which slipped

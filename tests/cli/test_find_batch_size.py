@@ -57,15 +57,24 @@ def test_cli_two_processes_json_png_and_the_knee(tmp_path):
         (("--strategy", "fsdp"), "2 x cpu fsdp", "fsdp", "dp=2", [1, 2, 4, 8]),
         # the mesh picks hsdp
         (("--mesh", "replicate=2,dp=1"), "2 x cpu hsdp on replicate=2,dp=1", "hsdp", "replicate=2,dp=1", [1, 2]),
+        # a pipeline of gpt: a size is the one data rank's, cut into micro-batches; gpipe starts at 1
+        (
+            ("--model", "gpt", "--mesh", "pp=2", "--pp-schedule", "gpipe", "--seq-len", "16", "--gpt-width", "16"),
+            "gpt (width 16, depth 4, heads 4) on sequences of 16 tokens (a vocabulary of 256), 2 x cpu pp on pp=2",
+            "pp",
+            "pp=2",
+            [1, 2, 4],
+        ),
     ],
-    ids=["fsdp", "hsdp-mesh"],
+    ids=["fsdp", "hsdp-mesh", "pp-gpt"],
 )
 def test_cli_a_sharded_strategy_runs_its_step_on_every_process(tmp_path, flags, header, strategy, mesh, sizes):
     json_path = tmp_path / "fbs.json"
     proc = run_cli(
         "find-batch-size",
         *flags,
-        *("--nproc", "2", "--device", "cpu", "--model", "mlp", "--max-batch", str(sizes[-1])),
+        *("--nproc", "2", "--device", "cpu", *(() if "--model" in flags else ("--model", "mlp"))),
+        *("--max-batch", str(sizes[-1])),
         *("--steps", "1", "--warmup", "0", "--plateau", "0", "--json", str(json_path)),
         timeout=120,
     )
@@ -75,12 +84,28 @@ def test_cli_a_sharded_strategy_runs_its_step_on_every_process(tmp_path, flags, 
     assert (r["strategy"], r["mesh"], r["world_size"]) == (strategy, mesh, 2)
     assert [t["per_device_batch"] for t in r["trials"]] == sizes
     assert all(t["fits"] and t["samples_per_s"] > 0 for t in r["trials"])
+    ranks = 1 if strategy == "pp" else 2  # a pipeline's processes read the same samples
+    assert r["data_ranks"] == ranks and all(t["global_batch"] == ranks * t["per_device_batch"] for t in r["trials"])
+    if strategy == "pp":
+        assert "the 2 processes form 1 data rank" in proc.stdout
+        assert (
+            f"use --batch-size {r['global_batch']} ({r['per_device_batch']} per data rank, --mesh pp=2)" in proc.stdout
+        )
 
 
 BAD_INPUT = {
-    "mesh-tp": ["--mesh", "dp=2,tp=2", "--nproc", "4"],  # no search under tp yet
     "mesh-size": ["--mesh", "replicate=3,dp=1", "--nproc", "2"],
-    "mesh-name": ["--mesh", "pp=2", "--nproc", "2"],
+    "mesh-name": ["--mesh", "cp=2", "--nproc", "2"],
+    "tp-no-plan": ["--model", "cnn", "--mesh", "dp=1,tp=2", "--nproc", "2"],
+    "tp-heads": ["--model", "gpt", "--mesh", "tp=3", "--nproc", "3"],
+    "pp-stages": ["--model", "gpt", "--mesh", "pp=8", "--nproc", "8"],
+    "pp-fp16": ["--model", "gpt", "--mesh", "pp=2", "--nproc", "2", "--precision", "fp16"],
+    "pp-1f1b": ["--model", "gpt", "--mesh", "pp=4", "--nproc", "4", "--max-batch", "2"],
+    "pp-schedule": ["--model", "gpt", "--mesh", "pp=2", "--nproc", "2", "--pp-schedule", "zb"],
+    "text-image-model": ["--model", "cnn", "--data", "text"],
+    "gpt-images": ["--model", "gpt", "--data", "digits"],
+    "seq-len": ["--model", "gpt", "--seq-len", "0"],
+    "gpt-width": ["--model", "gpt", "--gpt-width", "30"],
     "max-batch": ["--max-batch", "0"],
     "start": ["--start", "100", "--max-batch", "10"],
     "model": ["--model", "nope"],

@@ -75,6 +75,39 @@ def test_ranks_agree_on_the_minimum_when_one_rank_runs_out_of_memory(strategy):
     assert all(t["samples_per_s"] > 0 for t in out[0]["trials"] if t["fits"])
 
 
+GPT = {
+    "model": "gpt",
+    "data": "text",
+    "in_shape": (16,),
+    "num_classes": 256,
+    "gpt_width": 16,
+    "gpt_depth": 2,
+    "gpt_heads": 2,
+    **{k: v for k, v in SMALL.items() if k not in ("model", "data", "in_shape", "num_classes")},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "mesh,sizes",
+    [
+        ("dp=1,tp=2", [1, 2, 4, 8, 16, 12, 10, 9]),
+        ("pp=2", [2, 4, 8, 16, 12, 10, 9]),  # 1f1b: one micro-batch per stage at least
+    ],
+)
+def test_under_tp_and_pp_a_size_is_a_data_ranks_and_the_ranks_agree(mesh, sizes):
+    # Rank 1 (a tensor-parallel rank; the pipeline's last stage) runs out of memory above 9.
+    settings = tune.Settings(start=1, max_batch=16, mesh=mesh, strategy="tp" if "tp" in mesh else "pp", **GPT)
+    out = ddpkit.launch(tune.worker, settings, functools.partial(oom_above, 1, 9), nproc=2, device="cpu")
+    r = out[0]
+    assert (r["mesh"], r["world_size"], r["data_ranks"]) == (mesh, 2, 1)
+    assert [t["per_device_batch"] for t in r["trials"]] == sizes and r["trials"] == out[1]["trials"]
+    assert r["per_device_batch"] == 9 and r["global_batch"] == 9  # both processes read the same 9
+    assert all(t["global_batch"] == t["per_device_batch"] for t in r["trials"])
+    assert all(t["samples_per_s"] > 0 for t in r["trials"] if t["fits"])
+    assert sorted(out[1]["local_failures"]) == [10, 12, 16]
+
+
 @pytest.mark.distributed
 def test_an_error_other_than_out_of_memory_fails_the_run_without_a_hang():
     def boom(rank: int, size: int) -> None:

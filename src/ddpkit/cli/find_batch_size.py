@@ -34,10 +34,15 @@ def _parser() -> ArgumentParser:
         help="a built-in model, or package.module:function (default cnn; see ddpkit train --help)",
     )
     p.add_argument(
-        "--data", default="digits", help="gives the input shape and number of classes; batches are synthetic either way"
+        "--data",
+        help="gives the input shape and number of classes (default digits, and text for --model gpt); batches "
+        "are synthetic either way",
     )
     p.add_argument("--synthetic-shape", default="3,32,32", metavar="C,H,W", help="input shape with --data synthetic")
     p.add_argument("--num-classes", type=int, default=10, help="classes with --data synthetic")
+    p.add_argument("--seq-len", type=int, default=128, help="--data text: tokens per sequence (default 128)")
+    for name, what in (("width", "embedding width"), ("depth", "transformer blocks"), ("heads", "attention heads")):
+        p.add_argument(f"--gpt-{name}", type=int, help=f"--model gpt: {what} (default: ddpkit train's)")
     p.add_argument("--nproc", default="auto", help="processes: N, or auto (one per GPU; on CPU one per 4 cores)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
@@ -45,13 +50,16 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--strategy",
         default="ddp",
-        help="ddp, fsdp (parameters, gradients and optimizer state sharded over the processes) or hsdp "
-        "(sharded inside each replica); default ddp",
+        help="ddp, fsdp (parameters, gradients and optimizer state sharded over the processes), hsdp "
+        "(sharded inside each replica), tp (--model gpt's layers split) or pp (its blocks in stages); default ddp",
     )
     p.add_argument(
         "--mesh",
-        help="the processes' layout, e.g. replicate=2,dp=2 (hsdp); the sizes multiply to the process count",
+        help="the processes' layout, e.g. replicate=2,dp=2 (hsdp), dp=1,tp=2 or pp=2; the sizes multiply to the "
+        "process count. Under tp and pp a size is a data rank's samples per step (a pipeline cuts them into one "
+        "micro-batch per stage, as ddpkit train does)",
     )
+    p.add_argument("--pp-schedule", default="1f1b", help="under pp: 1f1b or gpipe (default 1f1b)")
     p.add_argument("--start", type=int, help="first per-device batch (default 8 on CUDA, 1 on CPU)")
     p.add_argument("--max-batch", type=int, default=65536, help="largest per-device batch to try (default 65536)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per size (default 5; the median counts)")

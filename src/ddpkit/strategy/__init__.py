@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core import checks
-from ..errors import UsageError
+from ..errors import UsageError, usage_errors
 from .base import Strategy, compiled_graphs, eval_view, local, unwrap
 from .ddp import (
     COMM_HOOKS,
@@ -38,9 +38,9 @@ from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
-from .pp import SCHEDULES, PipelineParallel, split_stages, stage_of
+from .pp import SCHEDULES, PipelineParallel, micro_batch_size, split_stages, stage_of
 from .single import Single
-from .tp import TensorParallel, check_plan
+from .tp import TensorParallel, check_plan, plan_for
 
 # The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
 # here (`register` adds one from outside, as a test's own strategy does).
@@ -64,6 +64,7 @@ __all__ = [
     "MeshSpec",
     "Strategy",
     "by_name",
+    "check_model",
     "check_plan",
     "comm_hook",
     "compiled_graphs",
@@ -77,8 +78,10 @@ __all__ = [
     "load_full_optimizer_state",
     "local",
     "lockstep",
+    "micro_batch_size",
     "names",
     "no_sync",
+    "plan_for",
     "register",
     "resolve",
     "resolve_name",
@@ -192,6 +195,34 @@ def mesh_for(
         return cls.default_mesh(world_size, local_world_size)
     mesh.check_processes(world_size, what)
     return mesh
+
+
+def check_model(spec: MeshSpec, model: nn.Module, name: str, precision: str, compile: bool = False) -> None:
+    """One line (UsageError) where `model` (`--model name`, built on the meta device: shapes
+    only) cannot run on the mesh `spec`: under tp, without a tensor-parallel plan of its own or
+    with a bad one; under pp, with fp16 or compile, or where it does not split into the stages."""
+    tp, pp = spec.size("tp"), spec.size("pp")
+    if tp > 1:
+        own = getattr(model, "tp_plan", None)
+        if not callable(own):
+            raise UsageError(
+                f"--strategy tp: {name} has no tensor-parallel plan: a model brings its own as a tp_plan(tp_size) "
+                "method (the built-in gpt has one; see docs/parallelism.md)"
+            )
+        try:
+            with usage_errors():
+                check_plan(own(tp))
+        except UsageError as err:
+            message = str(err)
+            raise UsageError(
+                message if message.startswith("--mesh") else f"--model {name}: tp_plan({tp}): {err}"
+            ) from None
+    if pp > 1:
+        if precision == "fp16":
+            raise UsageError(f"--mesh {spec}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
+        if compile:
+            raise UsageError(f"--mesh {spec}: --compile under a pipeline is not supported yet")
+        split_stages(model, pp)  # one line if it cannot be split so
 
 
 def resolve(

@@ -74,9 +74,6 @@ class Strategy:
     pipelined: ClassVar[bool] = False
     # It splits layers by a tensor-parallel plan (tp): Runtime(tp_plan=...) applies to it only.
     takes_tp_plan: ClassVar[bool] = False
-    # Why `ddpkit find-batch-size` cannot search under it, where that is the reason (else the
-    # strategy is simply not `tunable`).
-    refuses_search: ClassVar[str] = ""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -82,8 +82,8 @@ class PipelineParallel(Strategy):
     keeps_ranks_in_step: ClassVar[bool] = True
     sync_batchnorm: ClassVar[bool] = False
     refuses_sync_batchnorm: ClassVar[str] = "--strategy pp does not support SyncBatchNorm (--sync-batchnorm)"
-    refuses_search: ClassVar[str] = "a pipeline's memory depends on its schedule's micro-batches, not searched yet"
     pipelined: ClassVar[bool] = True
+    tunable: ClassVar[bool] = True
 
     def __init__(self, device: torch.device, schedule: str = DEFAULT_SCHEDULE):
         super().__init__(device)
@@ -250,6 +250,17 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
     return stage
 
 
+def micro_batch_size(share: int, stages: int) -> int:
+    """The micro-batch size that cuts a data rank's `share` of a step into as many micro-batches
+    as there are `stages`, or a few more where equal pieces cannot make that many (6 over 4
+    stages: 1, as 2 would make 3): the largest up to share/stages, rounded up, that gives 1f1b at
+    least one per stage."""
+    size = -(-share // stages)
+    while size > 1 and -(-share // size) < stages:
+        size -= 1
+    return size
+
+
 def split_stages(model: nn.Module, count: int) -> None:
     """The UsageError `split` would raise for `model` on `count` stages, if any (checked on a
     copy built on the meta device: it is cut)."""
@@ -360,7 +371,7 @@ class Pipeline:
         if len(queue) > chunks:
             raise UsageError(f"--strategy pp: a step of {len(queue)} micro-batches, more than the {chunks} planned")
         xs, ys, micros = padded(queue, chunks, rows)
-        if self._train is None:
+        if self._train_shape != (chunks, rows):  # a new schedule: torch looks at the shapes first
             self._keep_buffers()
         schedule = self._training(chunks, rows)
         results: list[tuple[Any, ...]] = []
@@ -394,9 +405,13 @@ class Pipeline:
         return results
 
     def _training(self, chunks: int, rows: int) -> Any:
+        """The schedule of steps of `chunks` micro-batches of `rows` rows: torch's schedules
+        run one shape, so steps of another (another loader's, or find-batch-size's next size)
+        get a new one, in place of the last."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        if self._train is None:
+        if self._train_shape != (chunks, rows):
+            self._train = None  # (its stage's buffers go before the new one's are made)
             cls = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
             if cls is Schedule1F1B and chunks < self.stage.count:
                 raise UsageError(
@@ -405,8 +420,6 @@ class Pipeline:
                 )
             self._train = cls(self._new_stage(), chunks, loss_fn=self._step_loss, scale_grads=False)
             self._train_shape = (chunks, rows)
-        elif self._train_shape != (chunks, rows):
-            raise UsageError(f"--strategy pp: steps of {chunks} x {rows} after {self._train_shape}: one shape per run")
         return self._train
 
     def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

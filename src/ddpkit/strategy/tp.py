@@ -47,10 +47,6 @@ class TensorParallel(FSDP):
     mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "tp")
     own_dim: ClassVar[str | None] = "tp"
     takes_tp_plan: ClassVar[bool] = True
-    tunable: ClassVar[bool] = False
-    refuses_search: ClassVar[str] = (
-        "it probes image models, which have no tensor-parallel plan; gpt is not searched yet"
-    )
 
     @classmethod
     def owns(cls, model: nn.Module) -> bool:

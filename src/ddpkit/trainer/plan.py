@@ -28,7 +28,7 @@ from ..core import device as devices
 from ..core.files import check_writable
 from ..core.precision import PRECISIONS
 from ..data import Augment
-from ..errors import UsageError, usage_errors
+from ..errors import UsageError
 from ..launcher import Nodes, Topology
 from ..launcher import topology as topologies
 from ..observe import tracking
@@ -192,38 +192,15 @@ def _layout(
         raise UsageError(f"--mesh {mesh}: a mesh needs a fixed number of machines, not --nnodes {cfg.nnodes}")
     spec = strategies.mesh_for(strategies.by_name(cfg.strategy), mesh, topology.world_size, topology.nproc)
     tp = spec.size("tp")
-    if tp > 1 and cfg.model != "gpt" and not models.is_custom(cfg.model):
-        raise UsageError(
-            f"--strategy tp: {cfg.model} has no tensor-parallel plan (the built-in gpt has one; a model of "
-            "your own brings a tp_plan(tp_size) method)"
-        )
     if tp > 1 and cfg.model == "gpt" and (cfg.gpt_heads % tp or num_classes % tp):
         raise UsageError(
             f"--mesh {spec}: gpt splits whole heads and its vocabulary over the tp ranks: --gpt-heads "
             f"{cfg.gpt_heads} and the {num_classes} tokens must be multiples of {tp}"
         )
-    if tp > 1 and models.is_custom(cfg.model):
+    if tp > 1 or spec.size("pp") > 1:
         with torch.device("meta"):  # shapes only: nothing allocated
             model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
-        if not callable(getattr(model, "tp_plan", None)):
-            raise UsageError(
-                f"--strategy tp: {cfg.model} has no tp_plan(tp_size) method: the tensor-parallel plan of a model "
-                "of your own comes with it (see docs/parallelism.md)"
-            )
-        try:
-            with usage_errors():
-                strategies.check_plan(model.tp_plan(tp))
-        except UsageError as err:
-            raise UsageError(f"--model {cfg.model}: tp_plan({tp}): {err}") from None
-    pp = spec.size("pp")
-    if pp > 1:
-        if cfg.precision == "fp16":
-            raise UsageError(f"--mesh {spec}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
-        if cfg.compile:
-            raise UsageError(f"--mesh {spec}: --compile under a pipeline is not supported yet")
-        with torch.device("meta"):  # shapes only: nothing allocated
-            model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
-        strategies.split_stages(model, pp)  # one line if it cannot be split so
+        strategies.check_model(spec, model, cfg.model, cfg.precision, cfg.compile)
     return spec
 
 
@@ -242,7 +219,7 @@ def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> Tr
                 f"--mesh {layout}: a step's {share} sample(s) per data rank cannot fill {pp} pipeline stages; "
                 f"raise --batch-size to at least {pp * layout.data_size}, or use --pp-schedule gpipe"
             )
-        return dataclasses.replace(cfg, micro_batch_size=pipeline_micro_batch_size(share, pp))
+        return dataclasses.replace(cfg, micro_batch_size=strategies.micro_batch_size(share, pp))
     chunks = -(-share // min(cfg.micro_batch_size, share))
     if chunks < pp and cfg.pp_schedule == "1f1b":
         raise UsageError(
@@ -250,15 +227,6 @@ def _pipeline_micro_batches(cfg: TrainConfig, layout: strategies.MeshSpec) -> Tr
             f"for {pp} pipeline stages; give at most {-(-share // pp)}, or use --pp-schedule gpipe"
         )
     return cfg
-
-
-def pipeline_micro_batch_size(share: int, stages: int) -> int:
-    """The largest micro-batch size up to share/stages (rounded up) that still cuts `share`
-    samples into at least `stages` micro-batches (6 over 4 stages: 1, as 2 would make 3)."""
-    size = -(-share // stages)
-    while size > 1 and -(-share // size) < stages:
-        size -= 1
-    return size
 
 
 def check_settings(cfg: TrainConfig) -> None:

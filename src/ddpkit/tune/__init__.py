@@ -1,7 +1,8 @@
 """`ddpkit find-batch-size`: the largest per-device batch that fits, and the throughput curve.
 
-Each size is one trial of real training steps (forward, backward, optimizer step under DDP or
-FSDP2) on a synthetic batch of that many samples per process.
+Each size is one trial of real training steps (forward, backward, optimizer step under DDP,
+FSDP2, HSDP, tensor or pipeline parallel) on a synthetic batch of that many samples per data
+rank (per process, except where a tensor-parallel group or a pipeline shares its samples).
 
 - `search`: the pure search (doubling, then bisection; the knee) and `Trial`;
 - `probe`: one trial on one rank (probe below DDP, agree by all-reduce, timed steps);
@@ -17,7 +18,7 @@ from typing import Any
 
 from ..core.log import print0
 from ..launcher import Topology, run_function
-from .output import TABLE_HEADER, conclusion, header, nothing_fits, plot, row, summarize
+from .output import TABLE_HEADER, conclusion, header, nothing_fits, plot, row, shared_samples, summarize
 from .plan import Settings, resolve
 from .probe import Tuner
 from .search import Trial, knee, largest_fit, pick, search
@@ -45,6 +46,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
     with Runtime(
         strategy=settings.strategy,
         mesh=settings.mesh,
+        pp_schedule=settings.pp_schedule,
         precision=settings.precision,
         device=settings.device,
         seed=0,
@@ -55,8 +57,11 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
         start = max(settings.start, tuner.smallest)
         layout = f"{rt.strategy} on {rt.layout.spec}" if settings.mesh else rt.strategy
         print0(header(settings, rt.world_size, rt.device.type, layout))
+        shared = shared_samples(rt.world_size, rt.data_world_size, str(rt.layout.spec))
+        if shared:
+            print0(shared)
         if start > settings.start:
-            print0(f"(the model has BatchNorm, which trains on 2 samples or more: starting at {start})")
+            print0(f"({tuner.smallest_why}: starting at {start})")
         print0(TABLE_HEADER)
 
         def trial(size: int, phase: str) -> Trial:
@@ -66,7 +71,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
 
         plateau = settings.plateau if criterion == "knee" else 0
         trials = search(trial, start, max(start, settings.max_batch), plateau, tuner.smallest)
-        result = summarize(trials, settings, criterion, rt.world_size, rt.device.type)
+        result = summarize(trials, settings, criterion, rt.world_size, rt.device.type, rt.data_world_size)
         result.update(strategy=rt.strategy, mesh=str(rt.layout.spec), rank=rt.rank, local_failures=tuner.local)
         if rt.is_main:
             from ..observe.env import metadata  # rank 0 alone

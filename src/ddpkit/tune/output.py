@@ -11,7 +11,11 @@ from .plan import Settings
 from .search import CRITERIA, KNEE_FRACTION, Trial, largest_fit, pick
 
 
-def summarize(trials: list[Trial], settings: Settings, criterion: str, world: int, device: str) -> dict[str, Any]:
+def summarize(
+    trials: list[Trial], settings: Settings, criterion: str, world: int, device: str, data_ranks: int | None = None
+) -> dict[str, Any]:
+    """The result: the pick, the trials and the settings. `data_ranks`: the ranks reading other
+    samples (fewer than `world` under tp and pp, whose groups share theirs)."""
     chosen, largest = pick(trials, criterion), largest_fit(trials)
     failed = any(not t.fits for t in trials)
     stop = (
@@ -24,6 +28,7 @@ def summarize(trials: list[Trial], settings: Settings, criterion: str, world: in
         "per_device_batch": chosen.per_device_batch if chosen else None,
         "global_batch": chosen.global_batch if chosen else None,
         "world_size": world,
+        "data_ranks": world if data_ranks is None else data_ranks,
         "criterion": CRITERIA[criterion],
         "knee_fraction": KNEE_FRACTION,
         "knee_rule": f"smallest per-device batch tried reaching >= {KNEE_FRACTION:.0%} of the best samples/s seen",
@@ -41,11 +46,26 @@ TABLE_HEADER = f"{'per-device':>10} {'global':>8} {'samples/s':>11} {'step ms':>
 
 
 def header(s: Settings, world: int, device: str, strategy: str) -> str:
-    shape = "x".join(map(str, s.in_shape))
+    if s.language:
+        what = (
+            f"{s.model} (width {s.gpt_width}, depth {s.gpt_depth}, heads {s.gpt_heads}) on sequences of "
+            f"{s.in_shape[0]} tokens (a vocabulary of {s.num_classes})"
+        )
+    else:
+        what = f"{s.model} on {s.data} {'x'.join(map(str, s.in_shape))} ({s.num_classes} classes)"
     return (
-        f"ddpkit find-batch-size: {s.model} on {s.data} {shape} ({s.num_classes} classes), {world} x {device} "
-        f"{strategy}, {s.precision}, {s.optimizer}; per size: 1 probe step, then {s.warmup} warm-up and "
-        f"{s.steps} timed training steps on a synthetic batch"
+        f"ddpkit find-batch-size: {what}, {world} x {device} {strategy}, {s.precision}, {s.optimizer}; per size: "
+        f"1 probe step, then {s.warmup} warm-up and {s.steps} timed training steps on a synthetic batch"
+    )
+
+
+def shared_samples(world: int, data_ranks: int, mesh: str) -> str | None:
+    """The line saying what a size is where ranks share their samples (tp, pp), else None."""
+    if data_ranks == world:
+        return None
+    return (
+        f"(on --mesh {mesh} the {world} processes form {data_ranks} data rank{'s' if data_ranks > 1 else ''}: a "
+        f"per-device size is the samples of one data rank, which its {world // data_ranks} processes share)"
     )
 
 
@@ -71,12 +91,13 @@ def nothing_fits(r: dict[str, Any]) -> str:
 def conclusion(r: dict[str, Any]) -> list[str]:
     """The lines after the table: why this size, and what to pass to `ddpkit train`."""
     b, g, lines = r["per_device_batch"], r["global_batch"], []
+    ranks = r["data_ranks"]
     largest = r["largest_fitting_per_device_batch"]
     bad = [t for t in r["trials"] if not t["fits"]]
     if bad:
         first_bad = min(t["per_device_batch"] for t in bad)
         lines.append(
-            f"largest that fits on every rank: per-device {largest:,} (global {largest * r['world_size']:,}); "
+            f"largest that fits on every rank: per-device {largest:,} (global {largest * ranks:,}); "
             f"{first_bad:,} did not fit"
         )
     else:
@@ -89,8 +110,9 @@ def conclusion(r: dict[str, Any]) -> list[str]:
             f"knee: per-device {b:,} is the smallest size reaching >= {r['knee_fraction']:.0%} of the best "
             f"{r['best_samples_per_s']:,.0f} samples/s (at per-device {r['best_per_device_batch']:,})"
         )
+    each = f"per device {b}" if ranks == r["world_size"] else f"{b} per data rank, --mesh {r['mesh']}"
     lines.append(
-        f"use --batch-size {g} (per device {b}) on {r['world_size']} process"
+        f"use --batch-size {g} ({each}) on {r['world_size']} process"
         f"{'es' if r['world_size'] > 1 else ''} [criterion: {r['criterion']}]"
     )
     return lines

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import data, models
 from .. import strategy as strategies
 from ..core import checks
@@ -31,13 +33,17 @@ class Settings:
 
     model: str = "cnn"
     data: str = "digits"
-    in_shape: tuple[int, ...] = (1, 8, 8)
-    num_classes: int = 10
+    in_shape: tuple[int, ...] = (1, 8, 8)  # gpt: (context,)
+    num_classes: int = 10  # gpt: the vocabulary
+    gpt_width: int = models.GPT_WIDTH  # --model gpt's shape (as ddpkit train's --gpt-* flags)
+    gpt_depth: int = models.GPT_DEPTH
+    gpt_heads: int = models.GPT_HEADS
     device: str = "auto"
     precision: str = "fp32"
     optimizer: str = "sgd"
     strategy: str = "ddp"
     mesh: str | None = None  # the processes' layout (hsdp: replicate=R,dp=D)
+    pp_schedule: str = "1f1b"  # pp: each size is a data rank's step, cut into one micro-batch per stage
     start: int = 1
     max_batch: int = 65536
     steps: int = 5
@@ -51,13 +57,19 @@ class Settings:
         checks.choice("--optimizer", self.optimizer, OPTIMIZERS)
         checks.choice("--strategy", self.strategy, TUNE_STRATEGIES)
         checks.choice("--criterion", self.criterion, ("auto", *CRITERIA))
+        checks.choice("--pp-schedule", self.pp_schedule, strategies.SCHEDULES)
         for flag, value in (
             ("--start", self.start),
             ("--max-batch", self.max_batch),
             ("--steps", self.steps),
             ("--num-classes", self.num_classes),
+            ("--gpt-width", self.gpt_width),
+            ("--gpt-depth", self.gpt_depth),
+            ("--gpt-heads", self.gpt_heads),
         ):
             checks.positive(flag, value)
+        if self.gpt_width % self.gpt_heads:
+            raise UsageError(f"--gpt-width {self.gpt_width} must be a multiple of --gpt-heads {self.gpt_heads}")
         if self.start > self.max_batch:
             raise UsageError(f"--start {self.start} is larger than --max-batch {self.max_batch}")
         checks.at_least("--warmup", self.warmup, 0)
@@ -66,6 +78,15 @@ class Settings:
 
     def resolved_criterion(self, device_type: str) -> str:
         return criterion_for(self.criterion, device_type)
+
+    @property
+    def language(self) -> bool:
+        """A language model: (B, T) tokens to (B, T, vocabulary) logits."""
+        return self.model in models.LANGUAGE_MODELS
+
+    def model_options(self) -> dict[str, Any]:
+        """What `models.build` passes the builder besides the shape (gpt's)."""
+        return {"width": self.gpt_width, "depth": self.gpt_depth, "heads": self.gpt_heads} if self.language else {}
 
 
 def criterion_for(criterion: str, device_type: str) -> str:
@@ -80,19 +101,21 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     topology = topologies.resolve(a.device, a.nproc)
     mesh = None if a.mesh is None else strategies.MeshSpec.parse(a.mesh)
     strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
-    refusal = strategies.REGISTRY[strategy].refuses_search if strategy in strategies.REGISTRY else ""
-    if refusal:
-        named = f"--mesh {mesh}: it runs --strategy {strategy}" if strategy != a.strategy else f"--strategy {strategy}"
-        raise UsageError(
-            f"{named}; find-batch-size does not search under it yet ({refusal}); use --strategy ddp, fsdp or hsdp"
-        )
     checks.choice("--strategy", strategy, TUNE_STRATEGIES)
-    strategies.mesh_for(strategies.by_name(strategy), mesh, topology.world_size, topology.nproc)
-    # Language models (--model gpt on --data text) are not probed yet: the probe feeds images.
-    name = checks.choice("--data", a.data, [d for d in data.DATASETS if d not in data.TEXT_DATASETS])
-    if a.model in models.LANGUAGE_MODELS:
-        raise UsageError(f"--model {a.model}: ddpkit find-batch-size does not search for language models yet")
-    in_shape, classes = data.shape_of(name, checks.shape("--synthetic-shape", a.synthetic_shape), a.num_classes)
+    layout = strategies.mesh_for(strategies.by_name(strategy), mesh, topology.world_size, topology.nproc)
+    language = a.model in models.LANGUAGE_MODELS
+    default = "text" if language else "digits"
+    name = checks.choice("--data", default if a.data is None else a.data, data.DATASETS)
+    if name in data.TEXT_DATASETS and not language:
+        raise UsageError(f"--data {name} is byte sequences for a language model: use --model gpt, not {a.model}")
+    if language and name not in data.TEXT_DATASETS:
+        raise UsageError(f"--model {a.model} is a language model of bytes: use it with --data text")
+    in_shape, classes = data.shape_of(
+        name,
+        checks.shape("--synthetic-shape", a.synthetic_shape),
+        a.num_classes,
+        checks.positive("--seq-len", a.seq_len),
+    )
     if name == "synthetic":  # one float32 sample at least must fit, or no batch can be tried
         checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))
     # A default start never exceeds a small --max-batch; a --start that does is refused.
@@ -106,8 +129,14 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         device=topology.device_type,
         precision=a.precision,
         optimizer=a.optimizer,
+        **{
+            f"gpt_{n}": getattr(a, f"gpt_{n}")
+            for n in ("width", "depth", "heads")
+            if getattr(a, f"gpt_{n}") is not None
+        },
         strategy=strategy,
         mesh=None if mesh is None else str(mesh),
+        pp_schedule=a.pp_schedule,
         start=start,
         max_batch=a.max_batch,
         steps=a.steps,
@@ -115,6 +144,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         criterion=criterion_for(a.criterion, topology.device_type),
         plateau=a.plateau,
     )
+    _check_layout(settings, layout)
     if a.plot and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
     for flag, path in (("--json", a.json), ("--plot", a.plot)):
@@ -122,3 +152,20 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
             checks.output_file(flag, path)
             check_writable(f"{flag} {path}", os.path.dirname(path))
     return settings, topology
+
+
+def _check_layout(s: Settings, layout: strategies.MeshSpec) -> None:
+    """Under tp, that the model has a tensor-parallel plan for the mesh's tp size; under pp,
+    that it splits into its stages and that each size can fill them: checked on the model built
+    on the meta device (shapes, no memory), before any worker starts."""
+    tp, pp = layout.size("tp"), layout.size("pp")
+    if tp == 1 and pp == 1:
+        return
+    with torch.device("meta"):
+        model = models.build(s.model, s.in_shape, s.num_classes, **s.model_options())
+    strategies.check_model(layout, model, s.model, s.precision)
+    if pp > 1 and s.pp_schedule == "1f1b" and s.max_batch < pp:
+        raise UsageError(
+            f"--mesh {layout}: 1f1b needs at least {pp} samples per data rank, one micro-batch per stage; "
+            f"--max-batch is {s.max_batch} (or use --pp-schedule gpipe)"
+        )

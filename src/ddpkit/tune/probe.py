@@ -12,7 +12,7 @@ half-way through a DDP step strands its peers there. A trial therefore runs in t
 So every rank runs the same sequence of collectives whatever happens on any one of them, and
 the size chosen fits on every rank (the minimum over ranks).
 
-Under fsdp no forward is free of collectives (each shard unit all-gathers its parameters), so
+Under fsdp (and hsdp, tp and pp) no forward is free of collectives (each shard unit all-gathers its parameters), so
 there is no step to probe with below the strategy: the ranks agree on a verdict reached before
 any step (on CPU, and under fsdp on CUDA too, a size whose memory, extrapolated from the last
 size that fitted, would exceed what is available), then run fsdp's real steps on every rank,
@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from .. import models
 from ..core import dist
 from ..core.memory import available_mib, peak_memory_mib, reset_peak_memory, rss_mib
 from ..observe.metrics import time_calls
 from ..optim import build_optimizer
-from ..strategy import find_ddp
+from ..strategy import find_ddp, micro_batch_size
 from .plan import Settings
 from .search import Trial
 
@@ -64,13 +65,18 @@ class Tuner:
 
     def __init__(self, rt: Any, settings: Settings, probe_hook: Callable[[int, int], None] | None = None):
         self.rt, self.s, self.hook = rt, settings, probe_hook
-        model = models.build(settings.model, settings.in_shape, settings.num_classes)
+        model = models.build(settings.model, settings.in_shape, settings.num_classes, **settings.model_options())
         # The optimizer's state counts in the memory; its learning rate does not matter here.
         lr, decay = (1e-4, 0.01) if settings.optimizer == "adamw" else (1e-3, 0.0)
         opt = build_optimizer(settings.optimizer, model.parameters(), lr, momentum=0.9, weight_decay=decay)
         # BatchNorm cannot train on one sample where its input is 1x1 (one value per channel).
         batchnorms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-        self.smallest = 2 if any(isinstance(m, batchnorms) for m in model.modules()) else 1
+        self.smallest, self.smallest_why = 1, ""  # the smallest size that can train, and why if above 1
+        if any(isinstance(m, batchnorms) for m in model.modules()):
+            self.smallest, self.smallest_why = 2, "the model has BatchNorm, which trains on 2 samples or more"
+        stages = rt.layout.spec.size("pp")
+        if stages > 1 and settings.pp_schedule == "1f1b":
+            self.smallest, self.smallest_why = stages, f"1f1b runs one micro-batch per stage at least, {stages}"
         self.model, self.opt = rt.setup(model, opt)
         # The probe runs the module inside DDP (with its autocast, if any): no collectives.
         ddp = find_ddp(self.model)
@@ -92,24 +98,31 @@ class Tuner:
         self.opt.zero_grad(set_to_none=True)
 
     def batch(self, n: int) -> tuple[Any, Any]:
-        device = self.rt.device
-        return (
-            torch.randn((n, *self.s.in_shape), device=device),
-            torch.randint(0, self.s.num_classes, (n,), device=device),
-        )
+        """`n` synthetic samples, the same on every rank of a data rank (a tensor-parallel group
+        or a pipeline reads one batch): images and labels, or token sequences and next tokens."""
+        g = torch.Generator().manual_seed(n * 1_000_003 + self.rt.data_rank)
+        vocab, shape = self.s.num_classes, (n, *self.s.in_shape)
+        x = torch.randint(0, vocab, shape, generator=g) if self.s.language else torch.randn(shape, generator=g)
+        y = torch.randint(0, vocab, shape if self.s.language else (n,), generator=g)
+        return x.to(self.rt.device), y.to(self.rt.device)
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy per sample, or per token of a language model's (B, T, vocabulary) logits."""
+        return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
     def __call__(self, size: int, phase: str) -> Trial:
         code = self.probe(size)
         if code:
             self.local[size] = REASONS[code]
-        world = self.rt.world_size
+        world, samples = self.rt.world_size, size * self.rt.data_world_size  # the global batch
         codes = torch.zeros(world, dtype=torch.float32, device=self.rt.device)
         codes[self.rt.rank] = code
         dist.all_reduce(codes)  # the agreement: every process learns every process's verdict
         failed = [r for r in range(world) if codes[r] > 0]
         if failed:
             reason = REASONS[int(codes[failed[0]].item())]
-            return Trial(size, size * world, False, failed_ranks=failed, reason=reason, phase=phase)
+            return Trial(size, samples, False, failed_ranks=failed, reason=reason, phase=phase)
         step_s, peak = self.timed(size)
         self.last_fit = (size, peak)
         worst = torch.tensor([step_s, peak], dtype=torch.float64, device=self.rt.device)
@@ -117,9 +130,9 @@ class Tuner:
         step_s, peak = worst.tolist()
         return Trial(
             size,
-            size * world,
+            samples,
             True,
-            samples_per_s=size * world / step_s,
+            samples_per_s=samples / step_s,
             step_ms=1000 * step_s,
             peak_memory_mib=round(peak, 1),
             phase=phase,
@@ -149,7 +162,7 @@ class Tuner:
         if self.sharded:  # every forward would all-gather: the timed steps run after the agreement
             return
         x, y = self.batch(size)
-        self.rt.backward(F.cross_entropy(self.bare(x), y))
+        self.rt.backward(self.loss(self.bare(x), y))
 
     def timed(self, size: int) -> tuple[float, float]:
         """(median seconds per step, this rank's peak memory in MiB) over the timed steps."""
@@ -169,10 +182,31 @@ class Tuner:
 
     def _time_steps(self, size: int) -> list[float]:
         x, y = self.batch(size)  # one batch, reused: the timing is of the step, not of data
+        if self.rt.pipelined:
+            return self._time_pipeline(size, x, y)
 
         def step() -> None:
-            self.rt.backward(F.cross_entropy(self.model(x), y))
+            self.rt.backward(self.loss(self.model(x), y))
             self.rt.step(self.opt)
+
+        return time_calls(step, self.rt.device, repeats=self.s.steps, warmup=self.s.warmup)
+
+    def _time_pipeline(self, size: int, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+        """Under pp, a step is the batch's micro-batches through the schedule, one per stage (or a
+        few more: `strategy.micro_batch_size`), as ddpkit train cuts them; the loader hands them
+        out, as it does in training."""
+        stages = self.rt.layout.spec.size("pp")
+        batches = self.rt.loader(
+            TensorDataset(x, y),
+            batch_size=size * self.rt.data_world_size,
+            shuffle=False,
+            micro_batch_size=micro_batch_size(size, stages),
+        )
+
+        def step() -> None:
+            for xs, ys in batches:  # one global batch: one step
+                self.rt.forward_backward(self.model, xs, ys, self.loss)
+                self.rt.step(self.opt)
 
         return time_calls(step, self.rt.device, repeats=self.s.steps, warmup=self.s.warmup)
 
