@@ -101,6 +101,7 @@ def test_ranks_sit_row_major_and_tp_neighbours_share_their_samples():
         ("tp", "tp=4", "tp"),
         ("hsdp", "dp=4", "hsdp"),  # one replica: fsdp's sharding under hsdp's name
         ("ddp", "pp=2", "pp"),
+        ("ddp", "dp=2,pp=2", "pp"),  # each stage replicated over dp
     ],
 )
 def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
@@ -118,7 +119,8 @@ def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
         ("single", "tp=2", "--strategy single runs on dp only"),
         ("fsdp", "pp=2", "--strategy fsdp runs on dp only; pp needs --strategy pp"),
         ("ddp", "pp=2,tp=2", "no strategy runs on pp and tp together yet"),
-        ("pp", "dp=2,pp=2", "--strategy pp runs on pp only"),
+        ("pp", "replicate=2,pp=2", "no strategy runs on pp and replicate together yet"),
+        ("tp", "dp=2,tp=2,pp=2", "no strategy runs on pp and tp together yet"),  # 3-D: not yet
     ],
 )
 def test_a_mesh_the_strategy_does_not_run_on_is_refused(asked, mesh, message):
@@ -278,6 +280,7 @@ LAYOUTS_4 = {
     "fsdp+tp 2x2": ("tp", "dp=2,tp=2"),
     "tp 4": ("tp", "tp=4"),
     "pp 4": ("pp", "pp=4"),  # a stage per child of the tiny gpt: embed, block0, block1, head
+    "pp 2 x dp 2": ("pp", "pp=2,dp=2"),  # two pipelines, each stage under DDP over dp
 }
 LAYOUTS_2 = {
     "tp 2": ("tp", "tp=2"),
@@ -308,6 +311,8 @@ def mesh_runs(tmp_path_factory):
         "save": ck["b"],
         "steps": 3,
     }
+    # A side leg: the chain's first checkpoint resumed by two pipelines (pp 2 x dp 2), to the end.
+    four["chain pp x dp"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "load": ck["a"], "start": 1, "schedule": "gpipe"}
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
@@ -378,11 +383,14 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
 def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_runs):
     """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process -> pp 2, each leg resuming the last one's
     checkpoint (sharded, but the one-process leg's single file): the end equals the straight run
-    within rounding. Resumed on its own layout, a run ends bit-identical to the straight run there
-    (fsdp+tp 2x2 and pp 2)."""
+    within rounding, and so does a side leg resuming the first checkpoint on pp 2 x dp 2 (gpipe).
+    Resumed on its own layout, a run ends bit-identical to the straight run there (fsdp+tp 2x2
+    and pp 2)."""
     four, two, one = mesh_runs["four"], mesh_runs["two"], mesh_runs["one"]
     assert four[0]["chain b"]["steps"] == 3 and two[0]["chain e"]["steps"] == workers_mesh.STEPS
     torch.testing.assert_close(two[0]["chain e"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+    assert four[0]["chain pp x dp"]["steps"] == workers_mesh.STEPS
+    torch.testing.assert_close(four[0]["chain pp x dp"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
     assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])
     assert torch.equal(two[0]["pp resumed"]["weights"], two[0]["pp 2"]["weights"])
 

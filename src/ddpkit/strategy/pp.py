@@ -21,6 +21,9 @@ evaluation, metrics and gathered outputs work as under any strategy. (The broadc
 copy of the output per evaluation batch; the loss alone would be cheaper, not done yet.)
 
 The pipeline's ranks read the same samples: `pp` is not a data dimension (see ddpkit.strategy.mesh).
+With `dp` beside it (`pp=2,dp=2`), each data rank runs a pipeline of its own, and each stage is
+replicated over `dp` under DDP, which torch's `PipelineStage` keeps from all-reducing until the
+step's last micro-batch.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import nn
 from ..core import dist
 from ..errors import UsageError
 from .base import Strategy, unwrap
+from .ddp import DDPOptions, comm_hook
 from .mesh import MeshSpec
 
 # Imports inside functions: torch's pipelining modules load where a pipeline runs, not in every
@@ -75,7 +79,7 @@ class PipelineParallel(Strategy):
     """Stages of an nn.Sequential over `pp`, run by torch's schedules (see the module docstring)."""
 
     name = "pp"
-    mesh_dims: ClassVar[tuple[str, ...]] = ("pp",)
+    mesh_dims: ClassVar[tuple[str, ...]] = ("pp", "dp")
     own_dim: ClassVar[str | None] = "pp"
     lockstep: ClassVar[bool] = True
     sharded: ClassVar[bool] = True
@@ -85,11 +89,16 @@ class PipelineParallel(Strategy):
     pipelined: ClassVar[bool] = True
     tunable: ClassVar[bool] = True
 
-    def __init__(self, device: torch.device, schedule: str = DEFAULT_SCHEDULE):
+    def __init__(self, device: torch.device, schedule: str = DEFAULT_SCHEDULE, ddp: Any = None):
         super().__init__(device)
         self.schedule = schedule
+        self.ddp = DDPOptions() if ddp is None else ddp  # over dp (pp x dp): each stage's DDP
         self._kept: set[int] = set()  # ids of the parameters this stage kept (adopt)
         self._stage: Stage | None = None
+
+    @classmethod
+    def make(cls, device: torch.device, ddp: Any, fsdp: Any) -> Strategy:
+        return cls(device, ddp=ddp)
 
     @classmethod
     def default_mesh(cls, world_size: int, local_world_size: int) -> MeshSpec:
@@ -171,7 +180,28 @@ class PipelineParallel(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         stage = stage_of(model)
         assert stage is not None and self.layout is not None
-        stage.pipeline = Pipeline(model, stage, self.layout.sub("pp").get_group(), self.device, self.schedule)
+        replicas = None
+        if self.layout.spec.size("dp") > 1:  # each stage replicated over dp: DDP, run by torch's stage
+            from torch.nn.parallel import DistributedDataParallel
+
+            # No buffer broadcast: a forward in evaluation (an empty batch skipped on one data
+            # rank) must not wait for the others; the stage has no running statistics (BatchNorm
+            # is refused) and every replica built the same buffers. find_unused_parameters, and
+            # no static graph: DDP then never rebuilds its buckets, which under torch's schedules
+            # (2.13) records the parameters of two backward passes and fails its own assertion at
+            # the next forward, for most micro-batch counts of either schedule.
+            options = dataclasses.replace(
+                self.ddp, broadcast_buffers=False, find_unused_parameters=True, static_graph=False
+            )
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            replicas = DistributedDataParallel(
+                model, device_ids=ids, process_group=self.layout.sub("dp").get_group(), **options.kwargs()
+            )
+            hook = comm_hook(options.comm_hook)
+            if hook is not None:
+                replicas.register_comm_hook(state=None, hook=hook)
+        group = self.layout.sub("pp").get_group()
+        stage.pipeline = Pipeline(model, stage, group, self.device, self.schedule, replicas)
         return model
 
     def _pp_index(self) -> int:
@@ -296,11 +326,12 @@ class Pipeline:
     """One stage's schedules: the training one (made at the first step, when the number of
     micro-batches is known) and a forward-only one per shape of evaluation batch."""
 
-    module: nn.Module  # the stage as the strategy wrapped it (what the schedules call)
+    module: nn.Module  # the stage as the strategy wrapped it (what setup() returned)
     stage: Stage
     group: Any
     device: torch.device
     schedule: str
+    replicas: nn.Module | None = None  # pp x dp: the stage under DDP over dp (what the schedules call then)
     _train: Any = None
     _train_shape: tuple[int, int] | None = None  # (micro-batches, rows each)
     _evals: dict[Any, Any] = field(default_factory=dict)  # input (shape, dtype) -> its schedule
@@ -441,7 +472,8 @@ class Pipeline:
                 pipeline.chunk(bwd_chunk_id)
                 return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
-        return KeyedStage(self.module, self.stage.index, self.stage.count, self.device, group=self.group)
+        called = self.module if self.replicas is None else self.replicas  # torch's stage runs DDP's sync
+        return KeyedStage(called, self.stage.index, self.stage.count, self.device, group=self.group)
 
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
