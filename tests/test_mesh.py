@@ -102,6 +102,7 @@ def test_ranks_sit_row_major_and_tp_neighbours_share_their_samples():
         ("hsdp", "dp=4", "hsdp"),  # one replica: fsdp's sharding under hsdp's name
         ("ddp", "pp=2", "pp"),
         ("ddp", "dp=2,pp=2", "pp"),  # each stage replicated over dp
+        ("ddp", "tp=2,pp=2", "pp"),  # each stage's layers split over tp
     ],
 )
 def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
@@ -118,9 +119,8 @@ def test_the_mesh_picks_the_strategy_it_names(asked, mesh, runs):
         ("ddp", "replicate=2,tp=2", "no strategy runs on replicate and tp together yet"),
         ("single", "tp=2", "--strategy single runs on dp only"),
         ("fsdp", "pp=2", "--strategy fsdp runs on dp only; pp needs --strategy pp"),
-        ("ddp", "pp=2,tp=2", "no strategy runs on pp and tp together yet"),
         ("pp", "replicate=2,pp=2", "no strategy runs on pp and replicate together yet"),
-        ("tp", "dp=2,tp=2,pp=2", "no strategy runs on pp and tp together yet"),  # 3-D: not yet
+        ("tp", "dp=2,tp=2,pp=2", "--strategy tp runs on dp, tp only; pp needs --strategy pp"),
     ],
 )
 def test_a_mesh_the_strategy_does_not_run_on_is_refused(asked, mesh, message):
@@ -163,6 +163,8 @@ def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
         ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
         ({"model": "cnn", "data": "digits", "strategy": "tp", "nproc": "2"}, "cnn has no tensor-parallel plan"),
         ({"mesh": "pp=2", "nproc": "2", "precision": "fp16"}, "fp16's loss scaling does not run through a pipeline"),
+        ({"mesh": "pp=2,dp=2,tp=2", "nproc": "8"}, "a pipeline with both dp and tp (a 3-D mesh) does not run yet"),
+        ({"mesh": "pp=2,tp=3", "nproc": "6"}, "--gpt-heads 4 and the 256 tokens must be multiples of 3"),
         ({"mesh": "pp=2", "nproc": "2", "compile": True}, "--compile under a pipeline is not supported yet"),
         ({"mesh": "pp=4", "nproc": "4", "gpt_depth": 1}, "the model has 3 children to split into 4 stages"),
         ({"mesh": "pp=2", "nproc": "2", "batch_size": 1}, "a step's 1 sample(s) per data rank cannot fill 2"),
@@ -248,6 +250,8 @@ def test_the_plan_refuses_a_model_of_ones_own_without_a_fitting_tp_plan(tmp_path
 def test_a_tp_plan_outside_tp_or_not_of_parallel_styles_is_refused():
     with pytest.raises(UsageError, match=r"tp_plan=...\) applies under tp only"):
         ddpkit.Runtime("ddp", device="cpu", tp_plan={"up": "colwise"})
+    with pytest.raises(UsageError, match=r"tp_plan=...\) applies under tp only"):  # a pipeline without tp
+        ddpkit.Runtime(device="cpu", mesh="pp=1", tp_plan={"up": "colwise"})
     with pytest.raises(UsageError, match="'up': 'colwise' is not one of torch's parallel styles"):
         ddpkit.Runtime("tp", device="cpu", tp_plan={"up": "colwise"})
     with pytest.raises(
@@ -281,6 +285,7 @@ LAYOUTS_4 = {
     "tp 4": ("tp", "tp=4"),
     "pp 4": ("pp", "pp=4"),  # a stage per child of the tiny gpt: embed, block0, block1, head
     "pp 2 x dp 2": ("pp", "pp=2,dp=2"),  # two pipelines, each stage under DDP over dp
+    "pp 2 x tp 2": ("pp", "pp=2,tp=2"),  # each stage's layers split over tp
 }
 LAYOUTS_2 = {
     "tp 2": ("tp", "tp=2"),
@@ -313,6 +318,7 @@ def mesh_runs(tmp_path_factory):
     }
     # A side leg: the chain's first checkpoint resumed by two pipelines (pp 2 x dp 2), to the end.
     four["chain pp x dp"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "load": ck["a"], "start": 1, "schedule": "gpipe"}
+    four["chain pp x tp"] = {"layout": LAYOUTS_4["pp 2 x tp 2"], "load": ck["a"], "start": 1}
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
@@ -383,14 +389,16 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
 def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_runs):
     """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process -> pp 2, each leg resuming the last one's
     checkpoint (sharded, but the one-process leg's single file): the end equals the straight run
-    within rounding, and so does a side leg resuming the first checkpoint on pp 2 x dp 2 (gpipe).
+    within rounding, and so do side legs resuming the first checkpoint on pp 2 x dp 2 (gpipe) and
+    on pp 2 x tp 2.
     Resumed on its own layout, a run ends bit-identical to the straight run there (fsdp+tp 2x2
     and pp 2)."""
     four, two, one = mesh_runs["four"], mesh_runs["two"], mesh_runs["one"]
     assert four[0]["chain b"]["steps"] == 3 and two[0]["chain e"]["steps"] == workers_mesh.STEPS
     torch.testing.assert_close(two[0]["chain e"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
-    assert four[0]["chain pp x dp"]["steps"] == workers_mesh.STEPS
-    torch.testing.assert_close(four[0]["chain pp x dp"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+    for leg in ("chain pp x dp", "chain pp x tp"):
+        assert four[0][leg]["steps"] == workers_mesh.STEPS
+        torch.testing.assert_close(four[0][leg]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
     assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])
     assert torch.equal(two[0]["pp resumed"]["weights"], two[0]["pp 2"]["weights"])
 

@@ -173,7 +173,7 @@ class Runtime(Collectives):
             """The precision in use: its `dtype`, `autocast()` and the fp16 scaler."""
             spec = None if mesh is None else strategies.MeshSpec.parse(mesh, "Runtime(mesh=...)")
             if tp_plan is not None:
-                if not strategies.by_name(strategies.for_mesh(strategy, spec)).takes_tp_plan:
+                if not strategies.applies_tp_plan(strategy, spec):
                     raise UsageError("Runtime(tp_plan=...) applies under tp only: pass strategy='tp' or a mesh with tp")
                 strategies.check_plan(tp_plan)
             self._strategy = strategies.resolve(

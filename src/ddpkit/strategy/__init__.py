@@ -38,7 +38,7 @@ from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
-from .pp import SCHEDULES, PipelineParallel, micro_batch_size, split_stages, stage_of
+from .pp import SCHEDULES, PipelineParallel, micro_batch_size, refuse_mesh, split_stages, stage_of
 from .single import Single
 from .tp import TensorParallel, check_plan, plan_for
 
@@ -64,6 +64,7 @@ __all__ = [
     "MeshSpec",
     "Strategy",
     "by_name",
+    "applies_tp_plan",
     "check_model",
     "check_plan",
     "comm_hook",
@@ -95,8 +96,10 @@ __all__ = [
 
 
 def sharded_by(model: nn.Module) -> type[Strategy] | None:
-    """The registered strategy that sharded `model` (its `owns`), or None: a replicated model."""
-    return next((cls for cls in REGISTRY.values() if cls.sharded and cls.owns(model)), None)
+    """The registered strategy that sharded `model` (its `owns`), or None: a replicated model.
+    A pipeline owns its stage whatever else split it (pp x tp: tp's DTensors inside)."""
+    owners = [cls for cls in REGISTRY.values() if cls.sharded and cls.owns(model)]
+    return min(owners, key=lambda cls: not cls.pipelined, default=None)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -173,9 +176,12 @@ def for_mesh(name: str, mesh: MeshSpec | None) -> str:
     if mesh is None:
         return name
     owned = {cls.own_dim: cls.name for cls in REGISTRY.values() if cls.own_dim in mesh.names}
-    if len(owned) > 1:
-        raise UsageError(f"--mesh {mesh}: no strategy runs on {' and '.join(sorted(owned))} together yet")
-    owners = list(owned.values())
+    if len(owned) > 1:  # the one of them that runs on every dimension of the mesh (pp on pp x tp)
+        owners = [n for n in owned.values() if set(mesh.names) <= set(REGISTRY[n].mesh_dims)]
+        if len(owners) != 1:
+            raise UsageError(f"--mesh {mesh}: no strategy runs on {' and '.join(sorted(owned))} together yet")
+    else:
+        owners = list(owned.values())
     if name == DEFAULT and owners:
         name = owners[0]
     cls = by_name(name)
@@ -195,6 +201,13 @@ def mesh_for(
         return cls.default_mesh(world_size, local_world_size)
     mesh.check_processes(world_size, what)
     return mesh
+
+
+def applies_tp_plan(name: str, mesh: MeshSpec | None) -> bool:
+    """Whether a tensor-parallel plan applies to strategy `name` on `mesh`: under tp, and under a
+    strategy that takes one (pp) where the mesh has a tp dimension."""
+    cls = by_name(for_mesh(name, mesh))
+    return cls.takes_tp_plan and (cls.own_dim == "tp" or (mesh is not None and mesh.size("tp") > 1))
 
 
 def check_model(spec: MeshSpec, model: nn.Module, name: str, precision: str, compile: bool = False) -> None:
@@ -218,6 +231,7 @@ def check_model(spec: MeshSpec, model: nn.Module, name: str, precision: str, com
                 message if message.startswith("--mesh") else f"--model {name}: tp_plan({tp}): {err}"
             ) from None
     if pp > 1:
+        refuse_mesh(spec)
         if precision == "fp16":
             raise UsageError(f"--mesh {spec}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
         if compile:

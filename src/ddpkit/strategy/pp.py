@@ -23,13 +23,17 @@ copy of the output per evaluation batch; the loss alone would be cheaper, not do
 The pipeline's ranks read the same samples: `pp` is not a data dimension (see ddpkit.strategy.mesh).
 With `dp` beside it (`pp=2,dp=2`), each data rank runs a pipeline of its own, and each stage is
 replicated over `dp` under DDP, which torch's `PipelineStage` keeps from all-reducing until the
-step's last micro-batch.
+step's last micro-batch. With `tp` beside it (`pp=2,tp=2`), each stage's layers are split over
+`tp` by the model's plan, as under tp (its DTensors made whole for model.pt); the `tp` ranks of a
+stage read the same samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -39,7 +43,7 @@ from torch import nn
 
 from ..core import dist
 from ..errors import UsageError
-from .base import Strategy, unwrap
+from .base import Strategy, local, unwrap
 from .ddp import DDPOptions, comm_hook
 from .mesh import MeshSpec
 
@@ -79,8 +83,9 @@ class PipelineParallel(Strategy):
     """Stages of an nn.Sequential over `pp`, run by torch's schedules (see the module docstring)."""
 
     name = "pp"
-    mesh_dims: ClassVar[tuple[str, ...]] = ("pp", "dp")
+    mesh_dims: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")
     own_dim: ClassVar[str | None] = "pp"
+    takes_tp_plan: ClassVar[bool] = True  # pp x tp: each stage's layers split by it
     lockstep: ClassVar[bool] = True
     sharded: ClassVar[bool] = True
     keeps_ranks_in_step: ClassVar[bool] = True
@@ -93,7 +98,7 @@ class PipelineParallel(Strategy):
         super().__init__(device)
         self.schedule = schedule
         self.ddp = DDPOptions() if ddp is None else ddp  # over dp (pp x dp): each stage's DDP
-        self._kept: set[int] = set()  # ids of the parameters this stage kept (adopt)
+        self._kept: dict[str, nn.Parameter] = {}  # the parameters this stage kept, by name (adopt)
         self._stage: Stage | None = None
 
     @classmethod
@@ -118,8 +123,9 @@ class PipelineParallel(Strategy):
 
     @classmethod
     def full_model_state(cls, model: nn.Module) -> dict[str, Any]:
-        """Every stage's state_dict, gathered (in CPU memory) and merged on rank 0."""
-        own = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+        """Every stage's state_dict (under pp x tp each tensor made whole over tp first),
+        gathered (in CPU memory) and merged on rank 0."""
+        own = {k: whole(v).detach().cpu() for k, v in unwrap(model).state_dict().items()}
         parts = dist.gather_objects(own)
         if dist.rank() != 0:
             return {}
@@ -135,7 +141,7 @@ class PipelineParallel(Strategy):
         missing = sorted(set(own) - set(state))
         if missing:
             raise KeyError(f"the state has no {', '.join(missing[:3])}")
-        bare.load_state_dict({k: state[k] for k in own})
+        bare.load_state_dict({k: shaped_as(own[k], state[k]) for k in own})
 
     @classmethod
     def load_full_optimizer_state(
@@ -145,6 +151,11 @@ class PipelineParallel(Strategy):
         ddp): this stage's parameters' share of it, matched by name."""
         stage = stage_of(model)
         assert stage is not None
+        if any(is_dtensor(p) for p in unwrap(model).parameters()):
+            raise UsageError(
+                "under pp x tp, an optimizer state saved on one process or under ddp does not load yet; resume from "
+                "a sharded checkpoint (any layout's but those), which DCP splits over tp"
+            )
         whole = stage.optimizer_groups.get(id(optimizer))
         if whole is None:
             raise UsageError(
@@ -173,9 +184,25 @@ class PipelineParallel(Strategy):
             raise UsageError("--strategy pp: fp16's loss scaling does not run through a pipeline schedule; use bf16")
         if compile:
             raise UsageError("--strategy pp: torch.compile under a pipeline is not supported yet")
+        assert self.layout is not None
+        refuse_mesh(self.layout.spec)
         self._stage = split(model, self._pp_index(), self._pp_size())
-        self._kept = {id(p) for p in model.parameters()}
+        if self.layout.spec.size("tp") > 1:  # before the optimizers are adopted: DTensor parameters
+            self._split_layers(model)
+        self._kept = dict(model.named_parameters())
         return super().wrap(model, precision, channels_last, compile)
+
+    def _split_layers(self, model: nn.Module) -> None:
+        """pp x tp: the stage's layers split over tp by the model's plan (or the Runtime's), the
+        entries for other stages' children left out."""
+        from .tp import parallelize, plan_for
+
+        assert self.layout is not None and self._stage is not None
+        plan = plan_for(model, self.tp_plan, self.layout.spec.size("tp"))
+        if isinstance(plan, dict):
+            kept = self._stage.kept
+            plan = {k: v for k, v in plan.items() if fnmatch.filter(kept, k.split(".")[0])}
+        parallelize(model, self.layout.sub("tp"), plan)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         stage = stage_of(model)
@@ -222,20 +249,25 @@ class PipelineParallel(Strategy):
             stage.optimizer_groups[id(opt)] = [
                 [stage.names.get(id(p), "") for p in g["params"]] for g in opt.param_groups
             ]
-            for group in opt.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) in self._kept]
+            for group in opt.param_groups:  # (under pp x tp the kept ones are DTensors now: by name)
+                names = (stage.names.get(id(p)) for p in group["params"])
+                group["params"] = [self._kept[n] for n in names if n in self._kept]
         stage.names = {}  # (the dropped parameters may go: their ids with them)
 
     def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """The norm over every stage's gradients: each stage's sum of squares, added up over the pipeline."""
+        """The norm over every stage's gradients: each stage's sum of squares (under pp x tp
+        over its tp shards too), added up over the pipeline; then torch's formula's scaling,
+        each rank its own parts."""
+        from .tp import total_norm
+
         assert self.layout is not None
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        own = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.device)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        own = total_norm(grads).to(self.device) if grads else torch.zeros((), device=self.device)
         squares = dist.all_reduce(own.double().reshape(1) ** 2, group=self.layout.sub("pp").get_group())
         norm = squares.sqrt().reshape(()).float()
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].device))
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_([local(g) for g in grads], coefficient.to(local(grads[0]).device))
         return norm
 
 
@@ -278,6 +310,33 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
     stage = Stage(index, count, kept, shapes, param_names)
     model._ddpkit_stage = stage  # type: ignore[assignment]
     return stage
+
+
+def refuse_mesh(spec: MeshSpec) -> None:
+    """UsageError for a mesh pp does not run on yet: `pp` with both `dp` and `tp` (3-D)."""
+    if spec.size("dp") > 1 and spec.size("tp") > 1:
+        raise UsageError(f"--mesh {spec}: a pipeline with both dp and tp (a 3-D mesh) does not run yet")
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (none can be where torch's DTensor module was never loaded)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """`t`, made whole where it is a DTensor split over tp (a collective over its mesh)."""
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def shaped_as(own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A whole `value` for the entry `own` of a state_dict: where `own` is a DTensor, this
+    rank's part of it (every rank holds the whole value: no message)."""
+    if not is_dtensor(own):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(own.device), own.device_mesh, own.placements, src_data_rank=None)  # type: ignore[attr-defined]
 
 
 def micro_batch_size(share: int, stages: int) -> int:

@@ -75,32 +75,9 @@ class TensorParallel(FSDP):
         return self.layout.sub("dp")
 
     def _parallelize(self, model: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         assert self.layout is not None
-        # A column-wise layer's gathered output is a view of DTensor's local tensor, which FSDP2
-        # warns of at every root whose output it is (in-place ops on it would skip its hook);
-        # and gathering a 2-D sharded parameter whole (model.pt) takes two all-gathers, which
-        # DTensor logs as slow, and on CPU an all-gather where gloo has no all-to-all. All are
-        # how tp works, not news to print from every rank.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        for name in ("_redistribute", "_collective_utils"):
-            logging.getLogger(f"torch.distributed.tensor.{name}").setLevel(logging.ERROR)
-        mesh = self.layout.sub("tp")
-        plan = plan_for(model, self.tp_plan, self.layout.spec.size("tp"))
-        try:
-            if callable(plan):
-                plan(model, mesh)
-            else:
-                # src_data_rank=None: no values are sent here; each rank keeps its part of its own
-                # tensors, and FSDP's Rank0Source then fills every part with rank 0's values.
-                parallelize_module(model, mesh, plan, src_data_rank=None)
-        except (ValueError, TypeError, NotImplementedError, AttributeError) as err:
-            # torch's refusals of a plan that does not fit the model (a style on a module it does
-            # not split): bad input, one line, on every rank alike
-            raise UsageError(f"tp_plan: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
-        if not holds_dtensor_parameters(model):
-            raise UsageError("--strategy tp: the tensor-parallel plan split no parameter of the model")
+        tp = self.layout.spec.size("tp")
+        parallelize(model, self.layout.sub("tp"), plan_for(model, self.tp_plan, tp))
 
     def no_sync(self, model: nn.Module) -> Callable[[], Any] | None:
         return super().no_sync(model) if is_sharded(model) else None
@@ -115,6 +92,36 @@ class TensorParallel(FSDP):
         if grads:
             torch._foreach_mul_([local(g) for g in grads], coefficient.to(grads[0].device))
         return norm
+
+
+def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | Callable[[nn.Module, Any], None]) -> None:
+    """`model`'s layers split over the tp `mesh` by `plan` (torch's `parallelize_module`, or the
+    plan itself where it is a callable); UsageError where torch refuses the plan or it splits
+    nothing."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    # A column-wise layer's gathered output is a view of DTensor's local tensor, which FSDP2
+    # warns of at every root whose output it is (in-place ops on it would skip its hook);
+    # and gathering a 2-D sharded parameter whole (model.pt) takes two all-gathers, which
+    # DTensor logs as slow, and on CPU an all-gather where gloo has no all-to-all. All are
+    # how tp works, not news to print from every rank.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for name in ("_redistribute", "_collective_utils"):
+        logging.getLogger(f"torch.distributed.tensor.{name}").setLevel(logging.ERROR)
+    try:
+        if callable(plan):
+            plan(model, mesh)
+        else:
+            # src_data_rank=None: no values are sent here; each rank keeps its part of its own
+            # tensors (every rank built the same; under fsdp, FSDP's Rank0Source then fills
+            # every part with rank 0's values).
+            parallelize_module(model, mesh, plan, src_data_rank=None)
+    except (ValueError, TypeError, NotImplementedError, AttributeError) as err:
+        # torch's refusals of a plan that does not fit the model (a style on a module it does
+        # not split): bad input, one line, on every rank alike
+        raise UsageError(f"tp_plan: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    if not holds_dtensor_parameters(model):
+        raise UsageError("--strategy tp: the tensor-parallel plan split no parameter of the model")
 
 
 def plan_for(model: nn.Module, given: Any, tp_size: int) -> dict[str, Any] | Callable[[nn.Module, Any], None]:
