@@ -163,7 +163,6 @@ def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
         ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
         ({"model": "cnn", "data": "digits", "strategy": "tp", "nproc": "2"}, "cnn has no tensor-parallel plan"),
         ({"mesh": "pp=2", "nproc": "2", "precision": "fp16"}, "fp16's loss scaling does not run through a pipeline"),
-        ({"mesh": "pp=2,dp=2,tp=2", "nproc": "8"}, "a pipeline with both dp and tp (a 3-D mesh) does not run yet"),
         ({"mesh": "pp=2,tp=3", "nproc": "6"}, "--gpt-heads 4 and the 256 tokens must be multiples of 3"),
         ({"mesh": "pp=2", "nproc": "2", "compile": True}, "--compile under a pipeline is not supported yet"),
         ({"mesh": "pp=4", "nproc": "4", "gpt_depth": 1}, "the model has 3 children to split into 4 stages"),
@@ -293,14 +292,19 @@ LAYOUTS_2 = {
     "pp 2": ("pp", "pp=2"),
     "pp 2 gpipe": ("pp", "pp=2"),
 }
+LAYOUTS_8 = {
+    # 3-D: two pipelines (dp) of two stages (pp), each stage's layers split over tp and sharded over dp
+    "pp 2 x dp 2 x tp 2": ("pp", "pp=2,dp=2,tp=2"),
+}
 SCHEDULES = {"pp 2 gpipe": "gpipe"}  # the others: 1f1b
 
 
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory):
-    """One process; every 4-process layout and the chain's first two legs in one job; its
-    third leg in a 2-process job; its fourth here; the 2-process layouts and its last leg in
-    another 2-process job."""
+    """One process; every 4-process layout and the chain's first two legs in one job (with side
+    legs onto pp x dp and pp x tp); the 3-D layout and a side leg onto it in an 8-process job; the
+    chain's third leg in a 2-process job; its fourth here; the 2-process layouts and its last leg
+    in another 2-process job."""
     folder = tmp_path_factory.mktemp("chain")
     ck = {leg: str(folder / leg) for leg in ("a", "b", "c", "d", "pp", "grouped one", "grouped pp")}
     one = workers_mesh.train(("ddp", None))
@@ -322,6 +326,9 @@ def mesh_runs(tmp_path_factory):
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
+    eight = {name: {"layout": layout} for name, layout in LAYOUTS_8.items()}
+    eight["chain 3-D"] = {"layout": LAYOUTS_8["pp 2 x dp 2 x tp 2"], "load": ck["a"], "start": 1}
+    out8 = ddpkit.launch(workers_mesh.layouts, eight, nproc=8, device="cpu")
     leg_c = {"layout": LAYOUTS_2["tp 2"], "load": ck["b"], "start": 3, "save_at": 4, "save": ck["c"], "steps": 4}
     ddpkit.launch(workers_mesh.layouts, {"chain c": leg_c}, nproc=2, device="cpu")
     workers_mesh.train(("ddp", None), load=ck["c"], start=4, save_at=5, save=ck["d"], steps=5)
@@ -348,6 +355,7 @@ def mesh_runs(tmp_path_factory):
         "one": one,
         "unclipped": unclipped,
         "four": out4,
+        "eight": out8,
         "two": out2,
         "user plan": user,
         "counted": counted,
@@ -358,7 +366,7 @@ def mesh_runs(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*LAYOUTS_4, *LAYOUTS_2])
+@pytest.mark.parametrize("name", [*LAYOUTS_8, *LAYOUTS_4, *LAYOUTS_2])
 def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name):
     """Token weighting with dropout, micro-batches (empty ones on some ranks), clipping by the
     global norm over every shard and tp slice: the weights equal one process's within
@@ -366,9 +374,9 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
     the global batch is read once per data rank; the state is one plain state_dict."""
     one = mesh_runs["one"]
     assert (mesh_runs["unclipped"]["weights"] - one["weights"]).abs().max() > 1e-3  # the clipping clipped
-    nproc = 4 if name in LAYOUTS_4 else 2
-    out = mesh_runs["four" if nproc == 4 else "two"]
-    asked, mesh = (LAYOUTS_4 | LAYOUTS_2)[name]
+    nproc = 8 if name in LAYOUTS_8 else 4 if name in LAYOUTS_4 else 2
+    out = mesh_runs[{8: "eight", 4: "four", 2: "two"}[nproc]]
+    asked, mesh = (LAYOUTS_8 | LAYOUTS_4 | LAYOUTS_2)[name]
     spec = MeshSpec.parse(mesh or f"dp={nproc}")
     for rank in range(nproc):
         r = out[rank][name]
@@ -389,16 +397,19 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
 def test_a_checkpoint_resumes_across_layouts_and_bit_identical_on_the_same(mesh_runs):
     """fsdp+tp 2x2 -> hsdp 2x2 -> tp 2 -> one process -> pp 2, each leg resuming the last one's
     checkpoint (sharded, but the one-process leg's single file): the end equals the straight run
-    within rounding, and so do side legs resuming the first checkpoint on pp 2 x dp 2 (gpipe) and
-    on pp 2 x tp 2.
+    within rounding, and so do side legs resuming the first checkpoint on pp 2 x dp 2 (gpipe),
+    on pp 2 x tp 2, and on the 3-D pp 2 x dp 2 x tp 2.
     Resumed on its own layout, a run ends bit-identical to the straight run there (fsdp+tp 2x2
     and pp 2)."""
     four, two, one = mesh_runs["four"], mesh_runs["two"], mesh_runs["one"]
     assert four[0]["chain b"]["steps"] == 3 and two[0]["chain e"]["steps"] == workers_mesh.STEPS
     torch.testing.assert_close(two[0]["chain e"]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
-    for leg in ("chain pp x dp", "chain pp x tp"):
-        assert four[0][leg]["steps"] == workers_mesh.STEPS
-        torch.testing.assert_close(four[0][leg]["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+    side = {leg: four[0][leg] for leg in ("chain pp x dp", "chain pp x tp")} | {
+        "3-D": mesh_runs["eight"][0]["chain 3-D"]
+    }
+    for leg in side.values():
+        assert leg["steps"] == workers_mesh.STEPS
+        torch.testing.assert_close(leg["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
     assert torch.equal(four[0]["same layout"]["weights"], four[0]["fsdp+tp 2x2"]["weights"])
     assert torch.equal(two[0]["pp resumed"]["weights"], two[0]["pp 2"]["weights"])
 

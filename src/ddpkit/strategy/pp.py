@@ -25,7 +25,8 @@ With `dp` beside it (`pp=2,dp=2`), each data rank runs a pipeline of its own, an
 replicated over `dp` under DDP, which torch's `PipelineStage` keeps from all-reducing until the
 step's last micro-batch. With `tp` beside it (`pp=2,tp=2`), each stage's layers are split over
 `tp` by the model's plan, as under tp (its DTensors made whole for model.pt); the `tp` ranks of a
-stage read the same samples.
+stage read the same samples. With both (`pp=2,dp=2,tp=2`, 3-D), each stage is also sharded over
+`dp` by FSDP2, as tp shards a whole model, and every data rank runs every forward.
 """
 
 from __future__ import annotations
@@ -185,11 +186,9 @@ class PipelineParallel(Strategy):
         if compile:
             raise UsageError("--strategy pp: torch.compile under a pipeline is not supported yet")
         assert self.layout is not None
-        refuse_mesh(self.layout.spec)
         self._stage = split(model, self._pp_index(), self._pp_size())
         if self.layout.spec.size("tp") > 1:  # before the optimizers are adopted: DTensor parameters
             self._split_layers(model)
-        self._kept = dict(model.named_parameters())
         return super().wrap(model, precision, channels_last, compile)
 
     def _split_layers(self, model: nn.Module) -> None:
@@ -207,8 +206,10 @@ class PipelineParallel(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         stage = stage_of(model)
         assert stage is not None and self.layout is not None
-        replicas = None
-        if self.layout.spec.size("dp") > 1:  # each stage replicated over dp: DDP, run by torch's stage
+        replicas, shards = None, self.layout.spec.size("dp") > 1 and self.layout.spec.size("tp") > 1
+        if shards:  # pp x dp x tp: the stage sharded over dp (FSDP2), as tp shards a whole model
+            self._shard(unwrap(model))
+        elif self.layout.spec.size("dp") > 1:  # each stage replicated over dp: DDP, run by torch's stage
             from torch.nn.parallel import DistributedDataParallel
 
             # No buffer broadcast: a forward in evaluation (an empty batch skipped on one data
@@ -228,8 +229,21 @@ class PipelineParallel(Strategy):
             if hook is not None:
                 replicas.register_comm_hook(state=None, hook=hook)
         group = self.layout.sub("pp").get_group()
-        stage.pipeline = Pipeline(model, stage, group, self.device, self.schedule, replicas)
+        stage.pipeline = Pipeline(model, stage, group, self.device, self.schedule, replicas, lockstep=shards)
+        self._kept = dict(unwrap(model).named_parameters())  # (fully_shard and tp replace them: by name)
         return model
+
+    def _shard(self, stage: nn.Module) -> None:
+        """FSDP2 over dp on the stage (each child a unit, then the stage): every rank built the
+        same model, so each keeps its own shards, with no broadcast."""
+        from torch.distributed.fsdp import fully_shard
+
+        assert self.layout is not None
+        mesh = self.layout.sub("dp")
+        for child in stage.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(stage, mesh=mesh)
 
     def _pp_index(self) -> int:
         assert self.layout is not None
@@ -312,12 +326,6 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
     return stage
 
 
-def refuse_mesh(spec: MeshSpec) -> None:
-    """UsageError for a mesh pp does not run on yet: `pp` with both `dp` and `tp` (3-D)."""
-    if spec.size("dp") > 1 and spec.size("tp") > 1:
-        raise UsageError(f"--mesh {spec}: a pipeline with both dp and tp (a 3-D mesh) does not run yet")
-
-
 def is_dtensor(t: Any) -> bool:
     """Whether `t` is a DTensor (none can be where torch's DTensor module was never loaded)."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -391,6 +399,7 @@ class Pipeline:
     device: torch.device
     schedule: str
     replicas: nn.Module | None = None  # pp x dp: the stage under DDP over dp (what the schedules call then)
+    lockstep: bool = False  # sharded over dp (pp x dp x tp): every data rank runs every forward
     _train: Any = None
     _train_shape: tuple[int, int] | None = None  # (micro-batches, rows each)
     _evals: dict[Any, Any] = field(default_factory=dict)  # input (shape, dtype) -> its schedule
@@ -543,8 +552,11 @@ class Pipeline:
         # Every stage holds the batch (a pipeline's ranks read the same samples): its shape needs
         # no message; the output's is told once per shape.
         shape = (tuple(x.shape), x.dtype)
-        if shape[0][0] == 0:  # an empty batch (lockstep's padding): nothing to run
-            return torch.empty(0, device=self.device)
+        if shape[0][0] == 0:  # an empty batch (lockstep's padding)
+            if not self.lockstep:  # nothing to run
+                return torch.empty(0, device=self.device)
+            # the other data ranks' shards all-gather in this forward too: one row, none returned
+            return self.forward(torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device))[:0]
         if shape not in self._evals:
             self._evals[shape] = ScheduleGPipe(self._new_stage(), 1)
             self._keep_buffers()
