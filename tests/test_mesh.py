@@ -163,6 +163,10 @@ def test_a_model_without_a_tp_plan_is_refused_with_the_way_to_give_one():
         ({"mesh": "dp=2", "nproc": "2", "nnodes": "1:2", "master_addr": "127.0.0.1"}, "a fixed number of machines"),
         ({"model": "cnn", "data": "digits", "strategy": "tp", "nproc": "2"}, "cnn has no tensor-parallel plan"),
         ({"mesh": "pp=2", "nproc": "2", "precision": "fp16"}, "fp16's loss scaling does not run through a pipeline"),
+        (
+            {"mesh": "tp=2", "nproc": "2", "precision": "fp16"},
+            "fp16's loss scaling cannot unscale tp's split and whole",
+        ),
         ({"mesh": "pp=2,tp=3", "nproc": "6"}, "--gpt-heads 4 and the 256 tokens must be multiples of 3"),
         ({"mesh": "pp=2", "nproc": "2", "compile": True}, "--compile under a pipeline is not supported yet"),
         ({"mesh": "pp=4", "nproc": "4", "gpt_depth": 1}, "the model has 3 children to split into 4 stages"),
@@ -223,6 +227,11 @@ def planless(in_shape, num_classes):
 
 def bad_plan(in_shape, num_classes):
     return BadPlan(nn.Flatten(), nn.Linear(64, num_classes))
+
+
+def meta_fail(in_shape, num_classes):
+    scale = torch.ones(1).item()  # reads a value: cannot be built on the meta device
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, int(scale) * 8), nn.Linear(8, num_classes))
 """
 
 
@@ -243,6 +252,19 @@ def test_the_plan_refuses_a_model_of_ones_own_without_a_fitting_tp_plan(tmp_path
     cfg = TrainConfig(model=f"own_models:{function}", device="cpu", mesh="tp=2", nproc="2", out=str(tmp_path / "o"))
     with pytest.raises(UsageError, match=re.escape(message)):
         resolve(cfg)
+
+
+@pytest.mark.unit
+def test_a_model_of_ones_own_that_cannot_be_built_on_meta_is_checked_for_pp_on_the_cpu(tmp_path, monkeypatch):
+    from ddpkit.trainer import TrainConfig, resolve
+
+    (tmp_path / "own_models.py").write_text(OWN_MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(model="own_models:meta_fail", device="cpu", mesh="pp=2", nproc="2", out=str(tmp_path / "o"))
+    assert resolve(cfg).cfg.model == "own_models:meta_fail"  # split into 2 stages, checked on the CPU
+    with pytest.raises(UsageError, match="the model has 3 children to split into 4 stages"):
+        resolve(TrainConfig(**{**cfg.__dict__, "mesh": "pp=4", "nproc": "4"}))
 
 
 @pytest.mark.unit
@@ -324,6 +346,8 @@ def mesh_runs(tmp_path_factory):
     four["chain pp x dp"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "load": ck["a"], "start": 1, "schedule": "gpipe"}
     four["chain pp x tp"] = {"layout": LAYOUTS_4["pp 2 x tp 2"], "load": ck["a"], "start": 1}
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
+    # each stage's DDP with a compression hook, which all-reduces over dp (not every rank)
+    four["pp x dp fp16 hook"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "ddp": {"comm_hook": "fp16"}}
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
     eight = {name: {"layout": layout} for name, layout in LAYOUTS_8.items()}
@@ -340,6 +364,7 @@ def mesh_runs(tmp_path_factory):
     two["pp resumed"] = {"layout": LAYOUTS_2["pp 2"], "load": ck["pp"], "start": 3}
     two["pp checkpointed"] = {"layout": LAYOUTS_2["pp 2"], "checkpointing": True}
     two["pp counted"] = {"counted": "pp=2"}
+    two["tp bf16"] = {"dtype": "tp=2"}
     # Optimizers with no parameter (or a group with none) on a stage: saved, resumed under pp
     # and on one process; and one process's single file resumed under pp.
     workers_mesh.grouped(None, save_at=2, save=ck["grouped one"])
@@ -390,6 +415,18 @@ def test_every_layout_trains_evaluates_and_saves_as_one_process(mesh_runs, name)
     rank0 = out[0][name]
     assert rank0["names"] == one["names"]  # bare names: no module., no _orig_mod.
     torch.testing.assert_close(rank0["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_precision_and_ddp_options_hold_on_a_mesh(mesh_runs):
+    """bf16 under tp on one data rank (nothing sharded, so no FSDP policy) computes in bf16, by
+    autocast; each pipeline stage's DDP takes a compression hook over its dp group, and ends
+    within fp16's rounding of one process."""
+    assert mesh_runs["two"][0]["tp bf16"] == "torch.bfloat16"
+    hooked = mesh_runs["four"][0]["pp x dp fp16 hook"]
+    assert hooked["steps"] == workers_mesh.STEPS
+    torch.testing.assert_close(hooked["weights"], mesh_runs["one"]["weights"], rtol=0, atol=1e-3)
 
 
 @pytest.mark.distributed

@@ -47,17 +47,24 @@ def train(
     save: str | None = None,
     checkpointing: bool = False,
     schedule: str = "1f1b",
+    ddp: dict | None = None,
 ) -> dict:
     """The tiny gpt under `layout` (strategy, mesh): resumed from `load` (saved after step
     `start`) if given, trained (SGD
     with momentum, clipped to MAX_GRAD_NORM over every shard) up to `steps` optimizer steps in
     all, its state saved to `save` after step `save_at`; then evaluated exactly, with each test
-    sample's predictions gathered; with `checkpointing`, each block's activations checkpointed.
-    Returns rank 0's view of the weights and every rank's facts."""
+    sample's predictions gathered; with `checkpointing`, each block's activations checkpointed;
+    `ddp`: DDPOptions, where DDP runs. Returns rank 0's view of the weights and every rank's facts."""
     name, mesh = layout
     text = uneven_text()
     with ddpkit.Runtime(
-        name, device="cpu", seed=5, mesh=mesh, activation_checkpointing=checkpointing or None, pp_schedule=schedule
+        name,
+        device="cpu",
+        seed=5,
+        mesh=mesh,
+        activation_checkpointing=checkpointing or None,
+        pp_schedule=schedule,
+        ddp=ddp,
     ) as rt:
         model = mesh_gpt()
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
@@ -172,6 +179,17 @@ class Counter(nn.Module):
         return x
 
 
+def compute_dtype(mesh: str) -> str:
+    """The dtype a block's first MLP layer computes in, in training, under tp on `mesh` at bf16."""
+    seen = []
+    with ddpkit.Runtime("tp", device="cpu", seed=0, mesh=mesh, precision="bf16") as rt:
+        model = rt.setup(mesh_gpt())
+        rt.unwrap(model).block0.mlp[0].register_forward_hook(lambda m, i, out: seen.append(str(out.dtype)))
+        model.train()
+        model(torch.randint(0, 256, (2, 12)))
+    return seen[0]
+
+
 def counted_forwards(mesh: str | None) -> int:
     """Two steps of 2 micro-batches through Linear, Counter, Linear (under pp=2 the Counter sits
     on the second stage, where torch's shape inference runs it once on uninitialized tensors),
@@ -244,6 +262,8 @@ def layouts(runs: dict[str, dict]) -> dict:
             if "old_qkv" in kwargs
             else counted_forwards(kwargs["counted"])
             if "counted" in kwargs
+            else compute_dtype(kwargs["dtype"])
+            if "dtype" in kwargs
             else grouped(**kwargs["grouped"])
             if "grouped" in kwargs
             else train(**kwargs)

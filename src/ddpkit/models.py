@@ -362,6 +362,33 @@ def gpt_parameters(context: int, vocab: int, width: int, depth: int) -> int:
     return (vocab + context) * width + depth * block + 2 * width + width * vocab
 
 
+def check_gpt_memory(seq_len: int, vocab: int, width: int, depth: int, per_weight: float, processes: int) -> None:
+    """Refuse a gpt too large for this machine's memory before any process builds it: its
+    parameters times `per_weight` bytes (weights, gradients and optimizer state, as the strategy
+    holds them: `Strategy.bytes_per_weight`) in each of `processes`."""
+    params = gpt_parameters(seq_len, vocab, width, depth)
+    checks.memory(
+        f"--model gpt with --gpt-width {width}, --gpt-depth {depth} and --seq-len {seq_len} ({params:,} parameters)",
+        params * per_weight,
+        processes,
+    )
+
+
+def build_shapes(name: str, in_shape: tuple[int, ...], num_classes: int, **options: Any) -> nn.Module:
+    """The model built for its shapes only: on the meta device (no memory), or, for a model of
+    one's own that cannot be built there, on the CPU (as `check` probes it). Its builder's
+    errors are one line (UsageError) naming `--model`."""
+    if not is_custom(name):
+        with torch.device("meta"):
+            return build(name, in_shape, num_classes, **options)
+    with usage_errors(f"--model {name}: "):
+        fn = resolve(name)
+        try:
+            return _build(name, fn, tuple(in_shape), num_classes, "meta")
+        except ValueError:  # not buildable on meta (it reads its values, say): for real
+            return _build(name, fn, tuple(in_shape), num_classes, "cpu")
+
+
 MODELS: dict[str, Builder] = {
     "cnn": small_cnn,
     "simple-cnn": simple_cnn,

@@ -88,9 +88,8 @@ def test_cli_a_sharded_strategy_runs_its_step_on_every_process(tmp_path, flags, 
     assert r["data_ranks"] == ranks and all(t["global_batch"] == ranks * t["per_device_batch"] for t in r["trials"])
     if strategy == "pp":
         assert "the 2 processes form 1 data rank" in proc.stdout
-        assert (
-            f"use --batch-size {r['global_batch']} ({r['per_device_batch']} per data rank, --mesh pp=2)" in proc.stdout
-        )
+        each = f"{r['per_device_batch']} per data rank, --mesh pp=2 --pp-schedule gpipe"  # what train needs too
+        assert f"use --batch-size {r['global_batch']} ({each})" in proc.stdout
 
 
 BAD_INPUT = {
@@ -106,6 +105,8 @@ BAD_INPUT = {
     "gpt-images": ["--model", "gpt", "--data", "digits"],
     "seq-len": ["--model", "gpt", "--seq-len", "0"],
     "gpt-width": ["--model", "gpt", "--gpt-width", "30"],
+    "gpt-memory": ["--model", "gpt", "--seq-len", "100000000"],
+    "tp-fp16": ["--model", "gpt", "--mesh", "dp=1,tp=2", "--nproc", "2", "--precision", "fp16"],
     "max-batch": ["--max-batch", "0"],
     "start": ["--start", "100", "--max-batch", "10"],
     "model": ["--model", "nope"],

@@ -40,7 +40,7 @@ from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
 from .pp import SCHEDULES, PipelineParallel, micro_batch_size, split_stages, stage_of
 from .single import Single
-from .tp import TensorParallel, check_plan, plan_for
+from .tp import TensorParallel, check_plan, plan_for, refuse_fp16
 
 # The one registry: a strategy is a module of strategy/ with a Strategy subclass, and an entry
 # here (`register` adds one from outside, as a test's own strategy does).
@@ -215,6 +215,8 @@ def check_model(spec: MeshSpec, model: nn.Module, name: str, precision: str, com
     only) cannot run on the mesh `spec`: under tp, without a tensor-parallel plan of its own or
     with a bad one; under pp, with fp16 or compile, or where it does not split into the stages."""
     tp, pp = spec.size("tp"), spec.size("pp")
+    if pp == 1:
+        refuse_fp16(spec, precision)  # (under pp, fp16 is refused whatever the mesh: below)
     if tp > 1:
         own = getattr(model, "tp_plan", None)
         if not callable(own):

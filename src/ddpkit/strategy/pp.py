@@ -222,12 +222,11 @@ class PipelineParallel(Strategy):
                 self.ddp, broadcast_buffers=False, find_unused_parameters=True, static_graph=False
             )
             ids = [self.device.index] if self.device.type == "cuda" else None
-            replicas = DistributedDataParallel(
-                model, device_ids=ids, process_group=self.layout.sub("dp").get_group(), **options.kwargs()
-            )
+            group = self.layout.sub("dp").get_group()
+            replicas = DistributedDataParallel(model, device_ids=ids, process_group=group, **options.kwargs())
             hook = comm_hook(options.comm_hook)
-            if hook is not None:
-                replicas.register_comm_hook(state=None, hook=hook)
+            if hook is not None:  # (its state: the group it all-reduces over; None would be every rank)
+                replicas.register_comm_hook(state=group, hook=hook)
         group = self.layout.sub("pp").get_group()
         stage.pipeline = Pipeline(model, stage, group, self.device, self.schedule, replicas, lockstep=shards)
         self._kept = dict(unwrap(model).named_parameters())  # (fully_shard and tp replace them: by name)
@@ -470,8 +469,6 @@ class Pipeline:
         if len(queue) > chunks:
             raise UsageError(f"--strategy pp: a step of {len(queue)} micro-batches, more than the {chunks} planned")
         xs, ys, micros = padded(queue, chunks, rows)
-        if self._train_shape != (chunks, rows):  # a new schedule: torch looks at the shapes first
-            self._keep_buffers()
         schedule = self._training(chunks, rows)
         results: list[tuple[Any, ...]] = []
         weights = weights + [0.0] * (chunks - len(weights))
@@ -510,13 +507,14 @@ class Pipeline:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if self._train_shape != (chunks, rows):
-            self._train = None  # (its stage's buffers go before the new one's are made)
             cls = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
             if cls is Schedule1F1B and chunks < self.stage.count:
                 raise UsageError(
                     f"pp's 1f1b schedule: {chunks} micro-batch(es) per step for {self.stage.count} stages; give the "
                     "loader a micro_batch_size (--micro-batch-size) that makes at least as many, or the gpipe schedule"
                 )
+            self._train = None  # (its stage's buffers go before the new one's are made)
+            self._keep_buffers()  # torch looks at the shapes first, running the stage once
             self._train = cls(self._new_stage(), chunks, loss_fn=self._step_loss, scale_grads=False)
             self._train_shape = (chunks, rows)
         return self._train

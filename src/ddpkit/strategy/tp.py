@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..core.precision import AutocastModule
 from ..errors import UsageError
 from .base import local
 from .fsdp import FSDP, any_dtensor, is_sharded
@@ -62,6 +63,20 @@ class TensorParallel(FSDP):
     def needs_device_mesh(cls, spec: MeshSpec) -> bool:
         return True
 
+    def wrap(
+        self, model: nn.Module, precision: Any = None, channels_last: bool = False, compile: Any = False
+    ) -> nn.Module:
+        if self._shards():
+            return super().wrap(model, precision, channels_last, compile)
+        # One data rank: nothing is sharded, so FSDP2's mixed-precision policy never applies;
+        # the precision's autocast does, as under ddp (around the split model: its names stay).
+        assert self.layout is not None
+        refuse_fp16(self.layout.spec, precision.name if precision is not None else "fp32")
+        model = super().wrap(model, None, channels_last, compile)
+        if precision is not None and precision.name != "fp32":
+            model = AutocastModule(model, precision)
+        return model
+
     @classmethod
     def bytes_per_weight(cls, world_size: int) -> float:
         return 16.0  # what the plan leaves whole is whole on every rank: at most a whole copy
@@ -92,6 +107,16 @@ class TensorParallel(FSDP):
         if grads:
             torch._foreach_mul_([local(g) for g in grads], coefficient.to(grads[0].device))
         return norm
+
+
+def refuse_fp16(spec: MeshSpec, precision: str) -> None:
+    """UsageError for fp16 on a tp mesh of one data rank: GradScaler's unscale takes the plan's
+    split (DTensor) and whole (plain) gradients in one call, which torch refuses."""
+    if precision == "fp16" and spec.size("tp") > 1 and spec.size("dp") == 1:
+        raise UsageError(
+            f"--mesh {spec}: fp16's loss scaling cannot unscale tp's split and whole gradients together; use bf16, "
+            "or a dp dimension (fsdp+tp)"
+        )
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | Callable[[nn.Module, Any], None]) -> None:

@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .. import data, models
 from .. import strategy as strategies
 from ..core import checks
@@ -163,7 +161,8 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     _check_device_features(cfg, topology.device_type, ddp)
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
-        _check_gpt_memory(cfg, in_shape, num_classes, topology)
+        per_weight = strategies.by_name(cfg.strategy).bytes_per_weight(topology.world_size)
+        models.check_gpt_memory(cfg.seq_len, num_classes, cfg.gpt_width, cfg.gpt_depth, per_weight, topology.nproc)
     asked = strategies.by_name(cfg.strategy)
     if cfg.sync_batchnorm and not asked.sync_batchnorm:
         raise UsageError(asked.refuses_sync_batchnorm or f"--strategy {cfg.strategy} does not support --sync-batchnorm")
@@ -198,8 +197,7 @@ def _layout(
             f"{cfg.gpt_heads} and the {num_classes} tokens must be multiples of {tp}"
         )
     if tp > 1 or spec.size("pp") > 1:
-        with torch.device("meta"):  # shapes only: nothing allocated
-            model = models.build(cfg.model, in_shape, num_classes, **model_options(cfg))
+        model = models.build_shapes(cfg.model, in_shape, num_classes, **model_options(cfg))
         strategies.check_model(spec, model, cfg.model, cfg.precision, cfg.compile)
     return spec
 
@@ -306,20 +304,6 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
                 "(no child module that holds parameters)"
             )
     return in_shape, num_classes
-
-
-def _check_gpt_memory(cfg: TrainConfig, in_shape: tuple[int, ...], vocab: int, topology: Topology) -> None:
-    """Refuse a gpt too large for this machine's memory before any process builds it: its
-    weights (fp32), gradients and optimizer state (AdamW: two values per weight); under fsdp
-    one whole copy at build time plus its shares of the rest."""
-    params = models.gpt_parameters(in_shape[0], vocab, cfg.gpt_width, cfg.gpt_depth)
-    per_weight = strategies.by_name(cfg.strategy).bytes_per_weight(topology.world_size)
-    checks.memory(
-        f"--model gpt with --gpt-width {cfg.gpt_width}, --gpt-depth {cfg.gpt_depth} and --seq-len {cfg.seq_len} "
-        f"({params:,} parameters)",
-        params * per_weight,
-        topology.nproc,
-    )
 
 
 def _synthetic_what(cfg: TrainConfig) -> str:

@@ -111,6 +111,8 @@ def conclusion(r: dict[str, Any]) -> list[str]:
             f"{r['best_samples_per_s']:,.0f} samples/s (at per-device {r['best_per_device_batch']:,})"
         )
     each = f"per device {b}" if ranks == r["world_size"] else f"{b} per data rank, --mesh {r['mesh']}"
+    if "pp=" in r.get("mesh", "") and r["settings"]["pp_schedule"] != "1f1b":
+        each += f" --pp-schedule {r['settings']['pp_schedule']}"  # what ddpkit train is to run as well
     lines.append(
         f"use --batch-size {g} ({each}) on {r['world_size']} process"
         f"{'es' if r['world_size'] > 1 else ''} [criterion: {r['criterion']}]"
@@ -147,11 +149,15 @@ def plot(result: dict[str, Any], path: str) -> None:
         )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(lambda value, _: f"{value:g}")  # 1, 2, 4 ... rather than 2^0, 2^1 ...
-    ax.set_xlabel("per-device batch")
-    ax.set_ylabel("samples/s (all ranks)")
+    shared = result.get("data_ranks", result["world_size"]) != result["world_size"]
+    ax.set_xlabel("per-data-rank batch" if shared else "per-device batch")
+    ax.set_ylabel("samples/s (all data ranks)" if shared else "samples/s (all ranks)")
     ax.set_ylim(bottom=0)
     s = result["settings"]
-    ax.set_title(f"{s['model']}, {result['world_size']} x {result.get('device', s['device'])}, {s['precision']}")
+    layout = f" {result['strategy']} on {result['mesh']}" if result.get("mesh") and s.get("mesh") else ""
+    ax.set_title(
+        f"{s['model']}, {result['world_size']} x {result.get('device', s['device'])}{layout}, {s['precision']}"
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     save_figure(fig, path, dpi=100)

@@ -9,8 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .. import data, models
 from .. import strategy as strategies
 from ..core import checks
@@ -144,6 +142,11 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         criterion=criterion_for(a.criterion, topology.device_type),
         plateau=a.plateau,
     )
+    if language:
+        per_weight = strategies.by_name(strategy).bytes_per_weight(topology.world_size)
+        models.check_gpt_memory(
+            in_shape[0], classes, settings.gpt_width, settings.gpt_depth, per_weight, topology.nproc
+        )
     _check_layout(settings, layout)
     if a.plot and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
@@ -161,8 +164,7 @@ def _check_layout(s: Settings, layout: strategies.MeshSpec) -> None:
     tp, pp = layout.size("tp"), layout.size("pp")
     if tp == 1 and pp == 1:
         return
-    with torch.device("meta"):
-        model = models.build(s.model, s.in_shape, s.num_classes, **s.model_options())
+    model = models.build_shapes(s.model, s.in_shape, s.num_classes, **s.model_options())
     strategies.check_model(layout, model, s.model, s.precision)
     if pp > 1 and s.pp_schedule == "1f1b" and s.max_batch < pp:
         raise UsageError(

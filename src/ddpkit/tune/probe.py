@@ -76,7 +76,10 @@ class Tuner:
             self.smallest, self.smallest_why = 2, "the model has BatchNorm, which trains on 2 samples or more"
         stages = rt.layout.spec.size("pp")
         if stages > 1 and settings.pp_schedule == "1f1b":
-            self.smallest, self.smallest_why = stages, f"1f1b runs one micro-batch per stage at least, {stages}"
+            self.smallest, self.smallest_why = (
+                stages,
+                f"1f1b runs one micro-batch per stage at least, {stages}; gpipe runs fewer",
+            )
         self.model, self.opt = rt.setup(model, opt)
         # The probe runs the module inside DDP (with its autocast, if any): no collectives.
         ddp = find_ddp(self.model)
@@ -97,10 +100,11 @@ class Tuner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def batch(self, n: int) -> tuple[Any, Any]:
+    def batch(self, n: int, key: int | None = None) -> tuple[Any, Any]:
         """`n` synthetic samples, the same on every rank of a data rank (a tensor-parallel group
-        or a pipeline reads one batch): images and labels, or token sequences and next tokens."""
-        g = torch.Generator().manual_seed(n * 1_000_003 + self.rt.data_rank)
+        or a pipeline reads one batch), or with `key` the same on every rank: images and
+        labels, or token sequences and next tokens."""
+        g = torch.Generator().manual_seed(n * 1_000_003 + (self.rt.data_rank if key is None else key))
         vocab, shape = self.s.num_classes, (n, *self.s.in_shape)
         x = torch.randint(0, vocab, shape, generator=g) if self.s.language else torch.randn(shape, generator=g)
         y = torch.randint(0, vocab, shape if self.s.language else (n,), generator=g)
@@ -171,9 +175,13 @@ class Tuner:
         except Exception as err:
             if is_oom(err):  # the peers are inside the step's collectives: this run cannot go on
                 fitted = "" if self.sharded else ", after a probe of that size fitted"
+                rerun = (
+                    f"rerun with --max-batch {size - 1}"
+                    if size - 1 >= self.smallest
+                    else f"no smaller size can train ({self.smallest_why or 'one sample'})"
+                )
                 raise RuntimeError(
-                    f"out of memory in the {self.rt.strategy} step at per-device batch {size}{fitted}; "
-                    f"rerun with --max-batch {max(1, size - 1)}"
+                    f"out of memory in the {self.rt.strategy} step at per-device batch {size}{fitted}; {rerun}"
                 ) from None
             raise
         peak = peak_memory_mib(self.rt.device)
@@ -181,9 +189,9 @@ class Tuner:
         return statistics.median(times), peak
 
     def _time_steps(self, size: int) -> list[float]:
-        x, y = self.batch(size)  # one batch, reused: the timing is of the step, not of data
         if self.rt.pipelined:
-            return self._time_pipeline(size, x, y)
+            return self._time_pipeline(size)
+        x, y = self.batch(size)  # one batch, reused: the timing is of the step, not of data
 
         def step() -> None:
             self.rt.backward(self.loss(self.model(x), y))
@@ -191,14 +199,14 @@ class Tuner:
 
         return time_calls(step, self.rt.device, repeats=self.s.steps, warmup=self.s.warmup)
 
-    def _time_pipeline(self, size: int, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-        """Under pp, a step is the batch's micro-batches through the schedule, one per stage (or a
-        few more: `strategy.micro_batch_size`), as ddpkit train cuts them; the loader hands them
-        out, as it does in training."""
-        stages = self.rt.layout.spec.size("pp")
+    def _time_pipeline(self, size: int) -> list[float]:
+        """Under pp, a step is a data rank's `size` samples as micro-batches through the schedule,
+        one per stage (or a few more: `strategy.micro_batch_size`), as ddpkit train cuts them; the
+        loader hands them out from one global batch, the same on every rank, as in training."""
+        stages, ranks = self.rt.layout.spec.size("pp"), self.rt.data_world_size
         batches = self.rt.loader(
-            TensorDataset(x, y),
-            batch_size=size * self.rt.data_world_size,
+            TensorDataset(*self.batch(size * ranks, key=0)),
+            batch_size=size * ranks,
             shuffle=False,
             micro_batch_size=micro_batch_size(size, stages),
         )
