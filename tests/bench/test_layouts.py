@@ -29,7 +29,7 @@ def test_layouts(tmp_path):
         for rank in range(4):
             # a rank's gradients are shaped like its parameters (under tp alone torch's embedding
             # backward gives the row-wise token embedding a whole gradient); AdamW keeps two values each
-            if name == "tp 4":
+            if "tp" in mesh and "dp=2" not in mesh:  # tp 4, pp 2 x tp 2: no FSDP over the tp slices
                 assert memory["gradients"][rank] >= memory["parameters"][rank]
             else:
                 assert memory["gradients"][rank] == memory["parameters"][rank]
@@ -56,3 +56,14 @@ def test_layouts(tmp_path):
     activation = 4 * w["batch"] * w["context"] * w["width"]  # fp32 bytes of a step's hidden states
     sends = [got["send"] for got in r["layouts"]["pp 4"]["collective_bytes_per_step"]]
     assert set(sent["pp 4"]) == {"send"} and sends == [activation, 2 * activation, 2 * activation, activation]
+    # pp 2 x dp 2: two pipelines; a stage's gradients all-reduced once per step over dp (DDP, plus
+    # its few bytes of unused-parameter flags); each pipeline sends its half of the batch's states
+    pp_dp = params["pp 2 x dp 2"]
+    assert pp_dp[0] == pp_dp[1] and pp_dp[2] == pp_dp[3] and pp_dp[0] + pp_dp[2] == whole
+    for rank, got in enumerate(r["layouts"]["pp 2 x dp 2"]["collective_bytes_per_step"]):
+        assert set(got) == {"send", "all_reduce"} and got["send"] == activation // 2
+        assert pp_dp[rank] <= got["all_reduce"] < 1.01 * pp_dp[rank]
+    # pp 2 x tp 2: a stage's layers split over tp: under a third of the model per rank
+    assert max(params["pp 2 x tp 2"]) < 0.3 * whole
+    for got in r["layouts"]["pp 2 x tp 2"]["collective_bytes_per_step"]:
+        assert got["send"] == activation and got["all_reduce"] > 0  # row-wise layers' sums

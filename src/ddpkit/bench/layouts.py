@@ -31,6 +31,7 @@ What is measured, and how:
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import statistics
 import time
@@ -42,7 +43,8 @@ from typing import Any
 # DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
 DESCRIPTION = (
-    "ddp / fsdp / hsdp 2x2 / fsdp+tp 2x2 / tp 4 / pp 4 on 4 processes: per-rank memory (parameters, gradients, "
+    "ddp / fsdp / hsdp 2x2 / fsdp+tp 2x2 / tp 4 / pp 4 / pp 2 x dp 2 / pp 2 x tp 2 on 4 processes: per-rank memory "
+    "(parameters, gradients, "
     "optimizer state, activations, peak), step time, bytes per collective, and each against a hand-written loop"
 )
 PROCESSES = 4
@@ -53,6 +55,8 @@ LAYOUTS: dict[str, tuple[str, str]] = {
     "fsdp+tp 2x2": ("tp", "dp=2,tp=2"),
     "tp 4": ("tp", "tp=4"),
     "pp 4": ("pp", "pp=4"),
+    "pp 2 x dp 2": ("pp", "pp=2,dp=2"),
+    "pp 2 x tp 2": ("pp", "pp=2,tp=2"),
 }
 TARGET_STEP_TIME_RATIO = 1.01  # ddpkit's loop / the hand-written loop of the same layout
 PARTS = ("parameters", "gradients", "optimizer", "activations")
@@ -133,7 +137,8 @@ def _layout(work: Work, strategy: str, mesh: str) -> dict[str, Any]:
         model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=work.lr))
         data = _tokens(work, rt.data_world_size)
         # A pipeline's micro-batches: as many as stages (the hand-written schedule's too).
-        micro = work.batch // PROCESSES if rt.pipelined else None
+        stages = rt.layout.spec.size("pp")
+        micro = work.batch // rt.data_world_size // stages if rt.pipelined else None
         batches = _forever(rt.loader(data, batch_size=work.batch, micro_batch_size=micro))
 
         def loss_fn(out: Any, y: Any) -> Any:
@@ -207,7 +212,7 @@ def _hand_written(work: Work, strategy: str, mesh: str, rt: Any) -> Callable[[],
     shape, names = spec.grid()
     grid = init_device_mesh(rt.device.type, shape, mesh_dim_names=names)
     if strategy == "pp":
-        return _hand_written_pipeline(work, model, grid, rt)
+        return _hand_written_pipeline(work, model, grid, spec, rt)
     if strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -236,12 +241,15 @@ def _hand_written(work: Work, strategy: str, mesh: str, rt: Any) -> Callable[[],
     return step
 
 
-def _hand_written_pipeline(work: Work, model: Any, grid: Any, rt: Any) -> Callable[[], None]:
-    """gpt's children cut where ddpkit cuts them, this rank's kept, torch's PipelineStage and
-    Schedule1F1B over as many micro-batches as stages; every rank reads the whole batch."""
+def _hand_written_pipeline(work: Work, model: Any, grid: Any, spec: Any, rt: Any) -> Callable[[], None]:
+    """gpt's children cut where ddpkit cuts them, this rank's kept, its layers split over tp
+    (pp x tp) or the stage under DDP over dp (pp x dp); torch's PipelineStage and Schedule1F1B
+    over as many micro-batches as stages; each data rank reads its share of the batch."""
     import torch
+    import torch.distributed as tdist
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import parallelize_module
 
     from ..strategy.pp import balanced_cuts
 
@@ -251,22 +259,33 @@ def _hand_written_pipeline(work: Work, model: Any, grid: Any, rt: Any) -> Callab
     bounds = balanced_cuts([sum(p.numel() for p in c.parameters()) for c in model.children()], stages)
     for name in names[: bounds[index]] + names[bounds[index + 1] :]:
         del model._modules[name]
-    stage = PipelineStage(model, index, stages, rt.device, group=group)
+    if spec.size("tp") > 1:
+        kept = list(model._modules)  # the plan's entries for this stage's children
+        plan = {k: v for k, v in model.tp_plan(spec.size("tp")).items() if fnmatch.filter(kept, k.split(".")[0])}
+        parallelize_module(model, grid["tp"], plan)
+    submodule = model
+    if spec.size("dp") > 1:  # (find_unused_parameters: DDP's bucket rebuild fails under torch's schedules)
+        submodule = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=grid["dp"].get_group(), find_unused_parameters=True
+        )
+    stage = PipelineStage(submodule, index, stages, rt.device, group=group)
 
     def loss_fn(out: Any, y: Any) -> Any:
         return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
     schedule = Schedule1F1B(stage, stages, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
-    x, y = _tokens(work, 1).tensors
-    starts = _forever(range(0, len(x) - work.batch + 1, work.batch))
+    x, y = _tokens(work, spec.data_size).tensors
+    share = work.batch // spec.data_size
+    rank = spec.data_rank(tdist.get_rank())
+    starts = _forever(range(rank * share, len(x) - share + 1, work.batch))
 
     def step() -> None:
         i = next(starts)
         if index == 0:
-            schedule.step(x[i : i + work.batch].to(rt.device))
+            schedule.step(x[i : i + share].to(rt.device))
         elif index == stages - 1:
-            schedule.step(target=y[i : i + work.batch].to(rt.device))
+            schedule.step(target=y[i : i + share].to(rt.device))
         else:
             schedule.step()
         opt.step()
