@@ -513,7 +513,9 @@ def plot(record: dict[str, Any], path: str) -> None:
     comm.set_title("communication", fontsize=10)
     comm.legend(fontsize=8)
     for ax in (memory, steps, comm):
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=35)  # eight names side by side
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax.grid(alpha=0.3, axis="y")
     w = r["work"]
     fig.suptitle(
