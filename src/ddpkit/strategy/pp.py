@@ -217,7 +217,8 @@ class PipelineParallel(Strategy):
             # is refused) and every replica built the same buffers. find_unused_parameters, and
             # no static graph: DDP then never rebuilds its buckets, which under torch's schedules
             # (2.13) records the parameters of two backward passes and fails its own assertion at
-            # the next forward, for most micro-batch counts of either schedule.
+            # the next forward, for most micro-batch counts of either schedule. (A static graph
+            # runs without that error, but its gradients came out wrong: 0.25 from one process.)
             options = dataclasses.replace(
                 self.ddp, broadcast_buffers=False, find_unused_parameters=True, static_graph=False
             )

@@ -56,7 +56,7 @@ def worker(settings: Settings, probe_hook: Callable[[int, int], None] | None = N
         criterion = settings.resolved_criterion(rt.device.type)
         start = max(settings.start, tuner.smallest)
         layout = f"{rt.strategy} on {rt.layout.spec}" if settings.mesh else rt.strategy
-        print0(header(settings, rt.world_size, rt.device.type, layout))
+        print0(header(settings, rt.world_size, rt.device.type, layout, probes=not rt.sharded))
         shared = shared_samples(rt.world_size, rt.data_world_size, str(rt.layout.spec))
         if shared:
             print0(shared)

@@ -45,7 +45,9 @@ def summarize(
 TABLE_HEADER = f"{'per-device':>10} {'global':>8} {'samples/s':>11} {'step ms':>9} {'peak MiB':>9}  fits"
 
 
-def header(s: Settings, world: int, device: str, strategy: str) -> str:
+def header(s: Settings, world: int, device: str, strategy: str, probes: bool = True) -> str:
+    """The first line: what is searched, where, and what runs per size (`probes`: a probe step
+    below the strategy first; a sharded one has none, see `probe`)."""
     if s.language:
         what = (
             f"{s.model} (width {s.gpt_width}, depth {s.gpt_depth}, heads {s.gpt_heads}) on sequences of "
@@ -55,7 +57,8 @@ def header(s: Settings, world: int, device: str, strategy: str) -> str:
         what = f"{s.model} on {s.data} {'x'.join(map(str, s.in_shape))} ({s.num_classes} classes)"
     return (
         f"ddpkit find-batch-size: {what}, {world} x {device} {strategy}, {s.precision}, {s.optimizer}; per size: "
-        f"1 probe step, then {s.warmup} warm-up and {s.steps} timed training steps on a synthetic batch"
+        f"{'1 probe step, then ' if probes else ''}{s.warmup} warm-up and {s.steps} timed training steps on a "
+        "synthetic batch"
     )
 
 
