@@ -8,6 +8,7 @@ chain's fourth leg."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -283,6 +284,19 @@ def test_a_tp_plan_outside_tp_or_not_of_parallel_styles_is_refused():
 
 
 @pytest.mark.cli
+def test_a_one_process_checkpoint_is_refused_under_pp_with_tp_before_anything_starts(tmp_path):
+    tiny = ("--model", "gpt", "--seq-len", "16", "--gpt-width", "16", "--gpt-depth", "2", "--batch-size", "8")
+    out = str(tmp_path / "run")
+    proc = run_cli("train", *tiny, "--device", "cpu", "--nproc", "1", "--max-steps", "1", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    more = ("--device", "cpu", "--max-steps", "2", "--resume", "auto", "--out", out)
+    proc = run_cli("train", *tiny, "--mesh", "pp=2,tp=2", "--nproc", "4", *more)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is a one-process (or ddp) checkpoint, whose optimizer state does not load under" in proc.stderr
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step-00000002.pt"))
+
+
+@pytest.mark.cli
 def test_ddpkit_train_says_a_bad_mesh_in_one_line_and_exits_2(tmp_path):
     proc = run_cli("train", "--model", "gpt", "--mesh", "tp=2,dp=2", "--device", "cpu", "--out", str(tmp_path / "o"))
     fails_with_usage(proc, "--mesh dp=2,tp=2: its sizes multiply to 4 processes, but the job has 1 (--nproc 4")
@@ -348,6 +362,7 @@ def mesh_runs(tmp_path_factory):
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
     # each stage's DDP with a compression hook, which all-reduces over dp (not every rank)
     four["pp x dp fp16 hook"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "ddp": {"comm_hook": "fp16"}}
+    four["user plan pp"] = {"user_plan_pp": "pp=2,tp=2"}  # a plan for the first stage's layers only
     four["same layout"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "load": ck["a"], "start": 1}
     out4 = ddpkit.launch(workers_mesh.layouts, four, nproc=4, device="cpu")
     eight = {name: {"layout": layout} for name, layout in LAYOUTS_8.items()}
@@ -373,6 +388,7 @@ def mesh_runs(tmp_path_factory):
     two["grouped one-pp"] = {"grouped": {"mesh": "pp=2", "load": ck["grouped one"], "start": 2}}
     out2 = ddpkit.launch(workers_mesh.layouts, two, nproc=2, device="cpu")
     user = workers_mesh.user_plan(None)
+    user_pp = workers_mesh.user_plan_pp(None)
     counted = workers_mesh.counted_forwards(None)
     grouped = workers_mesh.grouped(None)
     grouped_resumed = workers_mesh.grouped(None, load=ck["grouped pp"], start=2)
@@ -383,6 +399,7 @@ def mesh_runs(tmp_path_factory):
         "eight": out8,
         "two": out2,
         "user plan": user,
+        "user plan pp": user_pp,
         "counted": counted,
         "grouped": grouped,
         "grouped pp-one": grouped_resumed,
@@ -460,6 +477,9 @@ def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(
     (one data rank) draw alike, as the one process does."""
     tp = mesh_runs["two"][0]["user plan"]
     torch.testing.assert_close(tp, mesh_runs["user plan"], rtol=0, atol=WORLD_SIZE_ATOL)
+    # Under pp x tp, a stage none of whose layers the plan names runs whole on its tp ranks.
+    pp_tp = mesh_runs["four"][0]["user plan pp"]
+    torch.testing.assert_close(pp_tp, mesh_runs["user plan pp"], rtol=0, atol=WORLD_SIZE_ATOL)
 
 
 @pytest.mark.distributed

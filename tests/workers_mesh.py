@@ -146,6 +146,28 @@ def user_plan(mesh: str | None) -> torch.Tensor:
         return flat(whole_state(rt, model))
 
 
+def user_plan_pp(mesh: str | None) -> torch.Tensor:
+    """A Sequential of one's own whose plan splits only its first stage's layers, under `mesh`
+    (pp x tp: the second stage runs whole on its tp ranks), 3 clipped AdamW steps through the
+    pipeline; its whole weights (on rank 0)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(3)
+    model = nn.Sequential()
+    for name, layer in (("up", nn.Linear(8, 16)), ("act", nn.GELU()), ("down", nn.Linear(16, 8))):
+        model.add_module(name, layer)
+    model.add_module("tail", nn.Linear(8, 8))
+    model.add_module("out", nn.Linear(8, 8))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    data = Noisy(torch.randn(24, 8, generator=torch.Generator().manual_seed(4)))
+    with ddpkit.Runtime(device="cpu", seed=3, mesh=mesh, tp_plan=plan if mesh else None) as rt:
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        for (x,) in rt.loader(data, batch_size=8, micro_batch_size=4):
+            rt.forward_backward(model, x, x, lambda out, y: out.pow(2).mean())
+            rt.step(opt, max_grad_norm=0.1)
+        return flat(whole_state(rt, model))
+
+
 def old_qkv(mesh: str) -> dict:
     """A state_dict of ddpkit 0.2's gpt (one fused `qkv` map per block) loaded whole into the
     tiny gpt split under `mesh` (tp, FSDP over dp), and into the bare model: both whole states."""
@@ -258,6 +280,8 @@ def layouts(runs: dict[str, dict]) -> dict:
         return {
             name: user_plan(kwargs["user_plan"])
             if "user_plan" in kwargs
+            else user_plan_pp(kwargs["user_plan_pp"])
+            if "user_plan_pp" in kwargs
             else old_qkv(kwargs["old_qkv"])
             if "old_qkv" in kwargs
             else counted_forwards(kwargs["counted"])

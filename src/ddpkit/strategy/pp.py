@@ -201,6 +201,8 @@ class PipelineParallel(Strategy):
         if isinstance(plan, dict):
             kept = self._stage.kept
             plan = {k: v for k, v in plan.items() if fnmatch.filter(kept, k.split(".")[0])}
+            if not plan:  # no planned layer on this stage: it runs whole on each of its tp ranks
+                return
         parallelize(model, self.layout.sub("tp"), plan)
 
     def _wrap(self, model: nn.Module) -> nn.Module:

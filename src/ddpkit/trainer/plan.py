@@ -169,6 +169,11 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
     checkpoint = resume.starting_point(cfg, in_shape, num_classes)  # a bad --resume fails here
+    if checkpoint is not None and not os.path.isdir(checkpoint) and layout.size("pp") > 1 and layout.size("tp") > 1:
+        raise UsageError(
+            f"--resume: {checkpoint} is a one-process (or ddp) checkpoint, whose optimizer state does not load under "
+            f"--mesh {layout} yet (pp with tp); resume it on another layout first: its checkpoints load here"
+        )
     peak_lr = cfg.lr * _lr_scale(cfg)
     scale = peak_lr / cfg.lr
     warmup_start = 1.0 / scale if scale > 1 else 0.0
