@@ -38,7 +38,7 @@ from .dp import DataParallel
 from .fsdp import FSDP, FSDPOptions, holds_dtensors
 from .hsdp import HSDP
 from .mesh import Layout, MeshSpec
-from .pp import SCHEDULES, PipelineParallel, micro_batch_size, split_stages, stage_of
+from .pp import SCHEDULES, PipelineParallel, micro_batch_size, refuse_options, split_stages, stage_of
 from .single import Single
 from .tp import TensorParallel, check_plan, plan_for, refuse_fp16
 
@@ -233,10 +233,7 @@ def check_model(spec: MeshSpec, model: nn.Module, name: str, precision: str, com
                 message if message.startswith("--mesh") else f"--model {name}: tp_plan({tp}): {err}"
             ) from None
     if pp > 1:
-        if precision == "fp16":
-            raise UsageError(f"--mesh {spec}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
-        if compile:
-            raise UsageError(f"--mesh {spec}: --compile under a pipeline is not supported yet")
+        refuse_options(f"--mesh {spec}", precision, compile)
         split_stages(model, pp)  # one line if it cannot be split so
 
 

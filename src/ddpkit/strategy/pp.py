@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -46,6 +45,7 @@ from ..core import dist
 from ..errors import UsageError
 from .base import Strategy, local, unwrap
 from .ddp import DDPOptions, comm_hook
+from .fsdp import any_dtensor
 from .mesh import MeshSpec
 
 # Imports inside functions: torch's pipelining modules load where a pipeline runs, not in every
@@ -152,7 +152,7 @@ class PipelineParallel(Strategy):
         ddp): this stage's parameters' share of it, matched by name."""
         stage = stage_of(model)
         assert stage is not None
-        if any(is_dtensor(p) for p in unwrap(model).parameters()):
+        if any_dtensor(unwrap(model).parameters()):
             raise UsageError(
                 "under pp x tp, an optimizer state saved on one process or under ddp does not load yet; resume from "
                 "a sharded checkpoint (any layout's but those), which DCP splits over tp"
@@ -181,10 +181,7 @@ class PipelineParallel(Strategy):
     def wrap(
         self, model: nn.Module, precision: Any = None, channels_last: bool = False, compile: Any = False
     ) -> nn.Module:
-        if precision is not None and precision.scaler is not None:
-            raise UsageError("--strategy pp: fp16's loss scaling does not run through a pipeline schedule; use bf16")
-        if compile:
-            raise UsageError("--strategy pp: torch.compile under a pipeline is not supported yet")
+        refuse_options("--strategy pp", precision.name if precision is not None else "fp32", compile)
         assert self.layout is not None
         self._stage = split(model, self._pp_index(), self._pp_size())
         if self.layout.spec.size("tp") > 1:  # before the optimizers are adopted: DTensor parameters
@@ -328,21 +325,24 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
     return stage
 
 
-def is_dtensor(t: Any) -> bool:
-    """Whether `t` is a DTensor (none can be where torch's DTensor module was never loaded)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+def refuse_options(where: str, precision: str, compile: Any) -> None:
+    """UsageError for what a pipeline does not run: fp16 and torch.compile (`where`: the flag or
+    mesh to name)."""
+    if precision == "fp16":
+        raise UsageError(f"{where}: fp16's loss scaling does not run through a pipeline schedule; use bf16")
+    if compile:
+        raise UsageError(f"{where}: --compile under a pipeline is not supported yet")
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """`t`, made whole where it is a DTensor split over tp (a collective over its mesh)."""
-    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.full_tensor() if any_dtensor((t,)) else t  # type: ignore[attr-defined]
 
 
 def shaped_as(own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """A whole `value` for the entry `own` of a state_dict: where `own` is a DTensor, this
     rank's part of it (every rank holds the whole value: no message)."""
-    if not is_dtensor(own):
+    if not any_dtensor((own,)):
         return value
     from torch.distributed.tensor import distribute_tensor
 
