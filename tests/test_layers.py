@@ -20,7 +20,7 @@ LAYERS = {
     "parallel": {"strategy", "checkpoint", "launcher"},
     "data": {"data"},
     "runtime": {"runtime"},
-    "products": {"trainer", "tune", "bench"},
+    "products": {"trainer", "tune", "bench", "plan"},
     "cli": {"cli", "__main__"},
 }
 RANK = {top: i for i, tops in enumerate(LAYERS.values()) for top in tops}

@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..observe.collectives import Collectives, tensor_bytes
+
 # Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
 # DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
 
@@ -156,14 +158,14 @@ def _layout(work: Work, strategy: str, mesh: str) -> dict[str, Any]:
             rt.step(opt)
 
         activations = _saved_bytes(backward)
-        gradients = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        gradients = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
         rt.step(opt)
         with Collectives() as counted:
             ddpkit_step()
         memory = {
-            "parameters": _bytes(model.parameters()),
+            "parameters": tensor_bytes(model.parameters()),
             "gradients": gradients,
-            "optimizer": _bytes(t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)),
+            "optimizer": tensor_bytes(t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)),
             "activations": activations,
             "peak_mib": peak_memory_mib(rt.device),
         }
@@ -316,14 +318,6 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _local(t: Any) -> Any:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _bytes(tensors: Any) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-
-
 def _saved_bytes(backward: Callable[[], None]) -> int:
     """The bytes autograd keeps for the backward of the forwards `backward()` runs."""
     import torch
@@ -332,77 +326,12 @@ def _saved_bytes(backward: Callable[[], None]) -> int:
 
     def pack(t: Any) -> Any:
         nonlocal total
-        total += _bytes([t])
+        total += tensor_bytes([t])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         backward()
     return total
-
-
-class Collectives:
-    """Inside: every c10d operation dispatched on this thread, its count and the bytes of the
-    tensors handed to it, by kind (all_reduce, all_gather, reduce_scatter, broadcast, ...)."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-        self._mode: Any = None
-
-    def __enter__(self) -> Collectives:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if func.namespace in ("c10d", "_c10d_functional"):
-                    kind = _kind(func.__name__.split(".")[0])
-                    if kind:
-                        counter.bytes[kind] = counter.bytes.get(kind, 0) + _payload(func.namespace, kind, args)
-                        counter.calls[kind] = counter.calls.get(kind, 0) + 1
-                return func(*args, **(kwargs or {}))
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-
-
-KINDS = {
-    "allreduce": "all_reduce",
-    "allgather": "all_gather",
-    "reducescatter": "reduce_scatter",
-    "broadcast": "broadcast",
-    "send": "send",  # a pipeline's activations forward, their gradients back
-}
-
-
-def _kind(op: str) -> str:
-    """'all_reduce', 'all_gather', 'reduce_scatter', 'broadcast' or 'send' for a c10d operation's name
-    (`allreduce_`, `_allgather_base_`, `all_gather_into_tensor`, ...); '' for the rest (waits)."""
-    name = op.replace("_", "")
-    return next((kind for prefix, kind in KINDS.items() if name.startswith(prefix)), "")
-
-
-def _payload(namespace: str, kind: str, args: Any) -> int:
-    """The bytes a rank hands to the operation: its input tensors. c10d's gathers and
-    reduce-scatters take (outputs, inputs, ...), its all-reduce and broadcast (tensors, ...);
-    the functional collectives (input, ...)."""
-    import torch
-
-    given = args[1] if namespace == "c10d" and kind in ("all_gather", "reduce_scatter") else args[0]
-    return _bytes(t for t in _flat(given) if isinstance(t, torch.Tensor))
-
-
-def _flat(value: Any) -> Iterator[Any]:
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    else:
-        yield value
 
 
 # -- assembling the result ----------------------------------------------------------------------

@@ -41,6 +41,7 @@ commands:
   bench    measure ddpkit's parts: loaders, workers, precision, comm, scaling, models
   find-batch-size  the largest per-device batch that fits, and the throughput at each size
   report   compare runs (train --out DIRs): their curves on one plot and a table of results
+  plan     will a job fit on N GPUs, and how fast: every layout's memory and step time, predicted
 """
 
 # command -> the module whose main(argv) runs it (imported on use: `ddpkit --help` stays fast)
@@ -51,6 +52,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "find-batch-size": "find_batch_size",
     "report": "report",
+    "plan": "plan",
 }
 
 

@@ -215,11 +215,30 @@ class FSDP(Strategy):
         return model
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
         check_model(model)
         source = Rank0Source.take(model)  # before fully_shard replaces rank 0's full parameters
         before = dict(model.named_parameters())
+        self.split(model)
+        if any(True for _ in model.buffers()):
+            model.register_forward_pre_hook(_broadcast_buffers)
+        # Offloaded shards live in host memory (CPUOffloadPolicy): allocate them there.
+        source.fill(model, torch.device("cpu") if self.options.cpu_offload else self.device)
+        # After the fill: on a meta-built rank, to_empty replaced what no strategy split (tp on
+        # one dp rank leaves LayerNorms whole).
+        after = dict(model.named_parameters())  # same names: FSDP2 and tp add no prefix
+        self._moved = {id(before[name]): after[name] for name in before}
+        del before
+        return model
+
+    def split(self, model: nn.Module, precision: Precision | None = None) -> None:
+        """Split `model` in place over the layout as a run does, values aside: tensor-parallel
+        where the mesh has tp, then FSDP2 on each unit and the root (with `precision`'s policy,
+        where given). `wrap` fills the shards from rank 0 afterwards; `ddpkit plan` calls this
+        alone, on fake tensors."""
+        from torch.distributed.fsdp import fully_shard
+
+        if precision is not None:
+            self._param_dtype = precision.dtype if precision.name != "fp32" else None
         self._parallelize(model)
         shards = self._shards()
         # Deepest first: fully_shard on a module leaves the parameters of sharded submodules alone.
@@ -231,16 +250,6 @@ class FSDP(Strategy):
                     fully_shard(module, **self._shard_kwargs(root=False))
         if shards:
             fully_shard(model, **self._shard_kwargs(root=True))
-        if any(True for _ in model.buffers()):
-            model.register_forward_pre_hook(_broadcast_buffers)
-        # Offloaded shards live in host memory (CPUOffloadPolicy): allocate them there.
-        source.fill(model, torch.device("cpu") if self.options.cpu_offload else self.device)
-        # After the fill: on a meta-built rank, to_empty replaced what no strategy split (tp on
-        # one dp rank leaves LayerNorms whole).
-        after = dict(model.named_parameters())  # same names: FSDP2 and tp add no prefix
-        self._moved = {id(before[name]): after[name] for name in before}
-        del before
-        return model
 
     def _shard_kwargs(self, root: bool) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -268,8 +277,9 @@ class FSDP(Strategy):
         """Before sharding: split the model along the mesh's other dimensions (tp)."""
 
     def _shard_mesh(self) -> Any:
-        """The DeviceMesh fully_shard shards over (None: every process, torch's default)."""
-        return None
+        """The DeviceMesh fully_shard shards over: the layout's, where it has one (`ddpkit plan`
+        gives it one on its fake process group); else None, every process (torch's default)."""
+        return self.layout.sub("dp") if self.layout is not None else None
 
     def adopt(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
         """Point optimizers built on the model before setup() at its sharded parameters."""

@@ -1,0 +1,99 @@
+"""`ddpkit plan`: flags into a `plan.Spec` and a `plan.Cluster`, then the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .parsing import ArgumentParser
+
+# Imports inside functions: `--help` and a bad flag's one line load no torch.
+
+
+def main(argv: Sequence[str]) -> int:
+    from ..plan import output, plan
+
+    a = _parser().parse_args(argv)
+    spec, cluster = _resolve(a)
+    p = plan(spec, cluster, progress=a.progress)
+    print(output.report(p))
+    if a.json:
+        output.write(p, a.json)
+    if a.plot:
+        output.plot(p, a.plot)
+    return 0
+
+
+def _resolve(a: object) -> tuple[object, object]:
+    from .. import data, models
+    from ..core import checks
+    from ..errors import UsageError
+    from ..plan import Spec, cluster
+
+    language = a.model in models.LANGUAGE_MODELS
+    name = checks.choice("--data", a.data or ("text" if language else "cifar10"), data.DATASETS)
+    if language != (name in data.TEXT_DATASETS):
+        raise UsageError(f"--model {a.model} and --data {name}: gpt takes --data text, an image model the others")
+    in_shape, classes = data.shape_of(
+        name,
+        checks.shape("--synthetic-shape", a.synthetic_shape),
+        a.num_classes,
+        checks.positive("--seq-len", a.seq_len),
+    )
+    options = {k: getattr(a, f"gpt_{k}") for k in ("width", "depth", "heads")} if language else {}
+    options = {k: checks.positive(f"--gpt-{k}", v) for k, v in options.items() if v is not None}
+    if language:
+        w, h = options.get("width", models.GPT_WIDTH), options.get("heads", models.GPT_HEADS)
+        if w % h:
+            raise UsageError(f"--gpt-width {w} must be a multiple of --gpt-heads {h}")
+    ac = {"both": (False, True), "on": (True,), "off": (False,)}[
+        checks.choice("--activation-checkpointing", a.activation_checkpointing, ("both", "on", "off"))
+    ]
+    spec = Spec(a.model, in_shape, classes, a.batch_size, a.precision, a.optimizer, options, ac)
+    if not models.is_custom(a.model):
+        models.check(a.model, in_shape, classes)
+    c = cluster(
+        a.gpu,
+        checks.positive("--gpus-per-node", a.gpus_per_node),
+        checks.positive("--nodes", a.nodes),
+        a.efficiency,
+        memory_gib=a.memory_gib,
+        peak_tflops=a.peak_tflops,
+        intra_gbps=a.intra_gbps,
+        inter_gbps=a.inter_gbps,
+    )
+    return spec, c
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="ddpkit plan",
+        description="Predict, before booking the GPUs, each layout's per-GPU memory (parameters, gradients, "
+        "optimizer state, activations, communication buffers, peak) and step time, which fit, and the "
+        "fastest one's ddpkit train command. Memory is traced on fake tensors over a fake process group of "
+        "the cluster's size; time is FLOPs at --efficiency plus each collective by a ring model of the links.",
+    )
+    p.add_argument("--model", default="gpt", help="gpt (default), another built-in model, or package.module:function")
+    p.add_argument("--data", help="gives the input shape and classes (default text for gpt, cifar10 otherwise)")
+    p.add_argument("--synthetic-shape", default="3,32,32", metavar="C,H,W", help="input shape with --data synthetic")
+    p.add_argument("--num-classes", type=int, default=10, help="classes with --data synthetic")
+    p.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence (default 1024)")
+    for name, what in (("width", "embedding width"), ("depth", "transformer blocks"), ("heads", "attention heads")):
+        p.add_argument(f"--gpt-{name}", type=int, help=f"gpt: {what} (default: ddpkit train's)")
+    p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch: samples per optimizer step (default 64)")
+    p.add_argument("--precision", default="bf16", help="fp32, bf16 (default) or fp16")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (with momentum)")
+    p.add_argument(
+        "--activation-checkpointing", default="both", help="both (default: each layout with and without), on or off"
+    )
+    p.add_argument("--gpu", default="h100", help="preset: h100 (default), h200, a100-80gb or a100-40gb")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--memory-gib", type=float, help="GPU memory in GiB (default: the preset's)")
+    p.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s at --precision (default: the preset's)")
+    p.add_argument("--intra-gbps", type=float, help="GB/s per GPU, one direction, within a node (default: preset)")
+    p.add_argument("--inter-gbps", type=float, help="GB/s per GPU, one direction, between nodes (default: preset)")
+    p.add_argument("--efficiency", type=float, default=0.4, help="share of the peak the products reach (default 0.4)")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot memory and predicted throughput per layout")
+    p.add_argument("--progress", action="store_true", help="a progress bar over the layouts")
+    return p

@@ -1,0 +1,163 @@
+"""From a traced step to a prediction: which layouts to try on a cluster, the step time of each
+by an alpha-beta model of its collectives, and which fits and runs fastest.
+
+Time, stated in every plan:
+- compute: the traced FLOPs of a rank's step over the GPU's peak at the plan's efficiency;
+- a collective over a group of n ranks moving b bytes (what this rank hands to it) takes
+  alpha * steps + bytes on the wire / bandwidth, as a ring does: all-reduce 2(n-1) steps and
+  2(n-1)/n b on the wire, all-gather (n-1) and (n-1) b, reduce-scatter (n-1) and (n-1)/n b,
+  broadcast and send 1 and b. A group within one node uses NVLink's figures, a group across
+  nodes the network's (its slowest link);
+- overlap: the data-parallel collectives (DDP's all-reduce, FSDP2's all-gathers and
+  reduce-scatters) run beside the compute and cost only what exceeds it; tensor-parallel
+  collectives sit between a layer's products and cost in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..observe.collectives import Op
+from .cluster import GIB, Cluster
+from .trace import Layout, Trace
+
+# Imports inside functions: the mesh's parser, from the strategies (torch), loads when layouts
+# are listed.
+
+# Steps of a ring and the bytes on the wire, as multiples of the payload, for a group of n.
+RING: dict[str, Any] = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: n - 1),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "broadcast": (lambda n: 1, lambda n: 1),
+    "send": (lambda n: 1, lambda n: 1),
+}
+DATA_PARALLEL = ("dp", "replicate")
+
+
+def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: tuple[bool, ...]) -> list[Layout]:
+    """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
+    fsdp+tp with tp within a node), each with and without activation checkpointing; the
+    micro-batch is chosen later. `share_of(data_ranks)` is a data rank's samples, None where
+    the global batch does not divide; `heads` limits tp to divisors (None: no tp plan)."""
+    world, per_node = cluster.world_size, cluster.gpus_per_node
+    meshes = [("ddp", f"dp={world}"), ("fsdp", f"dp={world}")]
+    if cluster.nodes > 1 and per_node > 1:
+        meshes.append(("hsdp", f"replicate={cluster.nodes},dp={per_node}"))
+    tp = 2
+    while heads and tp <= per_node:
+        if per_node % tp == 0 and heads % tp == 0 and share_of(world // tp):
+            meshes.append(("tp", f"dp={world // tp},tp={tp}"))
+        tp *= 2
+    return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
+
+
+def _data(mesh: str) -> int:
+    from ..strategy.mesh import MeshSpec
+
+    return MeshSpec.parse(mesh).data_size
+
+
+def op_seconds(op: Op, cluster: Cluster) -> float:
+    """One collective's time on `cluster` by the ring model (see the module docstring)."""
+    n = len(op.ranks) or 1
+    if n == 1:
+        return 0.0
+    steps, wire = RING[op.kind]
+    across = len({cluster.node_of(r) for r in op.ranks}) > 1
+    gpu = cluster.gpu
+    bandwidth = (gpu.inter_gbps if across else gpu.intra_gbps) * 1e9
+    latency = (gpu.inter_latency_us if across else gpu.intra_latency_us) * 1e-6
+    return steps(n) * latency + wire(n) * op.bytes / bandwidth
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted per-rank memory and step time, and whether it fits."""
+
+    layout: Layout
+    trace: Trace
+    compute_s: float
+    overlapped_comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    fits: bool
+
+    def to_json(self, cluster: Cluster) -> dict[str, Any]:
+        return {
+            "layout": self.layout.label,
+            "strategy": self.layout.strategy,
+            "mesh": self.layout.mesh,
+            "activation_checkpointing": self.layout.checkpointing,
+            "micro_batch": self.layout.micro_batch,
+            "memory_gib": {k: v / GIB for k, v in self.trace.memory.items()},
+            "peak_gib": self.trace.peak / GIB,
+            "fits": self.fits,
+            "compute_s": self.compute_s,
+            "data_parallel_comm_s": self.overlapped_comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s / cluster.world_size if self.tokens_per_s else None,
+            "mfu": self.mfu,
+            "flops_per_rank": self.trace.flops,
+            "collectives": _by_kind(self.trace.ops, cluster),
+            "computed": self.trace.computed,
+        }
+
+
+def predict(
+    trace: Trace,
+    layout: Layout,
+    cluster: Cluster,
+    precision: str,
+    global_batch: int,
+    seq_len: int | None,
+    model_flops: float,
+) -> Prediction:
+    """The step time and throughput of `layout` from its `trace`; `model_flops` is the step's
+    useful FLOPs over the whole job (no recomputation), for MFU."""
+    peak = cluster.peak_flops(precision)
+    compute = trace.flops / (peak * cluster.efficiency)
+    dims = layout.spec.names
+    dp_comm = tp_comm = 0.0
+    for op in trace.ops:
+        seconds = op_seconds(op, cluster)
+        if "tp" in dims and _is_tp(op, layout):
+            tp_comm += seconds
+        else:
+            dp_comm += seconds
+    exposed = tp_comm + max(0.0, dp_comm - compute)
+    step = compute + exposed
+    tokens = global_batch * seq_len / step if seq_len else None
+    mfu = model_flops / (step * cluster.world_size * peak)
+    fits = trace.peak <= cluster.gpu.memory_gib * GIB
+    return Prediction(layout, trace, compute, dp_comm, exposed, step, global_batch / step, tokens, mfu, fits)
+
+
+def _is_tp(op: Op, layout: Layout) -> bool:
+    """Whether `op` runs within a tensor-parallel group: its ranks are consecutive in the tp
+    dimension (the last of the mesh), as torch's DeviceMesh lays it out."""
+    tp = layout.spec.size("tp")
+    return len(op.ranks) == tp and op.ranks[-1] - op.ranks[0] == tp - 1
+
+
+def _by_kind(ops: list[Op], cluster: Cluster) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for op in ops:
+        row = out.setdefault(op.kind, {"calls": 0, "bytes": 0, "seconds": 0.0})
+        row["calls"] += 1
+        row["bytes"] += op.bytes
+        row["seconds"] += op_seconds(op, cluster)
+    return out
+
+
+def best(predictions: list[Prediction]) -> Prediction | None:
+    """The fastest layout that fits (the less memory on a tie), None if none does."""
+    fitting = [p for p in predictions if p.fits]
+    return min(fitting, key=lambda p: (p.step_s, p.trace.peak)) if fitting else None

@@ -1,0 +1,233 @@
+"""One training step of a layout, traced on fake tensors over a fake process group: what each
+rank holds at its peak, the collectives it calls, and the FLOPs it computes, without a GPU and
+without allocating the model.
+
+The step is ddpkit's own: the model is built by `models`, split by the strategy's `split` (the
+same tensor-parallel plan and FSDP2 units and mixed-precision policy as a run), checkpointed by
+`strategy.activations`, and stepped by AdamW or SGD. torch's tools do the counting:
+`FakeTensorMode` (shapes, no values), the `fake` process-group backend (collectives that return
+at once), `FSDPMemTracker` / `MemTracker` (each live tensor by role) and `FlopCounterMode`.
+
+Where they fall short, the arithmetic is ddpkit's and the result says so (`computed`):
+- DDP is not traced (its C++ reducer needs real tensors): the bare model's step is, and DDP's
+  gradient buckets (one more copy of the gradients, unless they are the bucket views) and its
+  all-reduce (every gradient once per step) are added;
+- FLOPs of tensor-parallel layers are counted on whole DTensors, so a rank's share is the
+  count over the tp ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.precision import Precision
+from ..errors import UsageError
+from ..observe.collectives import Collectives, Op, tensor_bytes
+from ..strategy import REGISTRY, DDPOptions, FSDPOptions
+from ..strategy import activations as checkpointing
+from ..strategy.mesh import Layout as MeshLayout
+from ..strategy.mesh import MeshSpec
+
+# Imports inside functions: torch's fake-tensor, memory-tracking, FLOP-counting and DeviceMesh
+# modules load when a trace runs, not when `ddpkit plan --help` imports this package.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: a strategy on a mesh, activation checkpointing on or off, and
+    the samples per forward on one data rank."""
+
+    strategy: str  # ddp, fsdp, hsdp or tp
+    mesh: str  # "dp=8", "replicate=2,dp=4", "dp=4,tp=2"
+    checkpointing: bool
+    micro_batch: int
+
+    @property
+    def spec(self) -> MeshSpec:
+        return MeshSpec.parse(self.mesh)
+
+    @property
+    def label(self) -> str:
+        names = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp", "tp": "fsdp+tp"}
+        sizes = "x".join(str(size) for _, size in self.spec.sizes)
+        ac = " +ac" if self.checkpointing else ""
+        return f"{names[self.strategy]} {sizes}{ac} mb{self.micro_batch}"
+
+
+@dataclass
+class Trace:
+    """What one rank holds at its peak (bytes, by role), the collectives of one optimizer step
+    (`Op`s), and the step's FLOPs on that rank."""
+
+    memory: dict[str, float]
+    peak: float
+    ops: list[Op]
+    flops: float
+    computed: list[str] = field(default_factory=list)
+
+
+# FSDPMemTracker's and MemTracker's roles, as the plan reports them.
+ROLES = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Other": "temporary",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporary",
+    "All Gather": "communication",
+    "Reduce Scatter": "communication",
+}
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A process group of `world_size` ranks, this process rank 0, whose collectives do nothing
+    (torch's `fake` backend); gone again afterwards."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UsageError("ddpkit plan runs outside a process group: call it before Runtime() or after close()")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Step:
+    """The model and the batch a step trains on: `build()` makes the model, `batch(n)` n samples
+    of input and target; `share` samples per data rank per optimizer step."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    share: int
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+
+
+def trace(step: Step, layout: Layout, world_size: int) -> Trace:
+    """Trace one optimizer step of `layout` on rank 0 of a fake world of `world_size` ranks
+    (inside `fake_world`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = layout.spec
+    spec.check_processes(world_size)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = step.build()
+        if layout.checkpointing:
+            checkpointing.apply(model, True)
+    strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
+    with mode:
+        return _step(model, strategy, layout, step)
+
+
+def _split(model: nn.Module, layout: Layout, precision: str) -> Any:
+    """The strategy's own split of `model` over its mesh (outside fake mode: torch's DeviceMesh
+    computes coordinates from real tensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = layout.spec
+    strategy = REGISTRY[layout.strategy].make(torch.device("cpu"), DDPOptions(), FSDPOptions())
+    shape, names = spec.grid()
+    strategy.layout = MeshLayout(spec, init_device_mesh("cpu", shape, mesh_dim_names=names))
+    strategy.split(model, Precision(precision, torch.device("cpu")))
+    return strategy
+
+
+def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    opt = _optimizer(step.optimizer, model)
+    micro = max(1, step.share // layout.micro_batch)
+    autocast = _autocast(layout, step.precision)
+
+    def one_step(traced: bool) -> None:
+        for last in ([False] if micro > 1 else []) + [True]:
+            if traced:
+                tracker.reset_mod_stats()  # per-module figures only: the peak so far stays
+            counter, collectives = FlopCounterMode(display=False), Collectives()
+            with counter, collectives, _no_sync(strategy, model, last), autocast():
+                x, y = step.batch(layout.micro_batch)
+                F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten()).backward()
+            times = 1 if last else micro - 1
+            flops.append(counter.get_total_flops() * times)
+            ops.extend(collectives.ops * times)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    flops: list[float] = []
+    ops: list[Op] = []
+    one_step(traced=False)  # the optimizer's state exists from here on, as in every later step
+    flops.clear()
+    ops.clear()
+    if strategy is not None and hasattr(model, "unshard"):
+        tracker = FSDPMemTracker(model, opt)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+    with tracker:
+        one_step(traced=True)
+    return _result(tracker, model, layout, sum(flops), ops)
+
+
+def _result(tracker: Any, model: nn.Module, layout: Layout, flops: float, ops: list[Op]) -> Trace:
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    memory = dict.fromkeys(CATEGORIES, 0.0)
+    for role, nbytes in snapshot.items():
+        if role != "Total":
+            memory[ROLES.get(str(getattr(role, "value", role)), "temporary")] += nbytes
+    computed = []
+    tp = layout.spec.size("tp")
+    if tp > 1:
+        flops /= tp
+        computed.append("flops: a tensor-parallel rank's share is the whole layer's count over tp")
+    if layout.strategy == "ddp" and layout.spec.processes > 1:
+        grads = tensor_bytes(p for p in model.parameters())  # fp32 gradients, one per parameter
+        memory["communication"] += grads
+        ops = ops + [Op("all_reduce", grads, tuple(range(layout.spec.processes)))]
+        computed.append("ddp: its gradient buckets (one more copy of the gradients) and one all-reduce of them")
+    return Trace(memory, float(sum(memory.values())), ops, flops, computed)
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=False)
+    raise UsageError(f"--optimizer {name!r}: choose adamw or sgd")
+
+
+def _no_sync(strategy: Any, model: nn.Module, last: bool) -> Any:
+    """Under accumulation, every micro-batch but the last skips the gradient reduction, as
+    ddpkit's steps do (`Strategy.no_sync`)."""
+    make = strategy.no_sync(model) if strategy is not None and not last else None
+    return make() if make is not None else contextlib.nullcontext()
+
+
+def _autocast(layout: Layout, precision: str) -> Callable[[], Any]:
+    """bf16/fp16 where FSDP2's policy does not carry it (ddp, and tp on one data rank): autocast,
+    as ddpkit's AutocastModule runs the forward."""
+    if precision == "fp32" or (layout.strategy != "ddp" and layout.spec.data_size > 1):
+        return contextlib.nullcontext
+    dtype = Precision(precision, torch.device("cpu")).dtype
+    return lambda: torch.autocast("cpu", dtype=dtype)

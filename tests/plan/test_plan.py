@@ -1,0 +1,138 @@
+"""`ddpkit plan`: fake traces of ddpkit's own layouts against real runs, the prediction's
+arithmetic, and the command line."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from ddpkit.observe.collectives import Op
+from ddpkit.plan import Spec, cluster, output, plan
+from ddpkit.plan.predict import best, op_seconds, predict
+from ddpkit.plan.run import _micro_batches
+from ddpkit.plan.trace import Layout, Step, fake_world, trace
+
+GPT = {"width": 64, "depth": 2, "heads": 4}
+
+
+def _spec(batch=8, **kw):
+    return Spec("gpt", (32,), 256, batch, "fp32", "adamw", dict(GPT), **kw)
+
+
+@pytest.mark.unit
+def test_ring_model_of_one_collective_within_and_across_nodes():
+    c = cluster("h100", 8, 2, intra_gbps=100, inter_gbps=10)
+    inside = Op("all_reduce", 10**9, tuple(range(8)))
+    across = Op("all_reduce", 10**9, tuple(range(0, 16, 2)))
+    # 2(n-1) latencies and 2(n-1)/n of the payload on the wire
+    assert op_seconds(inside, c) == pytest.approx(14 * 5e-6 + 1.75 * 10**9 / 100e9)
+    assert op_seconds(across, c) == pytest.approx(14 * 10e-6 + 1.75 * 10**9 / 10e9)
+    assert op_seconds(Op("all_gather", 10, (3,)), c) == 0.0
+
+
+@pytest.mark.unit
+def test_micro_batches_are_the_share_then_powers_of_two_dividing_it():
+    assert _micro_batches(12) == [12, 4, 2, 1]
+    assert _micro_batches(1) == [1]
+
+
+@pytest.mark.unit
+def test_fsdp_trace_shards_states_and_counts_its_collectives():
+    spec = _spec()
+    step = Step(spec.build, spec.batch, 4, "fp32", "adamw")
+    params = sum(p.numel() for p in spec.build().parameters()) * 4
+    with fake_world(4):
+        fsdp = trace(step, Layout("fsdp", "dp=4", False, 2), 4)
+        ddp = trace(step, Layout("ddp", "dp=4", False, 4), 4)
+    # AdamW's two moments, on a quarter of the parameters each under fsdp (padding aside)
+    assert fsdp.memory["optimizer"] == pytest.approx(2 * params / 4, rel=0.02)
+    assert ddp.memory["optimizer"] == pytest.approx(2 * params, rel=0.01)
+    assert ddp.memory["communication"] == params  # DDP's buckets: one more copy of the gradients
+    kinds = {op.kind for op in fsdp.ops}
+    assert {"all_gather", "reduce_scatter"} <= kinds
+    assert all(op.ranks == (0, 1, 2, 3) for op in fsdp.ops)
+    # two micro-batches of 2 compute what one of 4 does
+    assert fsdp.flops == pytest.approx(ddp.flops, rel=1e-6)
+
+
+@pytest.mark.unit
+def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
+    p = plan(_spec(4, checkpointing=(False,)), cluster("h100", 4, 1))
+    labels = {q.layout.label for q in p.predictions}
+    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "fsdp+tp 1x4 mb4"}
+    assert p.best is not None and p.best.fits
+    assert "--nproc 4" in p.command(p.best)
+    # the same traces on a GPU of almost no memory: none fits, and none is recommended
+    tiny = cluster("h100", 4, 1, memory_gib=1e-4)
+    again = [predict(q.trace, q.layout, tiny, "fp32", 4, 32, 1.0) for q in p.predictions]
+    assert not any(q.fits for q in again) and best(again) is None
+    assert "no layout fits" in output.report(replace(p, cluster=tiny, predictions=again))
+
+
+@pytest.mark.unit
+def test_deep_gpt_extrapolated_from_two_and_three_blocks_matches_a_whole_trace():
+    from ddpkit.plan import run
+
+    spec = Spec("gpt", (32,), 256, 8, "fp32", "adamw", {"width": 64, "depth": 10, "heads": 4})
+    step = Step(spec.build, spec.batch, 2, "fp32", "adamw")
+    layout = Layout("fsdp", "dp=4", False, 2)
+    with fake_world(4):
+        whole = trace(step, layout, 4)
+        guessed = run._traced(spec, step, layout, 4)
+    assert guessed.peak == pytest.approx(whole.peak, rel=0.04)
+    assert guessed.flops == pytest.approx(whole.flops, rel=1e-6)
+    assert sorted(guessed.ops, key=repr) == sorted(whole.ops, key=repr)
+
+
+@pytest.mark.cli
+def test_cli_prints_table_and_command_and_writes_json_and_plot(tmp_path, cli):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    proc = cli(
+        "plan",
+        "--gpt-width",
+        "64",
+        "--gpt-depth",
+        "2",
+        "--gpt-heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "16",
+        "--gpus-per-node",
+        "2",
+        "--nodes",
+        "2",
+        "--activation-checkpointing",
+        "off",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fastest that fits:" in proc.stdout and "ddpkit train --model gpt" in proc.stdout
+    assert "--nnodes 2" in proc.stdout
+    record = json.loads(out.read_text())
+    names = [row["layout"] for row in record["layouts"]]
+    assert any(n.startswith("hsdp 2x2") for n in names)
+    assert record["recommended"]["command"] in proc.stdout
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--gpu", "b300"], "--gpu 'b300'"),
+        (["--batch-size", "3", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
+        (["--gpt-width", "30", "--gpt-heads", "4"], "multiple of --gpt-heads"),
+        (["--efficiency", "2"], "--efficiency"),
+        (["--model", "cnn", "--data", "text"], "--data text"),
+        (["--nodes", "0"], "--nodes"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(cli, flags, says):
+    proc = cli("plan", *flags)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
