@@ -219,6 +219,15 @@ TRANSCRIPTS: dict[str, Transcript] = {
         ],
         check="head",
     ),
+    "plan": Transcript(
+        [
+            Step(
+                "ddpkit plan --gpt-width 1024 --gpt-depth 16 --gpt-heads 16 --seq-len 2048 --batch-size 64 "
+                "--gpu h100 --gpus-per-node 8 --nodes 2"
+            )
+        ],
+        check="shape",
+    ),
     "runtime-digits": Transcript([Step("python train_digits.py")], files={"train_digits.py": ""}),
     "collectives": Transcript([Step(COLLECTIVES)]),
     "runtime-gather": Transcript([Step("python gather_metrics.py")], files={"gather_metrics.py": ""}),

@@ -1,16 +1,18 @@
-"""`ddpkit plan`: fake traces of ddpkit's own layouts against real runs, the prediction's
-arithmetic, and the command line."""
+"""`ddpkit plan`: fake traces of ddpkit's own layouts, the prediction's arithmetic, the
+recommendation, and the command line (against real runs: test_real_runs.py)."""
 
 import json
 from dataclasses import replace
 
 import pytest
+import torch
 
+from ddpkit.launcher.workers import choose_start_method
 from ddpkit.observe.collectives import Op
 from ddpkit.plan import Spec, cluster, output, plan
 from ddpkit.plan.predict import best, op_seconds, predict
 from ddpkit.plan.run import _micro_batches
-from ddpkit.plan.trace import Layout, Step, fake_world, trace
+from ddpkit.plan.trace import Layout, Step, fake_world, isolated, trace
 
 GPT = {"width": 64, "depth": 2, "heads": 4}
 
@@ -36,14 +38,19 @@ def test_micro_batches_are_the_share_then_powers_of_two_dividing_it():
     assert _micro_batches(1) == [1]
 
 
-@pytest.mark.unit
-def test_fsdp_trace_shards_states_and_counts_its_collectives():
+def _fsdp_and_ddp_traces():
     spec = _spec()
     step = Step(spec.build, spec.batch, 4, "fp32", "adamw")
-    params = sum(p.numel() for p in spec.build().parameters()) * 4
     with fake_world(4):
-        fsdp = trace(step, Layout("fsdp", "dp=4", False, 2), 4)
-        ddp = trace(step, Layout("ddp", "dp=4", False, 4), 4)
+        return trace(step, Layout("fsdp", "dp=4", False, 2), 4), trace(step, Layout("ddp", "dp=4", False, 4), 4)
+
+
+@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
+def test_fsdp_trace_shards_states_and_counts_its_collectives():
+    # the traces run in a process of their own, as the plan's do: a fake world left behind in
+    # this one would change how the suite's later jobs start (see trace.isolated)
+    fsdp, ddp = isolated(_fsdp_and_ddp_traces)
+    params = sum(p.numel() for p in _spec().build().parameters()) * 4
     # AdamW's two moments, on a quarter of the parameters each under fsdp (padding aside)
     assert fsdp.memory["optimizer"] == pytest.approx(2 * params / 4, rel=0.02)
     assert ddp.memory["optimizer"] == pytest.approx(2 * params, rel=0.01)
@@ -55,11 +62,14 @@ def test_fsdp_trace_shards_states_and_counts_its_collectives():
     assert fsdp.flops == pytest.approx(ddp.flops, rel=1e-6)
 
 
-@pytest.mark.unit
+@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
 def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
+    before = choose_start_method("cpu")
     p = plan(_spec(4, checkpointing=(False,)), cluster("h100", 4, 1))
+    # nothing of the fake world is left here: jobs launched from this process start as before
+    assert not torch.distributed.is_initialized() and choose_start_method("cpu") == before
     labels = {q.layout.label for q in p.predictions}
-    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "fsdp+tp 1x4 mb4"}
+    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4"}
     assert p.best is not None and p.best.fits
     assert "--nproc 4" in p.command(p.best)
     # the same traces on a GPU of almost no memory: none fits, and none is recommended
@@ -69,16 +79,19 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     assert "no layout fits" in output.report(replace(p, cluster=tiny, predictions=again))
 
 
-@pytest.mark.unit
-def test_deep_gpt_extrapolated_from_two_and_three_blocks_matches_a_whole_trace():
+def _whole_and_extrapolated():
     from ddpkit.plan import run
 
     spec = Spec("gpt", (32,), 256, 8, "fp32", "adamw", {"width": 64, "depth": 10, "heads": 4})
     step = Step(spec.build, spec.batch, 2, "fp32", "adamw")
     layout = Layout("fsdp", "dp=4", False, 2)
     with fake_world(4):
-        whole = trace(step, layout, 4)
-        guessed = run._traced(spec, step, layout, 4)
+        return trace(step, layout, 4), run._traced(spec, step, layout, 4)
+
+
+@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
+def test_deep_gpt_extrapolated_from_two_and_three_blocks_matches_a_whole_trace():
+    whole, guessed = isolated(_whole_and_extrapolated)
     assert guessed.peak == pytest.approx(whole.peak, rel=0.04)
     assert guessed.flops == pytest.approx(whole.flops, rel=1e-6)
     assert sorted(guessed.ops, key=repr) == sorted(whole.ops, key=repr)

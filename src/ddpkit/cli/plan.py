@@ -20,7 +20,25 @@ def main(argv: Sequence[str]) -> int:
         output.write(p, a.json)
     if a.plot:
         output.plot(p, a.plot)
+    if a.verify:
+        _verify(p, a.verify_nproc)
     return 0
+
+
+def _verify(p: object, nproc: int | None) -> None:
+    """Run the recommended layout (or the smallest, where none fits) here, beside its trace."""
+    import torch
+
+    from ..core import device as devices
+    from ..plan import output, verify
+
+    chosen = p.best or min(p.predictions, key=lambda q: q.trace.peak)
+    cuda = torch.cuda.is_available()
+    n = nproc or (devices.gpu_count() if cuda else 2)
+    case = verify.here(p.spec, chosen.layout, n)
+    guessed, real = verify.compare(case, n, "cuda" if cuda else "cpu")
+    print()
+    print(output.verification(case, n, "cuda" if cuda else "cpu", guessed, real))
 
 
 def _resolve(a: object) -> tuple[object, object]:
@@ -96,4 +114,16 @@ def _parser() -> ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot memory and predicted throughput per layout")
     p.add_argument("--progress", action="store_true", help="a progress bar over the layouts")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="then run the recommended layout here for real (one step tracked, a few timed) and print its "
+        "predicted and measured memory side by side",
+    )
+    p.add_argument(
+        "--verify-nproc",
+        type=int,
+        help="--verify: processes here (default: every GPU, or 2 on CPU); the global "
+        "batch is scaled to their data ranks",
+    )
     return p

@@ -131,3 +131,21 @@ def plot(p: Plan, path: str) -> None:
     for ax in (mem, speed):
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     save_figure(fig, path)
+
+
+def verification(case: Any, nproc: int, device: str, guessed: Any, real: dict[str, Any]) -> str:
+    """Predicted beside measured, role by role, for one layout run here."""
+    spec, layout = case
+    rows = [("", "predicted MiB", "measured MiB")]
+    for role in CATEGORIES:
+        rows.append((role, f"{guessed.memory[role] / 2**20:.2f}", f"{real['memory'][role] / 2**20:.2f}"))
+    rows.append(("peak", f"{guessed.peak / 2**20:.2f}", f"{real['peak'] / 2**20:.2f}"))
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"verified here: {layout.label} of {spec.model}, global batch {spec.global_batch}, on {nproc} {device} "
+        f"process(es) (rank 0; the role of each tensor at the peak moment of each side)",
+        *("  " + r[0].ljust(width) + "  " + r[1].rjust(14) + "  " + r[2].rjust(13) for r in rows),
+        f"  peak: predicted / measured = {guessed.peak / real['peak']:.3f}; a measured step took "
+        f"{real['step_s'] * 1e3:.1f} ms here (the plan's step times are for the cluster, not this machine)",
+    ]
+    return "\n".join(lines)

@@ -16,7 +16,7 @@ from ..core import checks
 from ..errors import UsageError
 from .cluster import Cluster
 from .predict import Prediction, best, layouts, predict
-from .trace import Layout, Step, Trace, fake_world, trace
+from .trace import Layout, Step, Trace, fake_world, isolated, trace
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -90,11 +90,16 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             f"--batch-size {spec.global_batch} does not divide over the {cluster.world_size} GPUs' data ranks "
             "in any layout: give a multiple of the GPU count"
         )
+    parameters, predictions = isolated(_traced_all, spec, cluster, todo, progress)
+    return Plan(spec, cluster, parameters, predictions, time.perf_counter() - start)
+
+
+def _traced_all(spec: Spec, cluster: Cluster, todo: list[Layout], progress: bool) -> tuple[int, list[Prediction]]:
+    """In a process of its own (see `isolated`): the model's size, and each layout's prediction."""
     with fake_world(cluster.world_size):
         parameters, per_sample = _size(spec)
         bar = tqdm(todo, desc="ddpkit plan", unit="layout", disable=not progress, leave=False)
-        predictions = [_fitted(spec, cluster, layout, per_sample) for layout in bar]
-    return Plan(spec, cluster, parameters, predictions, time.perf_counter() - start)
+        return parameters, [_fitted(spec, cluster, layout, per_sample) for layout in bar]
 
 
 def _size(spec: Spec) -> tuple[int, float]:

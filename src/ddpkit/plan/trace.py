@@ -21,14 +21,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.precision import Precision
+from ..core.precision import AutocastModule, Precision
 from ..errors import UsageError
 from ..observe.collectives import Collectives, Op, tensor_bytes
 from ..strategy import REGISTRY, DDPOptions, FSDPOptions
@@ -56,10 +56,14 @@ class Layout:
 
     @property
     def label(self) -> str:
-        names = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp", "tp": "fsdp+tp"}
-        sizes = "x".join(str(size) for _, size in self.spec.sizes)
+        spec = self.spec
+        if self.strategy == "tp" and spec.data_size == 1:
+            name = f"tp {spec.size('tp')}"  # nothing sharded by FSDP2 on one data rank
+        else:
+            kind = "fsdp+tp" if self.strategy == "tp" else self.strategy
+            name = f"{kind} {'x'.join(str(size) for _, size in spec.sizes)}"
         ac = " +ac" if self.checkpointing else ""
-        return f"{names[self.strategy]} {sizes}{ac} mb{self.micro_batch}"
+        return f"{name}{ac} mb{self.micro_batch}"
 
 
 @dataclass
@@ -73,6 +77,8 @@ class Trace:
     flops: float
     computed: list[str] = field(default_factory=list)
 
+
+T = TypeVar("T")
 
 # FSDPMemTracker's and MemTracker's roles, as the plan reports them.
 ROLES = {
@@ -93,6 +99,21 @@ ROLES = {
     "Reduce Scatter": "communication",
 }
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
+
+
+def isolated(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a process of its own (forked where ddpkit's launcher would fork, else
+    spawned), its result or its exception here. A fake world leaves torch.distributed's
+    bookkeeping behind (group names, meshes); a job launched from the same process afterwards
+    failed to resolve its groups (torch 2.13), so no fake world runs in the caller's process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ..launcher.workers import choose_start_method
+
+    context = multiprocessing.get_context(choose_start_method("cpu"))
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
 
 
 @contextlib.contextmanager
@@ -135,6 +156,10 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
         if layout.checkpointing:
             checkpointing.apply(model, True)
     strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
+    if step.precision != "fp32" and (strategy is None or layout.spec.data_size == 1):
+        # bf16/fp16 where FSDP2's policy does not carry it (ddp, tp on one data rank): the
+        # forward under autocast, outputs back in fp32, as the strategies wrap it
+        model = AutocastModule(model, Precision(step.precision, torch.device("cpu")))
     with mode:
         return _step(model, strategy, layout, step)
 
@@ -157,29 +182,33 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
 
-    opt = _optimizer(step.optimizer, model)
+    opt = optimizer(step.optimizer, model)
     micro = max(1, step.share // layout.micro_batch)
-    autocast = _autocast(layout, step.precision)
 
     def one_step(traced: bool) -> None:
+        """One optimizer step: the untraced one counts FLOPs (FlopCounterMode would change what
+        activation checkpointing keeps), the traced one memory and collectives."""
         for last in ([False] if micro > 1 else []) + [True]:
             if traced:
                 tracker.reset_mod_stats()  # per-module figures only: the peak so far stays
-            counter, collectives = FlopCounterMode(display=False), Collectives()
-            with counter, collectives, _no_sync(strategy, model, last), autocast():
+            counter = FlopCounterMode(display=False) if not traced else contextlib.nullcontext()
+            collectives = Collectives()
+            with counter, collectives, _no_sync(strategy, model, last):
                 x, y = step.batch(layout.micro_batch)
-                F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten()).backward()
+                out = model(x)  # alive through the backward, as in `rt.forward_backward`
+                loss(out, y).backward()
+                del out
             times = 1 if last else micro - 1
-            flops.append(counter.get_total_flops() * times)
-            ops.extend(collectives.ops * times)
+            if traced:
+                ops.extend(collectives.ops * times)
+            else:
+                flops.append(counter.get_total_flops() * times)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     flops: list[float] = []
     ops: list[Op] = []
     one_step(traced=False)  # the optimizer's state exists from here on, as in every later step
-    flops.clear()
-    ops.clear()
     if strategy is not None and hasattr(model, "unshard"):
         tracker = FSDPMemTracker(model, opt)
     else:
@@ -191,11 +220,7 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
 
 
 def _result(tracker: Any, model: nn.Module, layout: Layout, flops: float, ops: list[Op]) -> Trace:
-    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    memory = dict.fromkeys(CATEGORIES, 0.0)
-    for role, nbytes in snapshot.items():
-        if role != "Total":
-            memory[ROLES.get(str(getattr(role, "value", role)), "temporary")] += nbytes
+    memory = roles(tracker)
     computed = []
     tp = layout.spec.size("tp")
     if tp > 1:
@@ -209,7 +234,23 @@ def _result(tracker: Any, model: nn.Module, layout: Layout, flops: float, ops: l
     return Trace(memory, float(sum(memory.values())), ops, flops, computed)
 
 
-def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss a plan's step trains on: cross-entropy over every position, in fp32."""
+    return F.cross_entropy(out.flatten(0, -2).float(), y.flatten())
+
+
+def roles(tracker: Any) -> dict[str, float]:
+    """A memory tracker's peak snapshot (its one device's), in bytes by the plan's roles."""
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    memory = dict.fromkeys(CATEGORIES, 0.0)
+    for role, nbytes in snapshot.items():
+        if role != "Total":
+            memory[ROLES.get(str(getattr(role, "value", role)), "temporary")] += nbytes
+    return memory
+
+
+def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a plan counts: AdamW, or SGD with momentum (one value per parameter)."""
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     if name == "sgd":
@@ -222,12 +263,3 @@ def _no_sync(strategy: Any, model: nn.Module, last: bool) -> Any:
     ddpkit's steps do (`Strategy.no_sync`)."""
     make = strategy.no_sync(model) if strategy is not None and not last else None
     return make() if make is not None else contextlib.nullcontext()
-
-
-def _autocast(layout: Layout, precision: str) -> Callable[[], Any]:
-    """bf16/fp16 where FSDP2's policy does not carry it (ddp, and tp on one data rank): autocast,
-    as ddpkit's AutocastModule runs the forward."""
-    if precision == "fp32" or (layout.strategy != "ddp" and layout.spec.data_size > 1):
-        return contextlib.nullcontext
-    dtype = Precision(precision, torch.device("cpu")).dtype
-    return lambda: torch.autocast("cpu", dtype=dtype)

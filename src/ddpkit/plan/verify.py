@@ -1,0 +1,178 @@
+"""`ddpkit plan --verify`: the plan's layouts run for real here, one step each, beside what the
+plan predicted for them on a cluster of this machine's processes.
+
+Measured: each layout runs through ddpkit's `Runtime` on `nproc` processes (gloo on CPU, NCCL on
+GPUs), all layouts one after the other in one job. After a first step (the optimizer's state
+exists from then on, as in the trace), one more step runs under the same torch memory tracker
+the plan uses, on real tensors: `FSDPMemTracker` where FSDP2 shards, else `MemTracker`. DDP's
+gradient buckets are allocated by its C++ reducer, out of the tracker's sight until their first
+all-reduce hands them through a torch operation; two steps are tracked, so that the second
+counts them throughout, and their bytes (DDP's own `bucket_sizes`) are reported as
+communication rather than as the temporaries the tracker took them for. A rank's figure is its own;
+the plan's is rank 0's, the one compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .run import Spec, _traced
+from .trace import Layout, Step, fake_world, isolated, loss, optimizer, roles
+
+# Imports inside functions: the Runtime and the launcher load when a verification runs.
+
+
+Case = tuple[Spec, Layout]  # a job, and the layout it runs in
+
+
+@dataclass(frozen=True)
+class Job:
+    cases: tuple[Case, ...]
+    timed_steps: int = 3
+
+
+def predicted(cases: list[Case], nproc: int) -> list[Any]:
+    """The plan's trace of each case on `nproc` ranks (in a process of its own)."""
+    return isolated(_predicted, cases, nproc)
+
+
+def _predicted(cases: list[Case], nproc: int) -> list[Any]:
+    out = []
+    with fake_world(nproc):
+        for spec, layout in cases:
+            share = spec.share(layout.spec.data_size)
+            assert share is not None, layout
+            out.append(
+                _traced(spec, Step(spec.build, spec.batch, share, spec.precision, spec.optimizer), layout, nproc)
+            )
+    return out
+
+
+def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: int = 3) -> list[dict[str, Any]]:
+    """Each case's real steps on `nproc` processes, one job for all: rank 0's tracked memory by
+    role and peak (bytes), and the median seconds of `timed_steps` steps."""
+    from ..launcher import launch
+
+    ranks = launch(_worker, Job(tuple(cases), timed_steps), nproc=nproc, device=device)
+    return ranks[0]
+
+
+def _worker(job: Job) -> list[dict[str, Any]]:
+    from ..runtime import Runtime
+
+    with Runtime(device="auto") as outer:  # holds the group every layout's Runtime uses
+        rows = [_one(job, spec, layout) for spec, layout in job.cases]
+        outer.barrier()
+        return rows
+
+
+def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ..runtime import Runtime
+
+    with Runtime(
+        layout.strategy,
+        seed=0,
+        mesh=layout.mesh,
+        precision=spec.precision,
+        activation_checkpointing=True if layout.checkpointing else None,
+    ) as rt:
+        model = rt.build(spec.build)
+        model, opt = rt.setup(model, optimizer(spec.optimizer, model))
+        x, y = spec.batch(spec.global_batch * (4 + job.timed_steps))  # one pass: every step's batch
+        data = torch.utils.data.TensorDataset(x, y)
+        loader = rt.loader(data, batch_size=spec.global_batch, micro_batch_size=layout.micro_batch)
+        batches = iter(loader)
+
+        tracker: Any = None
+
+        def step() -> None:
+            while True:
+                x, y = next(batches)
+                if tracker is not None:
+                    tracker.reset_mod_stats()  # per-module figures only (one forward each): the peak stays
+                rt.forward_backward(model, x, y, loss)
+                if rt.step_ready:
+                    break
+            rt.step(opt)
+            opt.zero_grad(set_to_none=True)
+
+        step()  # the optimizer's state exists from here on
+        step()  # DDP rebuilds its buckets at the start of the second step: tracked steps see none made
+        if hasattr(model, "unshard"):
+            tracker = FSDPMemTracker(model, opt)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
+        with tracker:
+            step()  # DDP's buckets come into view at their first all-reduce here...
+            step()  # ...and are counted all through this one
+        memory, tracker = roles(tracker), None
+        buckets = min(_ddp_buckets(model), memory["temporary"])
+        memory["temporary"] -= buckets  # the tracker saw DDP's buckets as temporaries
+        memory["communication"] += buckets
+        seconds = []
+        for _ in range(job.timed_steps):
+            t0 = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - t0)
+        return {
+            "layout": layout.label,
+            "memory": memory,
+            "peak": sum(memory.values()),
+            "step_s": statistics.median(seconds),
+        }
+
+
+def _ddp_buckets(model: torch.nn.Module) -> float:
+    """The bytes of DDP's gradient buckets, as DDP reports them (0 for any other model)."""
+    logging = getattr(model, "_get_ddp_logging_data", None)
+    if logging is None:
+        return 0.0
+    sizes = logging().get("bucket_sizes", "")
+    return float(sum(int(s) for s in str(sizes).split(",") if s.strip()))
+
+
+def here(spec: Spec, layout: Layout, nproc: int) -> Case:
+    """`layout` of `spec` brought to `nproc` processes on this machine: the same strategy over
+    them (hsdp as 2 replicas where nproc is even and at least 4, else fsdp; tp over at most
+    nproc ranks), the same micro-batch and micro-batches per step, so the global batch is
+    scaled to the data ranks here."""
+    from ..strategy.mesh import MeshSpec
+
+    strategy, tp = layout.strategy, layout.spec.size("tp")
+    if strategy == "hsdp" and (nproc < 4 or nproc % 2):
+        strategy = "fsdp"
+    if strategy == "tp":
+        tp = min(tp, nproc)
+        while nproc % tp:
+            tp //= 2
+        mesh = f"dp={nproc // tp},tp={tp}"
+    elif strategy == "hsdp":
+        mesh = f"replicate=2,dp={nproc // 2}"
+    else:
+        mesh = f"dp={nproc}"
+    share = spec.share(layout.spec.data_size) or layout.micro_batch
+    scaled = Spec(
+        spec.model,
+        spec.in_shape,
+        spec.num_classes,
+        share * MeshSpec.parse(mesh).data_size,
+        spec.precision,
+        spec.optimizer,
+        spec.options,
+        spec.checkpointing,
+    )
+    return scaled, Layout(strategy, mesh, layout.checkpointing, layout.micro_batch)
+
+
+def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
+    """The case's trace and its real run here (`nproc` processes on `device`)."""
+    return predicted([case], nproc)[0], measured([case], nproc, device)[0]

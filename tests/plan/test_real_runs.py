@@ -1,0 +1,64 @@
+"""The plan's memory against real runs (issue 30's goal 1): each layout's per-rank peak as
+traced on fake tensors, against the same tracker's peak over a real step of ddpkit's Runtime on
+1, 2 and 4 gloo processes, for gpt and a CNN. One job per process count runs all its cases.
+
+Within 1% here, except three cases whose measured gap is stated beside them and asserted at a
+bound of its own, so that a change is seen: tensor parallel with activation checkpointing, and
+the CNN under fsdp and hsdp, where the real run's peak holds temporaries (in the all-gather and
+temporary roles) that the trace's peak does not. The cause is not found yet; the goal of 5% is
+not met there (docs/plan.md).
+"""
+
+import pytest
+
+from ddpkit.plan.run import Spec
+from ddpkit.plan.trace import Layout
+from ddpkit.plan.verify import measured, predicted
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _gpt(precision):
+    return Spec("gpt", (64,), 256, 8, precision, "adamw", {"width": 64, "depth": 2, "heads": 4})
+
+
+def _cnn(precision):
+    return Spec("cnn", (3, 16, 16), 10, 8, precision, "adamw", {})
+
+
+CASES = {
+    1: [
+        (_gpt("fp32"), Layout("ddp", "dp=1", True, 4), 0.01),
+        (_cnn("fp32"), Layout("ddp", "dp=1", False, 8), 0.01),
+    ],
+    2: [
+        (_gpt("fp32"), Layout("ddp", "dp=2", True, 2), 0.01),  # two micro-batches of 2
+        (_gpt("fp32"), Layout("fsdp", "dp=2", False, 4), 0.01),
+        (_gpt("fp32"), Layout("tp", "dp=1,tp=2", False, 8), 0.01),
+        (_cnn("fp32"), Layout("fsdp", "dp=2", True, 2), 0.01),
+    ],
+    4: [
+        (_gpt("bf16"), Layout("ddp", "dp=4", False, 2), 0.01),
+        (_gpt("bf16"), Layout("fsdp", "dp=4", True, 1), 0.01),
+        (_gpt("bf16"), Layout("hsdp", "replicate=2,dp=2", False, 2), 0.01),
+        (_gpt("bf16"), Layout("tp", "dp=2,tp=2", False, 2), 0.01),
+        (_gpt("bf16"), Layout("tp", "dp=1,tp=4", False, 4), 0.01),
+        # below: the real peak holds temporaries the trace lacks, not explained yet
+        (_gpt("fp32"), Layout("tp", "dp=2,tp=2", True, 1), 0.12),  # 8% at these sizes
+        (_cnn("fp32"), Layout("hsdp", "replicate=2,dp=2", False, 2), 0.12),  # 9.5% (0.1% at 32x32)
+        (_cnn("bf16"), Layout("fsdp", "dp=4", False, 2), 0.25),  # 21% (11% at 32x32)
+    ],
+}
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_predicted_peak_memory_matches_a_real_run(nproc):
+    cases = [(spec, layout) for spec, layout, _ in CASES[nproc]]
+    guessed = predicted(cases, nproc)
+    real = measured(cases, nproc, timed_steps=1)
+    for (spec, layout, bound), g, r in zip(CASES[nproc], guessed, real):
+        name = f"{spec.model} {spec.precision} {layout.label}"
+        assert r["layout"] == layout.label
+        assert abs(g.peak / r["peak"] - 1) <= bound, (name, g.memory, r["memory"])
+        # what does not depend on the moment of the peak: the optimizer's state
+        assert g.memory["optimizer"] == pytest.approx(r["memory"]["optimizer"], rel=0.01), name
