@@ -84,17 +84,22 @@ def _whole_and_extrapolated():
 
     spec = Spec("gpt", (32,), 256, 8, "fp32", "adamw", {"width": 64, "depth": 10, "heads": 4})
     step = Step(spec.build, spec.batch, 2, "fp32", "adamw")
-    layout = Layout("fsdp", "dp=4", False, 2)
+    out = []
     with fake_world(4):
-        return trace(step, layout, 4), run._traced(spec, step, layout, 4)
+        for layout in (Layout("fsdp", "dp=4", False, 2), Layout("ddp", "dp=4", False, 2)):
+            out.append((trace(step, layout, 4), run._traced(spec, step, layout, 4)))
+    return out
 
 
 @pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
 def test_deep_gpt_extrapolated_from_two_and_three_blocks_matches_a_whole_trace():
-    whole, guessed = isolated(_whole_and_extrapolated)
-    assert guessed.peak == pytest.approx(whole.peak, rel=0.04)
-    assert guessed.flops == pytest.approx(whole.flops, rel=1e-6)
-    assert sorted(guessed.ops, key=repr) == sorted(whole.ops, key=repr)
+    for whole, guessed in isolated(_whole_and_extrapolated):
+        assert guessed.peak == pytest.approx(whole.peak, rel=0.04)
+        assert guessed.flops == pytest.approx(whole.flops, rel=1e-6)
+        # as many collectives, moving as many bytes (per block under fsdp; DDP's one all-reduce
+        # of every gradient grows with the model instead)
+        assert len(guessed.ops) == len(whole.ops)
+        assert sum(op.bytes for op in guessed.ops) == pytest.approx(sum(op.bytes for op in whole.ops), rel=1e-3)
 
 
 @pytest.mark.cli

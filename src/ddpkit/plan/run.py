@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,6 +13,7 @@ from tqdm import tqdm
 from .. import models
 from ..core import checks
 from ..errors import UsageError
+from ..observe.collectives import Op
 from .cluster import Cluster
 from .predict import Prediction, best, layouts, predict
 from .trace import Layout, Step, Trace, fake_world, isolated, trace
@@ -157,11 +157,23 @@ def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:
     one, two = (trace(replace(step, build=spec.builder(depth=d)), layout, world_size) for d in (2, 3))
     n = depth - 2
     memory = {k: one.memory[k] + n * (two.memory[k] - one.memory[k]) for k in one.memory}
-    per_block = Counter(two.ops) - Counter(one.ops)
-    ops = list((Counter(one.ops) + Counter({op: count * n for op, count in per_block.items()})).elements())
+    ops = _extrapolated_ops(one.ops, two.ops, n)
     computed = [*one.computed, f"gpt: traced at 2 and 3 blocks, extrapolated to {depth}"]
     peak = one.peak + n * (two.peak - one.peak)
     return Trace(memory, peak, ops, one.flops + n * (two.flops - one.flops), computed)
+
+
+def _extrapolated_ops(one: list[Op], two: list[Op], n: int) -> list[Op]:
+    """The collectives at `n` more blocks than `one`'s: per kind and group, the calls and the
+    bytes grow by `two`'s excess over `one` for each block (a whole-model collective, DDP's
+    all-reduce, grows in bytes; a per-block one in calls), as calls of equal size."""
+    out = []
+    for key in dict.fromkeys((op.kind, op.ranks) for op in [*one, *two]):
+        c1, c2 = (sum(1 for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
+        b1, b2 = (sum(op.bytes for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
+        calls, size = c1 + n * (c2 - c1), b1 + n * (b2 - b1)
+        out += [Op(key[0], size // calls, key[1])] * calls if calls > 0 else []
+    return out
 
 
 def _micro_batches(share: int) -> list[int]:
