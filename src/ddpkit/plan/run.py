@@ -14,9 +14,9 @@ from .. import models
 from ..core import checks
 from ..errors import UsageError
 from ..observe.collectives import Op
-from .cluster import Cluster
+from .cluster import GIB, Cluster
 from .predict import Prediction, best, layouts, predict
-from .trace import Layout, Step, Trace, fake_world, isolated, trace
+from .trace import Layout, Step, Trace, flops, in_fake_worlds, trace
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -90,55 +90,65 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             f"--batch-size {spec.global_batch} does not divide over the {cluster.world_size} GPUs' data ranks "
             "in any layout: give a multiple of the GPU count"
         )
-    parameters, predictions = isolated(_traced_all, spec, cluster, todo, progress)
+    tqdm.monitor_interval = 0  # no monitor thread: the traces' processes are forked where it is safe
+    bar = tqdm(total=len(todo) + 1, desc="ddpkit plan", unit="trace", disable=not progress, leave=False)
+    with bar:
+        calls: list[tuple[Any, tuple[Any, ...]]] = [(_size, (spec,))]
+        calls += [(_traced_fits, (spec, cluster, layout)) for layout in todo]
+        (parameters, per_sample), *fitted = in_fake_worlds(cluster.world_size, calls, bar)
+    predictions = [_predicted(spec, cluster, traced, per_sample) for traced in fitted]
     return Plan(spec, cluster, parameters, predictions, time.perf_counter() - start)
 
 
-def _traced_all(spec: Spec, cluster: Cluster, todo: list[Layout], progress: bool) -> tuple[int, list[Prediction]]:
-    """In a process of its own (see `isolated`): the model's size, and each layout's prediction."""
-    with fake_world(cluster.world_size):
-        parameters, per_sample = _size(spec)
-        bar = tqdm(todo, desc="ddpkit plan", unit="layout", disable=not progress, leave=False)
-        return parameters, [_fitted(spec, cluster, layout, per_sample) for layout in bar]
-
-
-def _size(spec: Spec) -> tuple[int, float]:
-    """The model's parameters, and its training FLOPs per sample (forward and backward, no
-    recomputation), counted on fake tensors."""
+def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
+    """The model's parameters (built on fake tensors: nothing allocated) and its training
+    FLOPs per sample, without and with activation checkpointing (a deep gpt's extrapolated
+    from 2 and 3 blocks, as its traces are)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = spec.build()
-        x, y = spec.batch(1)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            torch.nn.functional.cross_entropy(model(x).flatten(0, -2).float(), y.flatten()).backward()
-        return sum(p.numel() for p in model.parameters()), float(counter.get_total_flops())
+        parameters = sum(p.numel() for p in spec.build().parameters())
+    depth = _depth(spec)
+    per_sample = {}
+    for ac in (False, True):
+        if depth <= EXTRAPOLATE_FROM:
+            per_sample[ac] = flops(spec.build, spec.batch, ac)
+        else:
+            two, three = (flops(spec.builder(depth=d), spec.batch, ac) for d in (2, 3))
+            per_sample[ac] = two + (depth - 2) * (three - two)
+    return parameters, per_sample
 
 
-def _fitted(spec: Spec, cluster: Cluster, layout: Layout, per_sample: float) -> Prediction:
-    """`layout`'s prediction at the largest micro-batch that fits (the smallest if none does)."""
+def _depth(spec: Spec) -> int:
+    return spec.options.get("depth", models.GPT_DEPTH) if spec.language else 0
+
+
+def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
+    """In a fake world: `layout`'s trace at the largest micro-batch that fits (the smallest if
+    none does)."""
     share = spec.share(layout.spec.data_size)
     assert share is not None
     step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer)
-    seq = spec.in_shape[0] if spec.language else None
-    prediction = None
     for micro in _micro_batches(share):
         sized = replace(layout, micro_batch=micro)
-        prediction = predict(
-            _traced(spec, step, sized, cluster.world_size),
-            sized,
-            cluster,
-            spec.precision,
-            spec.global_batch,
-            seq,
-            per_sample * spec.global_batch,
-        )
-        if prediction.fits:
+        traced = _traced(spec, step, sized, cluster.world_size)
+        if traced.peak <= cluster.gpu.memory_gib * GIB:
             break
-    assert prediction is not None
-    return prediction
+    return sized, traced
+
+
+def _predicted(spec: Spec, cluster: Cluster, fitted: tuple[Layout, Trace], per_sample: dict[bool, float]) -> Prediction:
+    """A traced layout's prediction, with the FLOPs of its rank's share of the step."""
+    layout, traced = fitted
+    share = spec.share(layout.spec.data_size)
+    assert share is not None
+    tp = layout.spec.size("tp")
+    traced.flops = per_sample[layout.checkpointing] * share / tp
+    if tp > 1:
+        traced.computed.append("flops: a tensor-parallel rank's share is the whole model's over tp")
+    seq = spec.in_shape[0] if spec.language else None
+    model_flops = per_sample[False] * spec.global_batch
+    return predict(traced, layout, cluster, spec.precision, spec.global_batch, seq, model_flops)
 
 
 # gpt deeper than this is traced at 2 and 3 blocks and extrapolated (a whole trace's time grows
@@ -151,7 +161,7 @@ def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:
     """`trace`, of gpt at one and two blocks extrapolated to its depth where it has more: every
     block adds the same parameters, states, activations, FLOPs and collectives (the test
     suite checks the extrapolation against a whole trace)."""
-    depth = spec.options.get("depth", models.GPT_DEPTH) if spec.language else 0
+    depth = _depth(spec)
     if depth <= EXTRAPOLATE_FROM:
         return trace(step, layout, world_size)
     one, two = (trace(replace(step, build=spec.builder(depth=d)), layout, world_size) for d in (2, 3))
@@ -160,7 +170,7 @@ def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:
     ops = _extrapolated_ops(one.ops, two.ops, n)
     computed = [*one.computed, f"gpt: traced at 2 and 3 blocks, extrapolated to {depth}"]
     peak = one.peak + n * (two.peak - one.peak)
-    return Trace(memory, peak, ops, one.flops + n * (two.flops - one.flops), computed)
+    return Trace(memory, peak, ops, 0.0, computed)
 
 
 def _extrapolated_ops(one: list[Op], two: list[Op], n: int) -> list[Op]:

@@ -19,7 +19,9 @@ Where they fall short, the arithmetic is ddpkit's and the result says so (`compu
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -69,7 +71,7 @@ class Layout:
 @dataclass
 class Trace:
     """What one rank holds at its peak (bytes, by role), the collectives of one optimizer step
-    (`Op`s), and the step's FLOPs on that rank."""
+    (`Op`s), and the step's FLOPs on that rank (0 from `trace`: the plan adds them, see `flops`)."""
 
     memory: dict[str, float]
     peak: float
@@ -101,34 +103,46 @@ ROLES = {
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
 
 
-def isolated(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a process of its own (forked where ddpkit's launcher would fork, else
-    spawned), its result or its exception here. A fake world leaves torch.distributed's
-    bookkeeping behind (group names, meshes); a job launched from the same process afterwards
-    failed to resolve its groups (torch 2.13), so no fake world runs in the caller's process."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from ..launcher.workers import choose_start_method
-
-    context = multiprocessing.get_context(choose_start_method("cpu"))
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(fn, *args).result()
+def in_fake_worlds(
+    world_size: int, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]], progress: Any = None
+) -> list[Any]:
+    """Each of `calls` ((fn, args)) run on rank 0 of a fake world of `world_size` ranks, in
+    processes of their own, one per core; their results in order (`progress.update()` as each
+    ends). A fake world leaves torch.distributed's bookkeeping behind (group names, meshes): a
+    job launched afterwards from the same process failed to resolve its groups (torch 2.13),
+    so none runs in the caller's process."""
+    with _pool(min(len(calls), os.cpu_count() or 1), world_size) as pool:
+        futures = [pool.submit(fn, *args) for fn, args in calls]
+        for _ in as_completed(futures):
+            if progress is not None:
+                progress.update()
+        return [f.result() for f in futures]
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A process group of `world_size` ranks, this process rank 0, whose collectives do nothing
-    (torch's `fake` backend); gone again afterwards."""
+def _pool(workers: int, world_size: int) -> Iterator[ProcessPoolExecutor]:
+    """Processes forked where ddpkit's launcher would fork (else spawned, with `__main__`
+    hidden as the launcher hides it), each in a fake world of `world_size` ranks."""
+    import multiprocessing
+
+    from ..launcher.workers import choose_start_method, main_hidden
+
+    method = choose_start_method("cpu")
+    context = multiprocessing.get_context(method)
+    with main_hidden() if method == "spawn" else contextlib.nullcontext():
+        with ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_join_fake_world, initargs=(world_size,)
+        ) as pool:
+            yield pool
+
+
+def _join_fake_world(world_size: int) -> None:
+    """A pool process's fake world, for its life."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
+    if dist.is_initialized():  # a spawned pool process starts without; a forked one must too
         raise UsageError("ddpkit plan runs outside a process group: call it before Runtime() or after close()")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -141,11 +155,12 @@ class Step:
     share: int
     precision: str = "fp32"
     optimizer: str = "adamw"
+    foreach: bool = True  # the optimizer's multi-tensor step, as on CUDA GPUs (see `optimizer`)
 
 
 def trace(step: Step, layout: Layout, world_size: int) -> Trace:
     """Trace one optimizer step of `layout` on rank 0 of a fake world of `world_size` ranks
-    (inside `fake_world`)."""
+    (in a process of `in_fake_worlds`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec = layout.spec
@@ -154,7 +169,7 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
     with mode:
         model = step.build()
         if layout.checkpointing:
-            checkpointing.apply(model, True)
+            checkpointing_apply(model)
     strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
     if step.precision != "fp32" and (strategy is None or layout.spec.data_size == 1):
         # bf16/fp16 where FSDP2's policy does not carry it (ddp, tp on one data rank): the
@@ -162,6 +177,11 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
         model = AutocastModule(model, Precision(step.precision, torch.device("cpu")))
     with mode:
         return _step(model, strategy, layout, step)
+
+
+def checkpointing_apply(model: nn.Module) -> None:
+    """Activation checkpointing as `Runtime(activation_checkpointing=True)` applies it."""
+    checkpointing.apply(model, True)
 
 
 def _split(model: nn.Module, layout: Layout, precision: str) -> Any:
@@ -180,58 +200,65 @@ def _split(model: nn.Module, layout: Layout, precision: str) -> Any:
 def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
 
-    opt = optimizer(step.optimizer, model)
-    micro = max(1, step.share // layout.micro_batch)
-
-    def one_step(traced: bool) -> None:
-        """One optimizer step: the untraced one counts FLOPs (FlopCounterMode would change what
-        activation checkpointing keeps), the traced one memory and collectives."""
-        for last in ([False] if micro > 1 else []) + [True]:
-            if traced:
-                tracker.reset_mod_stats()  # per-module figures only: the peak so far stays
-            counter = FlopCounterMode(display=False) if not traced else contextlib.nullcontext()
-            collectives = Collectives()
-            with counter, collectives, _no_sync(strategy, model, last):
-                x, y = step.batch(layout.micro_batch)
-                out = model(x)  # alive through the backward, as in `rt.forward_backward`
-                loss(out, y).backward()
-                del out
-            times = 1 if last else micro - 1
-            if traced:
-                ops.extend(collectives.ops * times)
-            else:
-                flops.append(counter.get_total_flops() * times)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    flops: list[float] = []
-    ops: list[Op] = []
-    one_step(traced=False)  # the optimizer's state exists from here on, as in every later step
+    opt = optimizer(step.optimizer, model, step.foreach)
+    _make_state(model, opt)  # as after a first step: every later step runs with it
     if strategy is not None and hasattr(model, "unshard"):
         tracker = FSDPMemTracker(model, opt)
     else:
         tracker = MemTracker()
         tracker.track_external(model, opt)
+    micro = max(1, step.share // layout.micro_batch)
+    ops: list[Op] = []
     with tracker:
-        one_step(traced=True)
-    return _result(tracker, model, layout, sum(flops), ops)
+        for last in ([False] if micro > 1 else []) + [True]:
+            tracker.reset_mod_stats()  # per-module figures only: the peak so far stays
+            with Collectives() as collectives, _no_sync(strategy, model, last):
+                x, y = step.batch(layout.micro_batch)
+                out = model(x)  # alive through the backward, as in `rt.forward_backward`
+                loss(out, y).backward()
+                del out
+            ops.extend(collectives.ops * (1 if last else micro - 1))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _result(tracker, model, layout, ops)
 
 
-def _result(tracker: Any, model: nn.Module, layout: Layout, flops: float, ops: list[Op]) -> Trace:
+def _make_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The optimizer's state, made by one step on zero gradients (no forward needed)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool) -> float:
+    """The FLOPs of one sample's forward and backward (with recomputation under activation
+    checkpointing) on the whole model, counted on fake tensors. Kept apart from the traced
+    step: FlopCounterMode around it changed what checkpointing keeps (torch 2.13)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build()
+        if checkpointing:
+            checkpointing_apply(model)
+        x, y = batch(1)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss(model(x), y).backward()
+        return float(counter.get_total_flops())
+
+
+def _result(tracker: Any, model: nn.Module, layout: Layout, ops: list[Op]) -> Trace:
     memory = roles(tracker)
     computed = []
-    tp = layout.spec.size("tp")
-    if tp > 1:
-        flops /= tp
-        computed.append("flops: a tensor-parallel rank's share is the whole layer's count over tp")
     if layout.strategy == "ddp" and layout.spec.processes > 1:
         grads = tensor_bytes(p for p in model.parameters())  # fp32 gradients, one per parameter
         memory["communication"] += grads
         ops = ops + [Op("all_reduce", grads, tuple(range(layout.spec.processes)))]
         computed.append("ddp: its gradient buckets (one more copy of the gradients) and one all-reduce of them")
-    return Trace(memory, float(sum(memory.values())), ops, flops, computed)
+    return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
 
 
 def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -249,12 +276,18 @@ def roles(tracker: Any) -> dict[str, float]:
     return memory
 
 
-def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer a plan counts: AdamW, or SGD with momentum (one value per parameter)."""
+def optimizer(name: str, model: nn.Module, foreach: bool) -> torch.optim.Optimizer:
+    """The optimizer a plan counts: AdamW, or SGD with momentum (one value per parameter);
+    `foreach` as torch chooses by itself where it runs (on CUDA GPUs: the multi-tensor step,
+    whose temporaries hold a whole state at once; on CPU: one tensor at a time). A model whose
+    parameters mix DTensors and plain tensors (tp on one data rank leaves its norms whole)
+    steps one tensor at a time: the multi-tensor kernels refuse the mix."""
+    params = list(model.parameters())
+    foreach = foreach and len({type(p.data) for p in params}) <= 1
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=False)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
     raise UsageError(f"--optimizer {name!r}: choose adamw or sgd")
 
 

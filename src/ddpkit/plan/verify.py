@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .run import Spec, _traced
-from .trace import Layout, Step, fake_world, isolated, loss, optimizer, roles
+from .trace import Layout, Step, in_fake_worlds, loss, optimizer, roles
 
 # Imports inside functions: the Runtime and the launcher load when a verification runs.
 
@@ -37,20 +37,17 @@ class Job:
 
 
 def predicted(cases: list[Case], nproc: int) -> list[Any]:
-    """The plan's trace of each case on `nproc` ranks (in a process of its own)."""
-    return isolated(_predicted, cases, nproc)
+    """The plan's trace of each case on `nproc` ranks, with the optimizer torch picks on CPU
+    (one tensor at a time), as the real runs here have it."""
+    return in_fake_worlds(nproc, [(_traced_case, (spec, layout, nproc)) for spec, layout in cases])
 
 
-def _predicted(cases: list[Case], nproc: int) -> list[Any]:
-    out = []
-    with fake_world(nproc):
-        for spec, layout in cases:
-            share = spec.share(layout.spec.data_size)
-            assert share is not None, layout
-            out.append(
-                _traced(spec, Step(spec.build, spec.batch, share, spec.precision, spec.optimizer), layout, nproc)
-            )
-    return out
+def _traced_case(spec: Spec, layout: Layout, nproc: int) -> Any:
+    share = spec.share(layout.spec.data_size)
+    assert share is not None, layout
+    return _traced(
+        spec, Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False), layout, nproc
+    )
 
 
 def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: int = 3) -> list[dict[str, Any]]:
@@ -85,7 +82,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
         activation_checkpointing=True if layout.checkpointing else None,
     ) as rt:
         model = rt.build(spec.build)
-        model, opt = rt.setup(model, optimizer(spec.optimizer, model))
+        model, opt = rt.setup(model, optimizer(spec.optimizer, model, foreach=rt.device.type == "cuda"))
         x, y = spec.batch(spec.global_batch * (4 + job.timed_steps))  # one pass: every step's batch
         data = torch.utils.data.TensorDataset(x, y)
         loader = rt.loader(data, batch_size=spec.global_batch, micro_batch_size=layout.micro_batch)
