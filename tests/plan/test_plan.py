@@ -11,7 +11,7 @@ from ddpkit.launcher.workers import choose_start_method
 from ddpkit.observe.collectives import Op
 from ddpkit.plan import Spec, cluster, output, plan
 from ddpkit.plan.predict import best, op_seconds, predict
-from ddpkit.plan.run import _micro_batches
+from ddpkit.plan.run import _micro_batches, command
 from ddpkit.plan.trace import Layout, Step, flops, in_fake_worlds, trace
 
 GPT = {"width": 64, "depth": 2, "heads": 4}
@@ -48,6 +48,33 @@ def test_flops_per_sample_are_forward_and_backward_and_what_checkpointing_recomp
     gpt = _spec()
     plain, checkpointed = flops(gpt.build, gpt.batch, False), flops(gpt.build, gpt.batch, True)
     assert plain < checkpointed <= plain * 4 / 3
+
+
+@pytest.mark.unit
+def test_train_command_reproduces_the_planned_job():
+    c = cluster("h100", 4, 2)
+    gpt = command(_spec(), c, Layout("tp", "dp=4,tp=2", True, 1))
+    assert "--data text --seq-len 32 --gpt-width 64 --gpt-depth 2 --gpt-heads 4" in gpt
+    assert "--nproc 4 --nnodes 2" in gpt and "--mesh dp=4,tp=2" in gpt and "--micro-batch-size 1" in gpt
+    assert "--activation-checkpointing true" in gpt
+    mnist = Spec("cnn", (1, 28, 28), 10, 8, "fp32", "sgd", data="mnist")
+    assert "--model cnn --data mnist " in command(mnist, c, Layout("ddp", "dp=8", False, 1))
+    own = Spec("cnn", (3, 16, 16), 7, 8, "fp32", "sgd", data="synthetic")
+    assert "--data synthetic --synthetic-shape 3,16,16 --num-classes 7" in command(
+        own, c, Layout("ddp", "dp=8", False, 1)
+    )
+
+
+@pytest.mark.unit
+def test_on_a_tie_the_layout_without_checkpointing_is_recommended():
+    from ddpkit.plan.predict import Prediction
+    from ddpkit.plan.trace import Trace
+
+    def row(ac, peak):
+        trace = Trace(dict.fromkeys(("activations",), 0.0), peak, [], 0.0)
+        return Prediction(Layout("ddp", "dp=4", ac, 1), trace, 1.0, 0.0, 0.0, 1.0, 1.0, None, 0.5, True)
+
+    assert best([row(True, 1.0), row(False, 2.0)]).layout.checkpointing is False
 
 
 @pytest.mark.unit
@@ -90,7 +117,7 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     assert "--nproc 4" in p.command(p.best)
     # the same traces on a GPU of almost no memory: none fits, and none is recommended
     tiny = cluster("h100", 4, 1, memory_gib=1e-4)
-    again = [predict(q.trace, q.layout, tiny, "fp32", 4, 32, 1.0) for q in p.predictions]
+    again = [predict(q.trace, q.layout, tiny, 1e14, 4, 32, 1.0) for q in p.predictions]
     assert not any(q.fits for q in again) and best(again) is None
     assert "no layout fits" in output.report(replace(p, cluster=tiny, predictions=again))
 
@@ -150,19 +177,40 @@ def test_cli_prints_table_and_command_and_writes_json_and_plot(tmp_path, cli):
     assert png.stat().st_size > 10_000
 
 
+# A model of one's own whose constructor raises, for the bad-input table.
+BROKEN_MODEL = """
+def raises(in_shape, num_classes):
+    raise RuntimeError("boom")
+"""
+
+BAD = [
+    (["--gpu", "b300"], "--gpu 'b300'"),
+    (["--batch-size", "3", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
+    (["--gpt-width", "30", "--gpt-heads", "4"], "multiple of --gpt-heads"),
+    (["--efficiency", "2"], "--efficiency"),
+    (["--efficiency", "0"], "--efficiency"),
+    (["--peak-tflops", "1e300"], "--peak-tflops"),
+    (["--inter-gbps", "0"], "--inter-gbps"),
+    (["--model", "cnn", "--data", "text"], "--data text"),
+    (["--model", "cnn", "--data", "synthetic", "--num-classes", "1"], "--num-classes"),
+    (["--nodes", "0"], "--nodes"),
+    (["--plot", "plan.svg"], "--plot"),
+    (["--json", "."], "is a directory"),
+    (["--json", ""], "--json"),
+    (["--json", "same.png", "--plot", "same.png"], "same file"),
+    (["--verify-nproc", "2"], "--verify-nproc goes with --verify"),
+    (["--verify", "--verify-nproc", "0"], "--verify-nproc"),
+    (["--model", "broken_model:raises", "--data", "cifar10"], "boom"),
+]
+
+
 @pytest.mark.cli
-@pytest.mark.parametrize(
-    "flags, says",
-    [
-        (["--gpu", "b300"], "--gpu 'b300'"),
-        (["--batch-size", "3", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
-        (["--gpt-width", "30", "--gpt-heads", "4"], "multiple of --gpt-heads"),
-        (["--efficiency", "2"], "--efficiency"),
-        (["--model", "cnn", "--data", "text"], "--data text"),
-        (["--nodes", "0"], "--nodes"),
-    ],
-)
-def test_cli_bad_input_is_one_line_and_exit_2(cli, flags, says):
-    proc = cli("plan", *flags)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_plan(tmp_path):
+    from tests.cli.argv_runner import run_batch
+
+    (tmp_path / "broken_model.py").write_text(BROKEN_MODEL)
+    results = run_batch([{"argv": ["plan", *flags], "cwd": str(tmp_path)} for flags, _ in BAD], path=str(tmp_path))
+    for (flags, says), r in zip(BAD, results):
+        assert r["code"] == 2, (flags, r["stderr"][-2000:])
+        assert says in r["stderr"] and len(r["stderr"].strip().splitlines()) == 1, (flags, r["stderr"])
+        assert r["seconds"] < 20, flags  # refused before anything is traced

@@ -16,9 +16,9 @@ def main(argv: Sequence[str]) -> int:
     spec, cluster = _resolve(a)
     p = plan(spec, cluster, progress=a.progress)
     print(output.report(p))
-    if a.json:
+    if a.json is not None:
         output.write(p, a.json)
-    if a.plot:
+    if a.plot is not None:
         output.plot(p, a.plot)
     if a.verify:
         _verify(p, a.verify_nproc)
@@ -38,6 +38,7 @@ def _verify(p: object, nproc: int | None) -> None:
     case = verify.here(p.spec, chosen.layout, n)
     guessed, real = verify.compare(case, n, "cuda" if cuda else "cpu")
     print()
+    print(f"recommended: {chosen.layout.label}; here on {n} process(es) it runs as {case[1].label}")
     print(output.verification(case, n, "cuda" if cuda else "cpu", guessed, real))
 
 
@@ -66,9 +67,11 @@ def _resolve(a: object) -> tuple[object, object]:
     ac = {"both": (False, True), "on": (True,), "off": (False,)}[
         checks.choice("--activation-checkpointing", a.activation_checkpointing, ("both", "on", "off"))
     ]
-    spec = Spec(a.model, in_shape, classes, a.batch_size, a.precision, a.optimizer, options, ac)
-    if not models.is_custom(a.model):
-        models.check(a.model, in_shape, classes)
+    if name == "synthetic" and classes < 2:
+        raise UsageError(f"--num-classes must be at least 2 (a classifier of one class learns nothing), got {classes}")
+    spec = Spec(a.model, in_shape, classes, a.batch_size, a.precision, a.optimizer, options, ac, data=name)
+    models.check(a.model, in_shape, classes)  # a model of one's own too: built and run once, as train does
+    _check_outputs(a)
     c = cluster(
         a.gpu,
         checks.positive("--gpus-per-node", a.gpus_per_node),
@@ -80,6 +83,26 @@ def _resolve(a: object) -> tuple[object, object]:
         inter_gbps=a.inter_gbps,
     )
     return spec, c
+
+
+def _check_outputs(a: object) -> None:
+    """Where the plan is written, checked before it is made: a bad path costs nothing."""
+    from ..core import checks
+    from ..errors import UsageError
+
+    if a.plot is not None and not a.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {a.plot!r}: expected a .png file name")
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):
+        if path is not None:
+            if not path.strip():
+                raise UsageError(f"{flag}: give a file name")
+            checks.output_file(flag, path)
+    if a.json is not None and a.plot is not None and a.json == a.plot:
+        raise UsageError(f"--json and --plot name the same file ({a.json})")
+    if a.verify_nproc is not None:
+        if not a.verify:
+            raise UsageError("--verify-nproc goes with --verify")
+        checks.positive("--verify-nproc", a.verify_nproc)
 
 
 def _parser() -> ArgumentParser:

@@ -31,18 +31,22 @@ class Gpu:
     inter_latency_us: float = 10.0
 
 
-def _peaks(key: str) -> dict[str, float]:
-    return dict(next(table for name, table in PEAK_TFLOPS if name == key))
+def _peaks(key: str, fp32: float) -> dict[str, float]:
+    """ddpkit's MFU table (whose fp32 is TF32's peak: cuDNN runs fp32 convolutions as TF32 by
+    default), and `fp32` without TF32: torch's matrix products in fp32 do not use it unless
+    asked (`torch.backends.cuda.matmul.allow_tf32`), and ddpkit does not ask."""
+    table = dict(next(table for name, table in PEAK_TFLOPS if name == key))
+    return {**table, "tf32": table["fp32"], "fp32": fp32}
 
 
 # Memory: H100 SXM 80 GB and A100 80 GB report about 79.2 GiB to torch, H200 139.8, A100 40 GB
 # 39.4. Links: NVLink 4 is 900 GB/s both ways per H100/H200 (450 one way), NVLink 3 600 per
 # A100; across nodes one 400 Gb/s NDR card per H100/H200 GPU (50 GB/s), 200 Gb/s HDR per A100.
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("H100 SXM 80GB", 79.2, _peaks("H100"), 450.0, 50.0),
-    "h200": Gpu("H200 SXM 141GB", 139.8, _peaks("H200"), 450.0, 50.0),
-    "a100-80gb": Gpu("A100 SXM 80GB", 79.2, _peaks("A100"), 300.0, 25.0),
-    "a100-40gb": Gpu("A100 SXM 40GB", 39.4, _peaks("A100"), 300.0, 25.0),
+    "h100": Gpu("H100 SXM 80GB", 79.2, _peaks("H100", 66.9), 450.0, 50.0),
+    "h200": Gpu("H200 SXM 141GB", 139.8, _peaks("H200", 66.9), 450.0, 50.0),
+    "a100-80gb": Gpu("A100 SXM 80GB", 79.2, _peaks("A100", 19.5), 300.0, 25.0),
+    "a100-40gb": Gpu("A100 SXM 40GB", 39.4, _peaks("A100", 19.5), 300.0, 25.0),
 }
 
 
@@ -60,11 +64,23 @@ class Cluster:
         for name in ("gpus_per_node", "nodes"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not 0 < self.efficiency <= 1:
-            raise UsageError(f"--efficiency must be in (0, 1], got {self.efficiency}")
-        for name in ("memory_gib", "intra_gbps", "inter_gbps"):
-            if not getattr(self.gpu, name) > 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self.gpu, name)}")
+        if not 0.001 <= self.efficiency <= 1:
+            raise UsageError(f"--efficiency must be in [0.001, 1], got {self.efficiency}")
+        # within what any machine has: an infinite, zero or absurd figure would divide by zero
+        limits = {
+            "memory_gib": 1e6,
+            "intra_gbps": 1e6,
+            "inter_gbps": 1e6,
+            "intra_latency_us": 1e6,
+            "inter_latency_us": 1e6,
+        }
+        for name, most in limits.items():
+            value, least = getattr(self.gpu, name), 0.0 if name.endswith("latency_us") else 1e-6
+            if not least <= value <= most:
+                raise UsageError(f"--{name.replace('_', '-')} must be in [{least:g}, {most:g}], got {value}")
+        for precision, peak in self.gpu.peak_tflops.items():
+            if not 1e-6 <= peak <= 1e6:
+                raise UsageError(f"--peak-tflops must be in [1e-06, 1e+06], got {peak} ({precision})")
 
     @property
     def world_size(self) -> int:
@@ -73,9 +89,11 @@ class Cluster:
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
-    def peak_flops(self, precision: str) -> float:
-        """The dense peak per GPU for `precision`, in FLOP/s."""
-        peak = self.gpu.peak_tflops.get(precision) or self.gpu.peak_tflops.get("fp32")
+    def peak_flops(self, precision: str, convolutions: bool = False) -> float:
+        """The dense peak per GPU for `precision`, in FLOP/s (fp32: TF32's for a model of
+        convolutions, which cuDNN runs as TF32; plain fp32's for matrix products)."""
+        key = "tf32" if precision == "fp32" and convolutions else precision
+        peak = self.gpu.peak_tflops.get(key) or self.gpu.peak_tflops.get("fp32")
         if not peak:
             raise UsageError(f"no peak FLOP/s for {precision} on {self.gpu.name}: give --peak-tflops")
         return peak * 1e12
@@ -99,9 +117,7 @@ def cluster(
     given = {k: v for k, v in overrides.items() if v is not None}
     if "peak_tflops" in given:
         peak = float(given["peak_tflops"])
-        if not peak > 0:
-            raise UsageError(f"--peak-tflops must be positive, got {peak}")
-        given["peak_tflops"] = {"fp32": peak, "bf16": peak, "fp16": peak}
+        given["peak_tflops"] = {"fp32": peak, "tf32": peak, "bf16": peak, "fp16": peak}
     unknown = set(given) - set(Gpu.__dataclass_fields__)
     if unknown:
         raise TypeError(f"unknown GPU figures: {sorted(unknown)}")

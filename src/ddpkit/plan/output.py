@@ -19,7 +19,9 @@ def assumptions(p: Plan) -> list[str]:
     c, g = p.cluster, p.cluster.gpu
     return [
         f"{c.nodes} node(s) x {c.gpus_per_node} {g.name} ({g.memory_gib:g} GiB; "
-        f"{c.peak_flops(p.spec.precision) / 1e12:g} TFLOP/s dense {p.spec.precision} peak)",
+        f"{c.peak_flops(p.spec.precision, not p.spec.language) / 1e12:g} TFLOP/s dense {p.spec.precision} peak"
+        + (", TF32 for convolutions" if p.spec.precision == "fp32" and not p.spec.language else "")
+        + ")",
         f"compute: traced FLOPs at {c.efficiency:.0%} of the peak (--efficiency)",
         f"links, one direction per GPU: {g.intra_gbps:g} GB/s within a node ({g.intra_latency_us:g} us), "
         f"{g.inter_gbps:g} GB/s between nodes ({g.inter_latency_us:g} us); ring collectives",
@@ -36,7 +38,7 @@ def table(p: Plan) -> str:
     ]
     for q in p.predictions:
         m = q.trace.memory
-        tps = f"{q.tokens_per_s / p.cluster.world_size:,.0f}" if q.tokens_per_s else f"{q.samples_per_s:,.0f} samples/s"
+        per_gpu = (q.tokens_per_s or q.samples_per_s) / p.cluster.world_size
         rows.append(
             (
                 q.layout.label,
@@ -47,7 +49,7 @@ def table(p: Plan) -> str:
                     for k in ("parameters", "gradients", "optimizer", "activations", "communication")
                 ),
                 f"{q.step_s * 1e3:.1f}",
-                tps,
+                f"{per_gpu:,.0f}",
                 f"{q.mfu:.1%}",
             )
         )

@@ -8,9 +8,10 @@ Time, stated in every plan:
   2(n-1)/n b on the wire, all-gather (n-1) and (n-1) b, reduce-scatter (n-1) and (n-1)/n b,
   broadcast and send 1 and b. A group within one node uses NVLink's figures, a group across
   nodes the network's (its slowest link);
-- overlap: the data-parallel collectives (DDP's all-reduce, FSDP2's all-gathers and
-  reduce-scatters) run beside the compute and cost only what exceeds it; tensor-parallel
-  collectives sit between a layer's products and cost in full.
+- overlap: the data-parallel collectives run beside the compute and cost only what exceeds it:
+  DDP's all-reduce beside the backward (2/3 of the compute), FSDP2's all-gathers and
+  reduce-scatters beside all of it; tensor-parallel collectives sit between a layer's
+  products and cost in full.
 """
 
 from __future__ import annotations
@@ -115,14 +116,13 @@ def predict(
     trace: Trace,
     layout: Layout,
     cluster: Cluster,
-    precision: str,
+    peak: float,
     global_batch: int,
     seq_len: int | None,
     model_flops: float,
 ) -> Prediction:
-    """The step time and throughput of `layout` from its `trace`; `model_flops` is the step's
-    useful FLOPs over the whole job (no recomputation), for MFU."""
-    peak = cluster.peak_flops(precision)
+    """The step time and throughput of `layout` from its `trace` at `peak` FLOP/s per GPU;
+    `model_flops` is the step's useful FLOPs over the whole job (no recomputation), for MFU."""
     compute = trace.flops / (peak * cluster.efficiency)
     dims = layout.spec.names
     dp_comm = tp_comm = 0.0
@@ -132,7 +132,10 @@ def predict(
             tp_comm += seconds
         else:
             dp_comm += seconds
-    exposed = tp_comm + max(0.0, dp_comm - compute)
+    # DDP's all-reduce can only start in the backward (about 2/3 of the compute); FSDP2's
+    # all-gathers run ahead of the forward and the backward, its reduce-scatters in the backward
+    window = compute * (2 / 3 if any(op.kind == "all_reduce" for op in trace.ops if not _is_tp(op, layout)) else 1)
+    exposed = tp_comm + max(0.0, dp_comm - window)
     step = compute + exposed
     tokens = global_batch * seq_len / step if seq_len else None
     mfu = model_flops / (step * cluster.world_size * peak)
@@ -158,6 +161,7 @@ def _by_kind(ops: list[Op], cluster: Cluster) -> dict[str, dict[str, float]]:
 
 
 def best(predictions: list[Prediction]) -> Prediction | None:
-    """The fastest layout that fits (the less memory on a tie), None if none does."""
+    """The fastest layout that fits, None if none does; on a tie, the one without activation
+    checkpointing (no recomputation for nothing), then the less memory."""
     fitting = [p for p in predictions if p.fits]
-    return min(fitting, key=lambda p: (p.step_s, p.trace.peak)) if fitting else None
+    return min(fitting, key=lambda p: (p.step_s, p.layout.checkpointing, p.trace.peak)) if fitting else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.precision import AutocastModule, Precision
-from ..errors import UsageError
+from ..errors import RunError, UsageError
 from ..observe.collectives import Collectives, Op, tensor_bytes
 from ..strategy import REGISTRY, DDPOptions, FSDPOptions
 from ..strategy import activations as checkpointing
@@ -110,38 +110,68 @@ def in_fake_worlds(
     processes of their own, one per core; their results in order (`progress.update()` as each
     ends). A fake world leaves torch.distributed's bookkeeping behind (group names, meshes): a
     job launched afterwards from the same process failed to resolve its groups (torch 2.13),
-    so none runs in the caller's process."""
-    with _pool(min(len(calls), os.cpu_count() or 1), world_size) as pool:
-        futures = [pool.submit(fn, *args) for fn, args in calls]
-        for _ in as_completed(futures):
-            if progress is not None:
-                progress.update()
-        return [f.result() for f in futures]
-
-
-@contextlib.contextmanager
-def _pool(workers: int, world_size: int) -> Iterator[ProcessPoolExecutor]:
-    """Processes forked where ddpkit's launcher would fork (else spawned, with `__main__`
-    hidden as the launcher hides it), each in a fake world of `world_size` ranks."""
+    so none runs in the caller's process (which may itself run a process group: the processes
+    are spawned then). What a call raises comes back in one line (`TraceFailed`; a model that
+    cannot run on fake tensors is the usual cause); a signal here ends the processes at once."""
     import multiprocessing
+    from concurrent.futures.process import BrokenProcessPool
 
     from ..launcher.workers import choose_start_method, main_hidden
 
     method = choose_start_method("cpu")
-    context = multiprocessing.get_context(method)
-    with main_hidden() if method == "spawn" else contextlib.nullcontext():
-        with ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_join_fake_world, initargs=(world_size,)
-        ) as pool:
-            yield pool
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(
+        min(len(calls), os.cpu_count() or 1),
+        mp_context=multiprocessing.get_context(method),
+        initializer=_join_fake_world,
+        initargs=(world_size,),
+    )
+    try:
+        with main_hidden() if method == "spawn" else contextlib.nullcontext():
+            futures = [pool.submit(_call, fn, args) for fn, args in calls]
+        for _ in as_completed(futures):
+            if progress is not None:
+                progress.update()
+        return [f.result() for f in futures]
+    except BrokenProcessPool:
+        raise RunError(
+            "a process tracing the plan ended without a result (killed, out of memory, or an exit in "
+            "the model's own code)"
+        ) from None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in set(multiprocessing.active_children()) - before:
+            child.terminate()  # a trace still running when a signal or an error ends the plan
+            child.join()
+        pool.shutdown(wait=True)  # its manager thread too: none left to make a later fork unsafe
+
+
+class TraceFailed(RunError):
+    """What a traced call raised, as one line (its own exception may not cross processes)."""
+
+
+def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    try:
+        return fn(*args)
+    except UsageError:
+        raise
+    except BaseException as err:  # noqa: BLE001 - a model of one's own: whatever it raises (SystemExit too)
+        raise TraceFailed(
+            f"the plan could not trace the model on fake tensors: {type(err).__name__}: {err} (ddpkit plan "
+            "builds and runs it without values: a constructor or forward that reads a tensor's values "
+            "cannot be planned)"
+        ) from None
 
 
 def _join_fake_world(world_size: int) -> None:
-    """A pool process's fake world, for its life."""
+    """A pool process's fake world, for its life. Ctrl-C reaches the whole process group: here
+    it is ignored, and the planning process ends the pool; SIGTERM ends it quietly."""
+    import signal
+
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():  # a spawned pool process starts without; a forked one must too
-        raise UsageError("ddpkit plan runs outside a process group: call it before Runtime() or after close()")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 

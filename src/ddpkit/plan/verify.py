@@ -151,7 +151,8 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         tp = min(tp, nproc)
         while nproc % tp:
             tp //= 2
-        mesh = f"dp={nproc // tp},tp={tp}"
+        strategy = "tp" if tp > 1 else "fsdp"  # no tensor parallel on an odd count: said by the caller
+        mesh = f"dp={nproc // tp},tp={tp}" if tp > 1 else f"dp={nproc}"
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
     else:
