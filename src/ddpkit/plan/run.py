@@ -159,7 +159,7 @@ def _predicted(spec: Spec, cluster: Cluster, fitted: tuple[Layout, Trace], per_s
 # gpt deeper than this is traced at 2 and 3 blocks and extrapolated (a whole trace's time grows
 # with the depth). Measured against whole traces: equal without activation checkpointing; with
 # it, within 4% at 8 blocks, but 10% at 12 (width 64, fsdp on 4): the moment of the peak moves.
-EXTRAPOLATE_FROM = 16
+EXTRAPOLATE_FROM = 8
 
 
 def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:

@@ -126,24 +126,27 @@ def in_fake_worlds(
         initializer=_join_fake_world,
         initargs=(world_size,),
     )
+    done = False
     try:
         with main_hidden() if method == "spawn" else contextlib.nullcontext():
             futures = [pool.submit(_call, fn, args) for fn, args in calls]
         for _ in as_completed(futures):
             if progress is not None:
                 progress.update()
-        return [f.result() for f in futures]
+        results = [f.result() for f in futures]
+        done = True
+        return results
     except BrokenProcessPool:
         raise RunError(
             "a process tracing the plan ended without a result (killed, out of memory, or an exit in "
             "the model's own code)"
         ) from None
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for child in set(multiprocessing.active_children()) - before:
-            child.terminate()  # a trace still running when a signal or an error ends the plan
-            child.join()
-        pool.shutdown(wait=True)  # its manager thread too: none left to make a later fork unsafe
+        if not done:  # a signal or an error ends the plan: the traces still running end now
+            for child in set(multiprocessing.active_children()) - before:
+                child.terminate()
+                child.join()
+        pool.shutdown(wait=True, cancel_futures=True)  # its manager thread too: a later fork stays safe
 
 
 class TraceFailed(RunError):
