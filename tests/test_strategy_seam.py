@@ -1,5 +1,5 @@
-"""The strategy is the one place a parallelism lives. Nothing outside strategy/ (and bench/, the
-benchmarks of each strategy) tests a strategy's name or type: what differs between them is a
+"""The strategy is the one place a parallelism lives. Nothing outside strategy/ (and bench/ and
+plan/, which measure and plan each strategy's layouts) tests a strategy's name or type: what differs between them is a
 strategy's own attribute or method. A new strategy is one module and one registry entry: a
 test's own strategy below trains, evaluates and resumes through the Runtime."""
 
@@ -20,7 +20,10 @@ from ddpkit.strategy import Strategy
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpkit"
-OWN = ("strategy", "bench")  # the strategies themselves, and the benchmarks of each
+# the strategies themselves, the benchmarks of each, and the planner, which lists and costs each
+# layout by its strategy's name as the benchmarks do (its traces split the model by the
+# strategy's own `split`)
+OWN = ("strategy", "bench", "plan")
 TYPES = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule", "FSDP", "DDP", "Single"}
 MODULES = {"ddp", "dp", "fsdp", "single"}  # strategy/'s modules of one strategy each
 SOURCE = re.compile(r"(\bsource|\[.source.\])$")  # a launch environment's source ("single") is no strategy

@@ -57,6 +57,7 @@ ZERO_OK = {
     },
     "run": {"--node-rank", "--master-port", "--max-restarts", "--shutdown-timeout"},
     "find-batch-size": {"--warmup", "--plateau"},
+    "plan": set(),
 }
 
 # The kind of every flag that is not plainly an integer or a float, by (command, its first
@@ -119,6 +120,15 @@ KINDS = {
     ("find-batch-size", "--criterion"): "choice",
     ("find-batch-size", "--json"): "out-file",
     ("find-batch-size", "--plot"): "out-png",
+    ("plan", "--model"): "model",
+    ("plan", "--data"): "choice",
+    ("plan", "--synthetic-shape"): "shape",
+    ("plan", "--precision"): "choice",
+    ("plan", "--optimizer"): "choice",
+    ("plan", "--activation-checkpointing"): "choice",
+    ("plan", "--gpu"): "choice",
+    ("plan", "--json"): "out-file",
+    ("plan", "--plot"): "out-png",
     ("report", "--out"): "out-png",
     ("report", "--json"): "out-file",
     ("bench", "--json"): "out-file",
@@ -186,6 +196,10 @@ EXTRA_VALUES = {
     ("train", "--ema"): ("1", "1.5"),  # a decay of 1 keeps the initial weights forever
     ("train", "--num-classes"): ("1",),  # a classifier of one class learns nothing
     ("find-batch-size", "--gpt-width"): ("6",),  # not a multiple of --gpt-heads 4
+    ("plan", "--gpt-width"): ("6",),  # not a multiple of --gpt-heads 4
+    ("plan", "--num-classes"): ("1",),
+    ("plan", "--efficiency"): ("2", "1e-9"),  # a share of the peak
+    ("plan", "--peak-tflops"): ("1e300",),  # no machine; inf once in FLOP/s
 }
 
 # A user's model functions, each wrong in its own way (tests/cli/argv_runner's interpreters
@@ -241,6 +255,9 @@ CONTEXT = {
     ("find-batch-size", "--gpt-depth"): ("--model", "gpt"),
     ("find-batch-size", "--gpt-heads"): ("--model", "gpt"),
     ("find-batch-size", "--pp-schedule"): ("--model", "gpt"),
+    ("plan", "--synthetic-shape"): ("--model", "cnn", "--data", "synthetic"),
+    ("plan", "--num-classes"): ("--model", "cnn", "--data", "synthetic"),
+    ("plan", "--verify-nproc"): ("--verify",),
 }
 
 # What each command gets besides the flag under test: small enough that a case which slipped
@@ -263,6 +280,24 @@ BASE = {
         "{CWD}/r.json",
     ),
     "report": ("--out", "{CWD}/r.png"),
+    "plan": (
+        "--gpt-width",
+        "64",
+        "--gpt-depth",
+        "2",
+        "--gpt-heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--gpus-per-node",
+        "2",
+        "--batch-size",
+        "8",
+        "--activation-checkpointing",
+        "off",
+        "--json",
+        "{CWD}/p.json",
+    ),
     "env": (),
     "bench": ("--device", "cpu", "--quick", "--repeats", "1", "--json", "{CWD}/b.json", "--plot", "{CWD}/b.png"),
 }
@@ -272,7 +307,7 @@ BASE = {
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Each command's real parser ("bench NAME" for every benchmark), with all its flags added."""
     from ddpkit.bench import BENCHES
-    from ddpkit.cli import bench, env, find_batch_size, report, run, train
+    from ddpkit.cli import bench, env, find_batch_size, plan, report, run, train
     from ddpkit.trainer.config import layered
 
     train_parser = train._parser(layered(None, None, None))
@@ -283,6 +318,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
         "find-batch-size": find_batch_size._parser(),
         "report": report._parser(),
         "env": env._parser(),
+        "plan": plan._parser(),
     }
     found.update({f"bench {name}": bench._parser(name, BENCHES) for name in BENCHES})
     return found

@@ -43,13 +43,15 @@ def _verify(p: object, nproc: int | None) -> None:
 
 
 def _resolve(a: object) -> tuple[object, object]:
+    import math
+
     from .. import data, models
     from ..core import checks
     from ..errors import UsageError
     from ..plan import Spec, cluster
 
     language = a.model in models.LANGUAGE_MODELS
-    name = checks.choice("--data", a.data or ("text" if language else "cifar10"), data.DATASETS)
+    name = checks.choice("--data", ("text" if language else "cifar10") if a.data is None else a.data, data.DATASETS)
     if language != (name in data.TEXT_DATASETS):
         raise UsageError(f"--model {a.model} and --data {name}: gpt takes --data text, an image model the others")
     in_shape, classes = data.shape_of(
@@ -67,6 +69,8 @@ def _resolve(a: object) -> tuple[object, object]:
     ac = {"both": (False, True), "on": (True,), "off": (False,)}[
         checks.choice("--activation-checkpointing", a.activation_checkpointing, ("both", "on", "off"))
     ]
+    if name == "synthetic":  # one float32 sample at least must fit here, where the model is checked
+        checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))
     if name == "synthetic" and classes < 2:
         raise UsageError(f"--num-classes must be at least 2 (a classifier of one class learns nothing), got {classes}")
     spec = Spec(a.model, in_shape, classes, a.batch_size, a.precision, a.optimizer, options, ac, data=name)
