@@ -46,4 +46,6 @@ def test_switching_to_ign_or_dfl_under_a_stream_of_signals_reports_no_race():
     assert proc.returncode == 0, proc.stderr
     assert "race condition" not in proc.stderr, proc.stderr[-2000:]
     switches, kinds, handled = map(int, proc.stdout.split())
-    assert switches > 10 and kinds == 2 and handled > 100, proc.stdout  # the stream did reach it
+    # The stream did reach it: both signals, many times (how many depends on the machine's load:
+    # 92 on a busy CI machine, so the bound is far below that)
+    assert switches > 10 and kinds == 2 and handled > 20, proc.stdout
