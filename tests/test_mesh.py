@@ -345,6 +345,7 @@ def mesh_runs(tmp_path_factory):
     ck = {leg: str(folder / leg) for leg in ("a", "b", "c", "d", "pp", "grouped one", "grouped pp")}
     one = workers_mesh.train(("ddp", None))
     unclipped = workers_mesh.train(("ddp", None), max_grad_norm=None)
+    llama = workers_mesh.train(("ddp", None), shape=workers_mesh.LLAMA)
     four = {name: {"layout": layout} for name, layout in LAYOUTS_4.items()}
     # The resume chain: fsdp+tp 2x2 to step 1 -> hsdp 2x2 to 3 -> tp 2 to 4 -> one process to 5 -> pp 2 to 6.
     four["chain a"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "save_at": 1, "save": ck["a"], "steps": 1}
@@ -360,6 +361,8 @@ def mesh_runs(tmp_path_factory):
     four["chain pp x dp"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "load": ck["a"], "start": 1, "schedule": "gpipe"}
     four["chain pp x tp"] = {"layout": LAYOUTS_4["pp 2 x tp 2"], "load": ck["a"], "start": 1}
     four["checkpointed"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "checkpointing": True}
+    four["llama"] = {"layout": LAYOUTS_4["fsdp+tp 2x2"], "shape": workers_mesh.LLAMA}
+    four["llama selective"] = {**four["llama"], "checkpointing": "selective"}
     # each stage's DDP with a compression hook, which all-reduces over dp (not every rank)
     four["pp x dp fp16 hook"] = {"layout": LAYOUTS_4["pp 2 x dp 2"], "ddp": {"comm_hook": "fp16"}}
     four["user plan pp"] = {"user_plan_pp": "pp=2,tp=2"}  # a plan for the first stage's layers only
@@ -378,6 +381,7 @@ def mesh_runs(tmp_path_factory):
     two["pp saved"] = {"layout": LAYOUTS_2["pp 2"], "save_at": 3, "save": ck["pp"], "steps": 3}
     two["pp resumed"] = {"layout": LAYOUTS_2["pp 2"], "load": ck["pp"], "start": 3}
     two["pp checkpointed"] = {"layout": LAYOUTS_2["pp 2"], "checkpointing": True}
+    two["pp selective"] = {"layout": LAYOUTS_2["pp 2"], "checkpointing": "selective"}
     two["pp counted"] = {"counted": "pp=2"}
     two["tp bf16"] = {"dtype": "tp=2"}
     # Optimizers with no parameter (or a group with none) on a stage: saved, resumed under pp
@@ -395,6 +399,7 @@ def mesh_runs(tmp_path_factory):
     return {
         "one": one,
         "unclipped": unclipped,
+        "llama": llama,
         "four": out4,
         "eight": out8,
         "two": out2,
@@ -484,9 +489,28 @@ def test_a_model_of_ones_own_trains_under_tp_with_the_plan_given_to_the_runtime(
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_a_llama_shaped_gpt_under_fsdp_and_tp_trains_as_one_process(mesh_runs):
+    """gpt with style llama (grouped-query attention over two key/value heads, SwiGLU, rotary
+    positions, RMSNorm): tp's plan splits its gate, up and down maps and its key/value heads, and
+    2x2 computes what one process does, within rounding."""
+    one, one_gpt2 = mesh_runs["llama"], mesh_runs["one"]
+    assert len(one["weights"]) != len(one_gpt2["weights"])  # another model, not the default shape
+    assert "block0.mlp.gate.weight" in one["names"] and "embed.positions.weight" not in one["names"]
+    for rank in range(4):
+        r = mesh_runs["four"][rank]["llama"]
+        assert r["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
+        assert torch.equal(r["predictions"], one["predictions"])
+    rank0 = mesh_runs["four"][0]["llama"]
+    assert rank0["names"] == one["names"]
+    torch.testing.assert_close(rank0["weights"], one["weights"], rtol=0, atol=WORLD_SIZE_ATOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_activation_checkpointing_under_fsdp_and_tp_or_pp_changes_no_bit(mesh_runs):
     """Each block's activations checkpointed under fsdp+tp 2x2 (its forward run again in the
-    backward, dropout masks drawn again alike): the same weights to the last bit."""
+    backward, dropout masks drawn again alike), in full or selectively: the same weights to the
+    last bit."""
     four = mesh_runs["four"][0]
     assert four["checkpointed"]["checkpointed"] == ["block0", "block1", "embed", "head"]
     assert four["fsdp+tp 2x2"]["checkpointed"] == []
@@ -495,6 +519,12 @@ def test_activation_checkpointing_under_fsdp_and_tp_or_pp_changes_no_bit(mesh_ru
     assert two[0]["pp checkpointed"]["checkpointed"] == ["block0", "embed"]
     assert two[1]["pp checkpointed"]["checkpointed"] == ["block1", "head"]
     assert torch.equal(two[0]["pp checkpointed"]["weights"], two[0]["pp 2"]["weights"])
+    # selective: attention's and every other product's outputs kept, the rest recomputed; the
+    # llama-shaped gpt under fsdp+tp, and pp
+    assert four["llama selective"]["checkpointed"] == ["block0", "block1", "embed", "head"]
+    assert torch.equal(four["llama selective"]["weights"], four["llama"]["weights"])
+    assert two[1]["pp selective"]["checkpointed"] == ["block1", "head"]
+    assert torch.equal(two[0]["pp selective"]["weights"], two[0]["pp 2"]["weights"])
 
 
 @pytest.mark.distributed

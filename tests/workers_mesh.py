@@ -18,10 +18,15 @@ STEPS, GLOBAL_BATCH, MICRO = 6, 10, 2
 MAX_GRAD_NORM = 0.5
 
 
-def mesh_gpt() -> nn.Module:
-    """Four heads of width 4: split whole over tp=2 or tp=4; the vocabulary (256) too."""
+# Llama-shaped: RMSNorm, SwiGLU, rotary positions, no biases, two key/value heads for the four
+LLAMA = {"style": "llama", "kv_heads": 2, "hidden": 24}
+
+
+def mesh_gpt(**shape: object) -> nn.Module:
+    """Four heads of width 4: split whole over tp=2 or tp=4; the vocabulary (256) too. `shape`:
+    more of gpt's options (LLAMA)."""
     torch.manual_seed(7)
-    return models.build("gpt", (12,), 256, width=16, depth=2, heads=4, dropout=0.1)
+    return models.build("gpt", (12,), 256, width=16, depth=2, heads=4, dropout=0.1, **shape)
 
 
 def mean_token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,16 +50,18 @@ def train(
     start: int = 0,
     save_at: int | None = None,
     save: str | None = None,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     schedule: str = "1f1b",
     ddp: dict | None = None,
+    shape: dict | None = None,
 ) -> dict:
     """The tiny gpt under `layout` (strategy, mesh): resumed from `load` (saved after step
     `start`) if given, trained (SGD
     with momentum, clipped to MAX_GRAD_NORM over every shard) up to `steps` optimizer steps in
     all, its state saved to `save` after step `save_at`; then evaluated exactly, with each test
-    sample's predictions gathered; with `checkpointing`, each block's activations checkpointed;
-    `ddp`: DDPOptions, where DDP runs. Returns rank 0's view of the weights and every rank's facts."""
+    sample's predictions gathered; with `checkpointing`, each block's activations checkpointed
+    (in full, or "selective");
+    `ddp`: DDPOptions, where DDP runs; `shape`: the gpt's options (LLAMA). Returns rank 0's view of the weights and every rank's facts."""
     name, mesh = layout
     text = uneven_text()
     with ddpkit.Runtime(
@@ -62,11 +69,12 @@ def train(
         device="cpu",
         seed=5,
         mesh=mesh,
-        activation_checkpointing=checkpointing or None,
+        activation_checkpointing=bool(checkpointing) or None,
+        activation_checkpointing_mode="selective" if checkpointing == "selective" else "full",
         pp_schedule=schedule,
         ddp=ddp,
     ) as rt:
-        model = mesh_gpt()
+        model = mesh_gpt(**(shape or {}))
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
         loader = rt.loader(text, batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
         if load is not None:

@@ -193,23 +193,68 @@ class CausalSelfAttention(nn.Module):
     is its heads' queries, and the forward counts the heads it holds from the width it gets
     (`GPT.tp_plan`). A state_dict of ddpkit 0.2 or older held one fused `qkv` map: it loads,
     split into the three (`_split_fused_qkv`).
+
+    `kv_heads` below `heads` is grouped-query attention: `k` and `v` give `kv_heads` heads, each
+    shared by `heads / kv_heads` query heads (repeated to their number before the attention, as
+    Llama's reference code does). `rope` rotates each query and key head by its position
+    (rotary embeddings, in Llama's interleaved pairs, base `ROPE_THETA`), instead of a learned
+    position embedding. `bias=False` drops the maps' biases.
     """
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, kv_heads: int | None = None, bias: bool = True, rope: bool = False):
         super().__init__()
         self.head_width = width // heads
-        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
-        self.out = nn.Linear(width, width)
+        kv_width = (kv_heads or heads) * self.head_width
+        self.q = nn.Linear(width, width, bias=bias)
+        self.k, self.v = (nn.Linear(width, kv_width, bias=bias) for _ in range(2))
+        self.out = nn.Linear(width, width, bias=bias)
+        self.rope = rope
         self._register_load_state_dict_pre_hook(_split_fused_qkv, with_module=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
         heads = q.shape[-1] // self.head_width  # all of them, or this tp rank's
+        kv_heads = k.shape[-1] // self.head_width
         # (B, T, heads, head width) -> (B, heads, T, head width)
-        q, k, v = (z.view(b, t, heads, self.head_width).transpose(1, 2) for z in (q, k, v))
+        q = q.view(b, t, heads, self.head_width)
+        k, v = (z.view(b, t, kv_heads, self.head_width) for z in (k, v))
+        if self.rope:
+            q, k = _rotated(q), _rotated(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        if kv_heads != heads:  # each key/value head serves heads / kv_heads query heads
+            k, v = (z.repeat_interleave(heads // kv_heads, dim=1) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, t, heads * self.head_width))
+
+
+ROPE_THETA = 500_000.0  # Llama 3's rotary base
+
+
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x (B, T, heads, head width): each pair of features (2i,
+    2i + 1) of position t turned by the angle t * ROPE_THETA^(-2i / head width). The angles are
+    computed here, in float32, from the sequence length: no buffer (nothing to shard, nothing
+    to save, nothing to lose on the meta device)."""
+    t, width = x.shape[1], x.shape[-1]
+    inv_freq = ROPE_THETA ** -(torch.arange(0, width, 2, device=x.device, dtype=torch.float32) / width)
+    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)  # (T, width / 2)
+    cos, sin = (f(angles)[None, :, None, :] for f in (torch.cos, torch.sin))
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)), three maps without biases."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate, self.up = (nn.Linear(width, hidden, bias=False) for _ in range(2))
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 def _split_fused_qkv(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -232,16 +277,33 @@ def _split_fused_qkv(module: nn.Module, state: dict[str, Any], prefix: str, *arg
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block (GPT-2's layout): x + attention(norm(x)), then
-    x + MLP(norm(x)) with a 4x wider GELU hidden layer. LayerNorm, not BatchNorm: each token is
-    normalized on its own, so nothing depends on how the batch is split over processes."""
+    """A pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x)).
 
-    def __init__(self, width: int, heads: int, dropout: float = 0.0):
+    `style` "gpt2" (the default) is GPT-2's: LayerNorms, a `hidden`-wide GELU MLP (default 4x
+    the width), biases. "llama" is Llama's: RMSNorms, a SwiGLU MLP, rotary positions in the
+    attention, no biases; with `kv_heads`, grouped-query attention. Each token is normalized on
+    its own either way, so nothing depends on how the batch is split over processes."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        dropout: float = 0.0,
+        style: str = "gpt2",
+        kv_heads: int | None = None,
+        hidden: int | None = None,
+    ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        llama = style == "llama"
+        hidden = hidden or mlp_width(width, style)
+        self.norm1 = _norm(width, style)
+        self.attn = CausalSelfAttention(width, heads, kv_heads, bias=not llama, rope=llama)
+        self.norm2 = _norm(width, style)
+        self.mlp: nn.Module = (
+            SwiGLU(width, hidden)
+            if llama
+            else nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+        )
         # One each: a call site of ddpkit's dropout (rt.setup puts it in their place) per use
         self.drop1, self.drop2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
@@ -250,27 +312,45 @@ class Block(nn.Module):
         return x + self.drop2(self.mlp(self.norm2(x)))
 
 
-class Embedding(nn.Module):
-    """Token embedding plus a learned embedding of each position (0 .. context - 1)."""
+GPT_STYLES = ("gpt2", "llama")
 
-    def __init__(self, vocab: int, context: int, width: int):
+
+def mlp_width(width: int, style: str) -> int:
+    """The MLP's hidden width by default: 4x the width (GPT-2), or Llama's 2/3 of that (SwiGLU
+    has three maps, not two), rounded up to a multiple of 256."""
+    if style == "llama":
+        return -(-(8 * width // 3) // 256) * 256
+    return 4 * width
+
+
+def _norm(width: int, style: str) -> nn.Module:
+    return nn.RMSNorm(width, eps=1e-5) if style == "llama" else nn.LayerNorm(width)
+
+
+class Embedding(nn.Module):
+    """Token embedding plus a learned embedding of each position (0 .. context - 1); tokens
+    only with `positions=False` (rotary positions, applied in the attention instead)."""
+
+    def __init__(self, vocab: int, context: int, width: int, positions: bool = True):
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(context, width)
+        self.positions = nn.Embedding(context, width) if positions else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.positions is None:
+            return self.tokens(x)
         positions = torch.arange(x.shape[1], device=x.device)
         return self.tokens(x) + self.positions(positions)
 
 
 class Head(nn.Module):
-    """The final LayerNorm and the map to next-token logits (its own weights: not tied to the
+    """The final norm (the blocks' kind) and the map to next-token logits (its own weights: not tied to the
     token embedding, which costs 256 x width parameters and keeps every unit's weights its own
     under fsdp)."""
 
-    def __init__(self, width: int, vocab: int):
+    def __init__(self, width: int, vocab: int, style: str = "gpt2"):
         super().__init__()
-        self.norm = nn.LayerNorm(width)
+        self.norm = _norm(width, style)
         self.logits = nn.Linear(width, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,32 +365,47 @@ class GPT(nn.Sequential):
     under fsdp (the embedding and the head are units too). `dropout` (default none) drops on each
     block's attention and MLP outputs, as GPT-2 does; under a Runtime the masks do not depend on
     the number of processes (see `ddpkit.core.draws`). Weights start as GPT-2's: normal(0, 0.02), the maps back into the residual
-    stream scaled by 1/sqrt(2 * depth), biases zero, LayerNorms one and zero.
+    stream scaled by 1/sqrt(2 * depth), biases zero, norms one and zero.
+
+    `style="llama"` makes it Llama-shaped (see `Block`): RMSNorm, SwiGLU, rotary positions (no
+    position embedding), no biases, and grouped-query attention with `kv_heads`; `hidden` sets
+    the MLP's width. Llama 3 8B is width 4096, depth 32, heads 32, kv_heads 8, hidden 14336 and
+    a vocabulary of 128256.
     """
 
-    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int, dropout: float = 0.0):
-        for name, value in (("width", width), ("depth", depth), ("heads", heads), ("context", context)):
-            if value < 1:
-                raise ValueError(f"gpt: {name} must be positive, got {value}")
-        if width % heads:
-            raise ValueError(f"gpt: the width ({width}) must be a multiple of the number of heads ({heads})")
-        blocks = [(f"block{i}", Block(width, heads, dropout)) for i in range(depth)]
-        super().__init__(
-            OrderedDict([("embed", Embedding(vocab, context, width)), *blocks, ("head", Head(width, vocab))])
-        )
-        self.context, self.vocab, self.heads = context, vocab, heads
+    def __init__(
+        self,
+        vocab: int,
+        context: int,
+        width: int,
+        depth: int,
+        heads: int,
+        dropout: float = 0.0,
+        style: str = "gpt2",
+        kv_heads: int | None = None,
+        hidden: int | None = None,
+    ):
+        shape = gpt_shape_error(width, heads, kv_heads, style, hidden, depth=depth, context=context)
+        if shape:
+            raise ValueError(f"gpt: {shape}")
+        blocks = [(f"block{i}", Block(width, heads, dropout, style, kv_heads, hidden)) for i in range(depth)]
+        embed = Embedding(vocab, context, width, positions=style != "llama")
+        super().__init__(OrderedDict([("embed", embed), *blocks, ("head", Head(width, vocab, style))]))
+        self.context, self.vocab, self.style = context, vocab, style
+        self.heads, self.kv_heads = heads, kv_heads or heads
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif ".norm" in name:
                 nn.init.ones_(p)
             else:
-                residual = name.endswith(("attn.out.weight", "mlp.2.weight"))
+                residual = name.endswith(("attn.out.weight", "mlp.2.weight", "mlp.down.weight"))
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * depth) if residual else 0.02)
 
     def tp_plan(self, tp_size: int) -> dict[str, Any]:
         """How `--strategy tp` splits the model over `tp_size` ranks (torch's tensor-parallel
-        styles, by module name): each block's `q`, `k`, `v` and the MLP's first map column-wise
+        styles, by module name): each block's `q`, `k`, `v` and the MLP's first map (Llama's:
+        `gate` and `up`) column-wise
         (a rank computes whole heads, a slice of the hidden layer), the maps back into the
         residual stream row-wise (their shares summed: one all-reduce each), the token
         embedding row-wise (a slice of the vocabulary), and the head column-wise with its
@@ -320,20 +415,28 @@ class GPT(nn.Sequential):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        heads = self.heads
-        if heads % tp_size or self.vocab % tp_size:
+        if self.heads % tp_size or self.kv_heads % tp_size or self.vocab % tp_size:
+            kv = f", {self.kv_heads} key/value heads" if self.kv_heads != self.heads else ""
             raise UsageError(
                 f"--mesh tp={tp_size}: gpt splits whole heads and the vocabulary over the tp ranks; "
-                f"its {heads} heads and {self.vocab} tokens must be multiples of {tp_size}"
+                f"its {self.heads} heads{kv} and {self.vocab} tokens must be multiples of {tp_size}"
             )
+        mlp = (
+            {
+                "block*.mlp.gate": ColwiseParallel(),
+                "block*.mlp.up": ColwiseParallel(),
+                "block*.mlp.down": RowwiseParallel(),
+            }
+            if self.style == "llama"
+            else {"block*.mlp.0": ColwiseParallel(), "block*.mlp.2": RowwiseParallel()}
+        )
         return {
             "embed.tokens": RowwiseParallel(input_layouts=Replicate()),
             "block*.attn.q": ColwiseParallel(),
             "block*.attn.k": ColwiseParallel(),
             "block*.attn.v": ColwiseParallel(),
             "block*.attn.out": RowwiseParallel(),
-            "block*.mlp.0": ColwiseParallel(),
-            "block*.mlp.2": RowwiseParallel(),
+            **mlp,
             "head.logits": ColwiseParallel(output_layouts=Replicate()),
         }
 
@@ -350,23 +453,70 @@ def gpt(
     depth: int = GPT_DEPTH,
     heads: int = GPT_HEADS,
     dropout: float = 0.0,
+    style: str = "gpt2",
+    kv_heads: int | None = None,
+    hidden: int | None = None,
 ) -> nn.Module:
     """The byte-level language model: `in_shape` is (context,), `num_classes` the vocabulary
     (256 for bytes). See `GPT`."""
-    return GPT(num_classes, in_shape[0], width, depth, heads, dropout)
+    return GPT(num_classes, in_shape[0], width, depth, heads, dropout, style, kv_heads, hidden)
 
 
-def gpt_parameters(context: int, vocab: int, width: int, depth: int) -> int:
+def gpt_shape_error(
+    width: int,
+    heads: int,
+    kv_heads: int | None = None,
+    style: str = "gpt2",
+    hidden: int | None = None,
+    **positive: int,
+) -> str:
+    """What is wrong with a gpt shape, in `ddpkit train`'s flags, or ''."""
+    if style not in GPT_STYLES:
+        return f"--gpt-style must be one of {', '.join(GPT_STYLES)}, got {style!r}"
+    given = {"width": width, "heads": heads, "kv-heads": kv_heads, "hidden": hidden, **positive}
+    for name, value in given.items():
+        if value is not None and value < 1:
+            return f"--gpt-{name} must be positive, got {value}"
+    if width % heads:
+        return f"--gpt-width {width} must be a multiple of --gpt-heads {heads}"
+    if kv_heads is not None and heads % kv_heads:
+        return (
+            f"--gpt-heads {heads} must be a multiple of --gpt-kv-heads {kv_heads} (query heads share key/value heads)"
+        )
+    if style == "llama" and (width // heads) % 2:
+        return f"--gpt-style llama rotates pairs of features: each head's width ({width // heads}) must be even"
+    return ""
+
+
+def gpt_parameters(
+    context: int,
+    vocab: int,
+    width: int,
+    depth: int,
+    style: str = "gpt2",
+    heads: int = 1,
+    kv_heads: int | None = None,
+    hidden: int | None = None,
+) -> int:
     """How many parameters `gpt` has, without building it."""
-    block = 12 * width * width + 13 * width  # attention (q, k, v, out) 4w^2 + 4w, MLP 8w^2 + 5w, two norms 4w
+    hidden = hidden or mlp_width(width, style)
+    kv = width * (kv_heads or heads) // heads  # the keys' (and values') width
+    if style == "llama":  # no biases, SwiGLU's three maps, RMSNorms (one weight each), no position embedding
+        block = 2 * width * width + 2 * width * kv + 3 * width * hidden + 2 * width
+        return vocab * width + depth * block + width + width * vocab
+    attention = 2 * width * width + 2 * width * kv + 2 * width + 2 * kv  # q, out; k, v (weights and biases)
+    block = attention + 2 * width * hidden + hidden + width + 4 * width  # the MLP, two norms
     return (vocab + context) * width + depth * block + 2 * width + width * vocab
 
 
-def check_gpt_memory(seq_len: int, vocab: int, width: int, depth: int, per_weight: float, processes: int) -> None:
+def check_gpt_memory(
+    seq_len: int, vocab: int, width: int, depth: int, per_weight: float, processes: int, **shape: Any
+) -> None:
     """Refuse a gpt too large for this machine's memory before any process builds it: its
-    parameters times `per_weight` bytes (weights, gradients and optimizer state, as the strategy
-    holds them: `Strategy.bytes_per_weight`) in each of `processes`."""
-    params = gpt_parameters(seq_len, vocab, width, depth)
+    parameters (`shape`: the rest of `gpt_parameters`'s) times `per_weight` bytes (weights,
+    gradients and optimizer state, as the strategy holds them: `Strategy.bytes_per_weight`) in
+    each of `processes`."""
+    params = gpt_parameters(seq_len, vocab, width, depth, **shape)
     checks.memory(
         f"--model gpt with --gpt-width {width}, --gpt-depth {depth} and --seq-len {seq_len} ({params:,} parameters)",
         params * per_weight,

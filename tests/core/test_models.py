@@ -49,6 +49,61 @@ def test_gpt_is_causal_and_a_sequence_of_shard_units():
 
 
 @pytest.mark.unit
+def test_a_llama_shaped_gpt_is_causal_has_llamas_parts_and_counts_its_parameters():
+    shape = {"width": 32, "depth": 2, "heads": 4, "style": "llama", "kv_heads": 2}
+    net = models.build("gpt", (16,), 256, **shape)
+    names = {n for n, _ in net.named_parameters()}
+    assert {"block0.mlp.gate.weight", "block0.mlp.up.weight", "block0.mlp.down.weight"} <= names
+    assert not any(n.endswith("bias") for n in names) and "embed.positions.weight" not in names
+    assert isinstance(net.block0.norm1, nn.RMSNorm) and net.block0.attn.k.out_features == 16  # 2 heads of 8
+    assert net.block0.mlp.gate.out_features == models.mlp_width(32, "llama") == 256  # 8/3 x 32, up to 256
+    counted = models.gpt_parameters(16, 256, 32, 2, style="llama", heads=4, kv_heads=2)
+    assert sum(p.numel() for p in net.parameters()) == counted
+    # GQA, a hidden width of one's own and GPT-2's style count right too
+    for options in ({"kv_heads": 1}, {"hidden": 40}, {"style": "llama", "hidden": 40, "kv_heads": 4}):
+        built = models.build("gpt", (16,), 256, width=32, depth=2, heads=4, **options)
+        counted = models.gpt_parameters(16, 256, 32, 2, heads=4, **options)
+        assert sum(p.numel() for p in built.parameters()) == counted, options
+    x = torch.randint(0, 256, (2, 16))
+    changed = x.clone()
+    changed[:, 9:] = (x[:, 9:] + 1) % 256
+    out, out_changed = net(x), net(changed)
+    torch.testing.assert_close(out[:, :9], out_changed[:, :9])
+    assert (out[:, 9:] - out_changed[:, 9:]).abs().max() > 1e-3
+
+
+@pytest.mark.unit
+def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
+    """A query at position m and a key at n score q.k as a function of m - n: the same pair
+    moved 3 positions on scores the same; each vector keeps its length (a rotation)."""
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 12, 1, 8), torch.randn(1, 1, 1, 8).expand(1, 12, 1, 8)
+    rq, rk = models._rotated(q.contiguous())[0, :, 0], models._rotated(k.contiguous())[0, :, 0]
+    torch.testing.assert_close(rq.norm(dim=-1), q[0, :, 0].norm(dim=-1))
+    score = rq @ rk.T  # [m, n]
+    torch.testing.assert_close(score[5, 2], score[8, 5])
+    torch.testing.assert_close(score[2, 2], score[11, 11])
+    assert (score[5, 2] - score[5, 4]).abs() > 1e-4  # the offset does matter
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"style": "bert"}, "--gpt-style must be one of gpt2, llama"),
+        ({"kv_heads": 3}, "--gpt-heads 4 must be a multiple of --gpt-kv-heads 3"),
+        ({"kv_heads": 0}, "--gpt-kv-heads must be positive"),
+        ({"hidden": -1}, "--gpt-hidden must be positive"),
+        ({"style": "llama", "width": 12, "heads": 4}, "each head's width (3) must be even"),
+    ],
+)
+def test_a_bad_gpt_shape_is_named_by_its_flag(options, message):
+    shape = {"width": 32, "heads": 4, **options}
+    assert message in models.gpt_shape_error(**shape)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        models.build("gpt", (8,), 256, depth=1, **shape)
+
+
+@pytest.mark.unit
 def test_gpt_loads_an_older_state_dict_with_one_fused_qkv_map():
     """ddpkit 0.2's attention had one `qkv` map (rows: queries, keys, values) and split it per
     head in its forward; its state_dict loads into the separate q, k, v maps and computes the

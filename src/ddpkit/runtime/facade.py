@@ -111,6 +111,9 @@ class Runtime(Collectives):
             the same results): True for every direct child of the model that holds parameters
             (each block of the built-in models), module classes, or a callable
             `(name, module) -> bool` (see `ddpkit.strategy.activations`).
+        activation_checkpointing_mode: what a checkpointed block keeps: "full" (its inputs
+            only) or "selective" (also its attention's and every other matrix product's
+            outputs: more memory than "full", less recomputation).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Runtime(Collectives):
         log_with: Sequence[str] = (),
         invariant_dropout: bool = True,
         activation_checkpointing: activations.Choice = None,
+        activation_checkpointing_mode: str = "full",
         mesh: str | dict[str, int] | None = None,
         tp_plan: Any = None,
         pp_schedule: str = strategies.SCHEDULES[0],
@@ -149,7 +153,9 @@ class Runtime(Collectives):
         # one) a number rank 0 draws at the first setup() and save_state keeps.
         self.invariant_dropout, self._draw_seed = invariant_dropout, seed
         activations.check(activation_checkpointing)
+        checks.choice("activation_checkpointing_mode", activation_checkpointing_mode, activations.MODES)
         self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing_mode = activation_checkpointing_mode
         self._draws: draws.Source | None = None  # made at the first setup(), left at close()
         checks.thread_count_variable()
         self.env = dist.detect_env()
@@ -293,7 +299,7 @@ class Runtime(Collectives):
         """
         if self.invariant_dropout:
             self._follow_draws(model)
-        activations.apply(model, self.activation_checkpointing)
+        activations.apply(model, self.activation_checkpointing, self.activation_checkpointing_mode)
         wrapped = self._strategy.wrap(model, self.precision, self.channels_last, self.compile)
         self._strategy.adopt(optimizers)
         self._model = wrapped

@@ -10,6 +10,14 @@ transformer block, the head); module classes (a class or a tuple) checkpoint eve
 those classes; a callable `(name, module) -> bool` chooses by name. A module inside one already
 chosen is not checkpointed again.
 
+How much each chosen block keeps (`mode`, `ddpkit train --activation-checkpointing-mode`):
+"full" (the default) keeps its inputs only and recomputes its whole forward; "selective" keeps
+besides the outputs of its attention and of every other matrix product (the first, the third,
+...), and recomputes the rest: more memory than "full", less compute, which is the trade
+torchtitan makes by default for Llama (its per-operation selective checkpointing). The policy is
+torch's selective checkpointing (`create_selective_checkpoint_contexts`), counted per block
+call, the same in the forward and in its recomputation.
+
 A chosen module gets a subclass of its own class whose forward runs the original through the
 checkpoint: its parameters, buffers and state_dict names are untouched (no wrapper, so no
 prefix in a checkpoint), `isinstance` still holds, and DataParallel's replicas and FSDP2's
@@ -23,15 +31,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..core import checks
 from ..errors import UsageError
 
 Choice = bool | type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None
 
-_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # a module class -> its checkpointed subclass
+MODES = ("full", "selective")
+_SUBCLASSES: dict[tuple[type[nn.Module], str], type[nn.Module]] = {}  # (module class, mode) -> its subclass
 
 
 def check(choice: Any) -> None:
@@ -65,9 +75,11 @@ def chosen(model: nn.Module, choice: Choice) -> list[tuple[str, nn.Module]]:
     return outer
 
 
-def apply(model: nn.Module, choice: Choice) -> list[str]:
-    """Checkpoint the modules `choice` picks in `model`, in place; returns their names. A choice
-    that picks nothing is a UsageError (a class the model does not use, say)."""
+def apply(model: nn.Module, choice: Choice, mode: str = "full") -> list[str]:
+    """Checkpoint the modules `choice` picks in `model`, in place, keeping what `mode` keeps;
+    returns their names. A choice that picks nothing is a UsageError (a class the model does not
+    use, say)."""
+    checks.choice("activation checkpointing mode", mode, MODES)
     picked = chosen(model, choice)
     if choice and not picked:
         raise UsageError(
@@ -76,7 +88,7 @@ def apply(model: nn.Module, choice: Choice) -> list[str]:
         )
     for _, module in picked:
         if not is_checkpointed(module):
-            module.__class__ = _subclass(type(module))
+            module.__class__ = _subclass(type(module), mode)
     return [name for name, _ in picked]
 
 
@@ -85,13 +97,49 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, tuple(_SUBCLASSES.values()))
 
 
-def _subclass(cls: type[nn.Module]) -> type[nn.Module]:
-    if cls not in _SUBCLASSES:
+def _subclass(cls: type[nn.Module], mode: str) -> type[nn.Module]:
+    if (cls, mode) not in _SUBCLASSES:
+        contexts = {"selective": _selective_contexts}.get(mode)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return checkpoint(super(made, self).forward, *args, use_reentrant=False, **kwargs)
+            if contexts is None:
+                return checkpoint(super(made, self).forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(super(made, self).forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
         made = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
-        made.__qualname__ = f"{cls.__qualname__} (activations checkpointed)"
-        _SUBCLASSES[cls] = made
-    return _SUBCLASSES[cls]
+        kept = "" if mode == "full" else f", {mode}"
+        made.__qualname__ = f"{cls.__qualname__} (activations checkpointed{kept})"
+        _SUBCLASSES[cls, mode] = made
+    return _SUBCLASSES[cls, mode]
+
+
+def _attention_ops() -> set[Any]:
+    """torch's fused attention kernels (CUDA's, and the CPU's), whichever this build has."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_ATTENTION = _attention_ops()
+
+
+def _selective_contexts() -> Any:
+    """The contexts of one checkpointed call under "selective": attention's outputs and the
+    odd-numbered matrix products' kept, everything else recomputed. The products are counted
+    apart in the forward and in the recomputation, so both pick the same ones."""
+    counts = {False: 0, True: 0}  # products seen: in the forward, in the recomputation
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _PRODUCTS:
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

@@ -69,6 +69,11 @@ class TrainConfig:
     gpt_width: int = 128  # --model gpt: embedding width
     gpt_depth: int = 4  # --model gpt: transformer blocks (each one fsdp shard unit)
     gpt_heads: int = 4  # --model gpt: attention heads (--gpt-width must be a multiple)
+    # --model gpt: gpt2 (LayerNorm, GELU MLP, learned positions) or llama (RMSNorm, SwiGLU, rotary
+    # positions, no biases)
+    gpt_style: str = "gpt2"
+    gpt_kv_heads: int | None = None  # --model gpt: key/value heads (fewer than --gpt-heads: grouped-query attention)
+    gpt_hidden: int | None = None  # --model gpt: the MLP's hidden width (default 4x the width; llama: about 8/3x)
     # --model gpt: dropout on each block's attention and MLP outputs (GPT-2's), whose masks do not
     # depend on the number of processes
     gpt_dropout: float = 0.0
@@ -92,6 +97,9 @@ class TrainConfig:
     activation_checkpointing: bool = (
         False  # each block keeps only its inputs for backward, recomputed there: less memory, same result
     )
+    # with --activation-checkpointing: full (a block keeps its inputs only) or selective (also its
+    # attention's and every other matrix product's outputs: less recomputation, more memory)
+    activation_checkpointing_mode: str = "full"
     bucket_cap_mb: float | None = None  # DDP gradient bucket size in MiB (torch default 25)
     gradient_as_bucket_view: bool = False  # DDP: gradients live in the all-reduce buckets (saves a copy)
     static_graph: bool = False  # DDP: the same parameters are used every step (lets DDP skip checks)
@@ -148,7 +156,15 @@ def model_options(cfg: TrainConfig) -> dict[str, Any]:
     """What `models.build` passes the model's builder besides its shape: the gpt flags."""
     if cfg.model != "gpt":
         return {}
-    return {"width": cfg.gpt_width, "depth": cfg.gpt_depth, "heads": cfg.gpt_heads, "dropout": cfg.gpt_dropout}
+    return {
+        "width": cfg.gpt_width,
+        "depth": cfg.gpt_depth,
+        "heads": cfg.gpt_heads,
+        "dropout": cfg.gpt_dropout,
+        "style": cfg.gpt_style,
+        "kv_heads": cfg.gpt_kv_heads,
+        "hidden": cfg.gpt_hidden,
+    }
 
 
 def recipe(model: str, device_type: str) -> dict[str, Any]:

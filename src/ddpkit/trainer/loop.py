@@ -76,6 +76,7 @@ def fit(plan: RunPlan, t0: float, timeline: Timeline | None = None) -> dict[str,
         ddp=plan.ddp,
         fsdp=plan.fsdp,
         activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing_mode=cfg.activation_checkpointing_mode,
         mesh=cfg.mesh,
         pp_schedule=cfg.pp_schedule,
     ) as rt:

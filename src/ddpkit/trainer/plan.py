@@ -54,6 +54,8 @@ CHOICES = {
     "on_nonfinite": ("stop", "skip"),
     "loader": tuple(LOADERS),
     "pp_schedule": strategies.SCHEDULES,
+    "gpt_style": models.GPT_STYLES,
+    "activation_checkpointing_mode": activations.MODES,
 }
 POSITIVE = (
     "epochs",
@@ -75,6 +77,8 @@ POSITIVE = (
     "gpt_width",
     "gpt_depth",
     "gpt_heads",
+    "gpt_kv_heads",
+    "gpt_hidden",
 )
 AT_LEAST_ZERO = (
     "checkpoint_every",
@@ -162,7 +166,10 @@ def resolve(cfg: TrainConfig) -> RunPlan:
     fsdp = _fsdp_options(cfg)
     if cfg.model in models.LANGUAGE_MODELS:  # before it is built below
         per_weight = strategies.by_name(cfg.strategy).bytes_per_weight(topology.world_size)
-        models.check_gpt_memory(cfg.seq_len, num_classes, cfg.gpt_width, cfg.gpt_depth, per_weight, topology.nproc)
+        shape = {k: v for k, v in model_options(cfg).items() if k in ("style", "heads", "kv_heads", "hidden")}
+        models.check_gpt_memory(
+            cfg.seq_len, num_classes, cfg.gpt_width, cfg.gpt_depth, per_weight, topology.nproc, **shape
+        )
     asked = strategies.by_name(cfg.strategy)
     if cfg.sync_batchnorm and not asked.sync_batchnorm:
         raise UsageError(asked.refuses_sync_batchnorm or f"--strategy {cfg.strategy} does not support --sync-batchnorm")
@@ -196,10 +203,12 @@ def _layout(
         raise UsageError(f"--mesh {mesh}: a mesh needs a fixed number of machines, not --nnodes {cfg.nnodes}")
     spec = strategies.mesh_for(strategies.by_name(cfg.strategy), mesh, topology.world_size, topology.nproc)
     tp = spec.size("tp")
-    if tp > 1 and cfg.model == "gpt" and (cfg.gpt_heads % tp or num_classes % tp):
+    kv_heads = cfg.gpt_kv_heads or cfg.gpt_heads
+    if tp > 1 and cfg.model == "gpt" and (cfg.gpt_heads % tp or kv_heads % tp or num_classes % tp):
+        kv = f", --gpt-kv-heads {kv_heads}" if kv_heads != cfg.gpt_heads else ""
         raise UsageError(
             f"--mesh {spec}: gpt splits whole heads and its vocabulary over the tp ranks: --gpt-heads "
-            f"{cfg.gpt_heads} and the {num_classes} tokens must be multiples of {tp}"
+            f"{cfg.gpt_heads}{kv} and the {num_classes} tokens must be multiples of {tp}"
         )
     if tp > 1 or spec.size("pp") > 1:
         model = models.build_shapes(cfg.model, in_shape, num_classes, **model_options(cfg))
@@ -271,10 +280,13 @@ def check_settings(cfg: TrainConfig) -> None:
         raise UsageError(f"--text-path {cfg.text_path}: no such file or directory")
     if cfg.ema is not None and cfg.ema >= 1:  # 1 would never move: the initial weights
         raise UsageError(f"--ema must be below 1 (the weight kept at each step, as 0.999), got {cfg.ema}")
+    if not cfg.activation_checkpointing and _is_set(cfg, "activation_checkpointing_mode"):
+        raise UsageError("--activation-checkpointing-mode applies with --activation-checkpointing true only")
     if cfg.early_stop_patience is None and _is_set(cfg, "early_stop_min_delta"):
         raise UsageError("--early-stop-min-delta applies with --early-stop-patience only")
-    if cfg.gpt_width % cfg.gpt_heads:
-        raise UsageError(f"--gpt-width {cfg.gpt_width} must be a multiple of --gpt-heads {cfg.gpt_heads}")
+    shape = models.gpt_shape_error(cfg.gpt_width, cfg.gpt_heads, cfg.gpt_kv_heads, cfg.gpt_style, cfg.gpt_hidden)
+    if shape:
+        raise UsageError(shape)
 
 
 def build_model(cfg: TrainConfig, in_shape: tuple[int, ...], num_classes: int) -> Any:

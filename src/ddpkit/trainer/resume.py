@@ -344,8 +344,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 # changes every update as --label-smoothing does: set, changed or dropped mid-run, the result
 # is a run nobody asked for (a checkpoint from before it existed holds none: not checked).
 # --ema likewise: a changed decay mid-run averages into weights no run with either decay has.
-# What a checkpoint older than a setting was trained with: without --ema, without --gpt-dropout.
-BEFORE = {"ema": None, "gpt_dropout": 0.0}
+# What a checkpoint older than a setting was trained with: without --ema, without --gpt-dropout,
+# a GPT-2-shaped gpt.
+BEFORE = {"ema": None, "gpt_dropout": 0.0, "gpt_style": "gpt2", "gpt_kv_heads": None, "gpt_hidden": None}
 RESUME_MUST_MATCH = (
     "model",
     "optimizer",
@@ -372,6 +373,9 @@ RESUME_MUST_MATCH = (
     "gpt_depth",
     "gpt_heads",
     "gpt_dropout",
+    "gpt_style",
+    "gpt_kv_heads",
+    "gpt_hidden",
 )
 
 
