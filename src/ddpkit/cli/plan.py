@@ -8,6 +8,15 @@ from .parsing import ArgumentParser
 
 # Imports inside functions: `--help` and a bad flag's one line load no torch.
 
+# --activation-checkpointing: the settings each layout is planned with (True: full)
+AC = {
+    "both": (False, True),
+    "on": (True,),
+    "off": (False,),
+    "selective": ("selective",),
+    "all": (False, True, "selective"),
+}
+
 
 def main(argv: Sequence[str]) -> int:
     from ..plan import output, plan
@@ -57,18 +66,21 @@ def _resolve(a: object) -> tuple[object, object]:
     in_shape, classes = data.shape_of(
         name,
         checks.shape("--synthetic-shape", a.synthetic_shape),
-        a.num_classes,
+        10 if a.num_classes is None else a.num_classes,
         checks.positive("--seq-len", a.seq_len),
     )
-    options = {k: getattr(a, f"gpt_{k}") for k in ("width", "depth", "heads")} if language else {}
-    options = {k: checks.positive(f"--gpt-{k}", v) for k, v in options.items() if v is not None}
+    if language and a.num_classes is not None:  # a vocabulary other than bytes (Llama 3's 128256, say)
+        classes = checks.at_least("--num-classes", a.num_classes, 2)
+    options = {k: getattr(a, f"gpt_{k}") for k in ("width", "depth", "heads", "kv_heads", "hidden")} if language else {}
+    options = {k: checks.positive(f"--gpt-{k.replace('_', '-')}", v) for k, v in options.items() if v is not None}
+    if language and a.gpt_style != "gpt2":
+        options["style"] = a.gpt_style
     if language:
         w, h = options.get("width", models.GPT_WIDTH), options.get("heads", models.GPT_HEADS)
-        if w % h:
-            raise UsageError(f"--gpt-width {w} must be a multiple of --gpt-heads {h}")
-    ac = {"both": (False, True), "on": (True,), "off": (False,)}[
-        checks.choice("--activation-checkpointing", a.activation_checkpointing, ("both", "on", "off"))
-    ]
+        shape = models.gpt_shape_error(w, h, options.get("kv_heads"), a.gpt_style, options.get("hidden"))
+        if shape:
+            raise UsageError(shape)
+    ac = AC[checks.choice("--activation-checkpointing", a.activation_checkpointing, tuple(AC))]
     if name == "synthetic":  # one float32 sample at least must fit here, where the model is checked
         checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))
     if name == "synthetic" and classes < 2:
@@ -120,15 +132,27 @@ def _parser() -> ArgumentParser:
     p.add_argument("--model", default="gpt", help="gpt (default), another built-in model, or package.module:function")
     p.add_argument("--data", help="gives the input shape and classes (default text for gpt, cifar10 otherwise)")
     p.add_argument("--synthetic-shape", default="3,32,32", metavar="C,H,W", help="input shape with --data synthetic")
-    p.add_argument("--num-classes", type=int, default=10, help="classes with --data synthetic")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        help="classes with --data synthetic (default 10); gpt: its vocabulary (default 256, bytes)",
+    )
     p.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence (default 1024)")
     for name, what in (("width", "embedding width"), ("depth", "transformer blocks"), ("heads", "attention heads")):
         p.add_argument(f"--gpt-{name}", type=int, help=f"gpt: {what} (default: ddpkit train's)")
+    p.add_argument(
+        "--gpt-style", default="gpt2", help="gpt: gpt2 (default) or llama (RMSNorm, SwiGLU, rotary positions)"
+    )
+    p.add_argument("--gpt-kv-heads", type=int, help="gpt: key/value heads (fewer than --gpt-heads: grouped-query)")
+    p.add_argument("--gpt-hidden", type=int, help="gpt: the MLP's hidden width (default 4x the width; llama 8/3x)")
     p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch: samples per optimizer step (default 64)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (default) or fp16")
     p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (with momentum)")
     p.add_argument(
-        "--activation-checkpointing", default="both", help="both (default: each layout with and without), on or off"
+        "--activation-checkpointing",
+        default="both",
+        help="both (default: each layout with and without, in full), on, off, selective (attention's and every "
+        "other product's outputs kept), or all three",
     )
     p.add_argument("--gpu", default="h100", help="preset: h100 (default), h200, a100-80gb or a100-40gb")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")

@@ -37,7 +37,7 @@ RING: dict[str, Any] = {
 DATA_PARALLEL = ("dp", "replicate")
 
 
-def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: tuple[bool, ...]) -> list[Layout]:
+def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: tuple[bool | str, ...]) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
     fsdp+tp with tp within a node), each with and without activation checkpointing; the
     micro-batch is chosen later. `share_of(data_ranks)` is a data rank's samples, None where
@@ -93,7 +93,7 @@ class Prediction:
             "layout": self.layout.label,
             "strategy": self.layout.strategy,
             "mesh": self.layout.mesh,
-            "activation_checkpointing": self.layout.checkpointing,
+            "activation_checkpointing": self.layout.checkpointing_mode or False,
             "micro_batch": self.layout.micro_batch,
             "memory_gib": {k: v / GIB for k, v in self.trace.memory.items()},
             "peak_gib": self.trace.peak / GIB,
@@ -161,7 +161,13 @@ def _by_kind(ops: list[Op], cluster: Cluster) -> dict[str, dict[str, float]]:
 
 
 def best(predictions: list[Prediction]) -> Prediction | None:
-    """The fastest layout that fits, None if none does; on a tie, the one without activation
-    checkpointing (no recomputation for nothing), then the less memory."""
+    """The fastest layout that fits, None if none does; on a tie, the one that recomputes less
+    (no activation checkpointing, then selective, then full: no recomputation for nothing), then
+    the less memory."""
     fitting = [p for p in predictions if p.fits]
-    return min(fitting, key=lambda p: (p.step_s, p.layout.checkpointing, p.trace.peak)) if fitting else None
+    recomputes = {None: 0, "selective": 1, "full": 2}
+    return (
+        min(fitting, key=lambda p: (p.step_s, recomputes[p.layout.checkpointing_mode], p.trace.peak))
+        if fitting
+        else None
+    )

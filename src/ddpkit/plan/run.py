@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,14 +34,17 @@ class Spec:
     global_batch: int = 64
     precision: str = "bf16"
     optimizer: str = "adamw"
-    options: dict[str, Any] = field(default_factory=dict)  # gpt: width, depth, heads
-    checkpointing: tuple[bool, ...] = (False, True)
+    options: dict[str, Any] = field(default_factory=dict)  # gpt: width, depth, heads, style, kv_heads, hidden
+    checkpointing: tuple[bool | str, ...] = (False, True)  # True: full; "selective"
     data: str = ""  # the dataset the shape came from, for the train command ("": gpt's text, else synthetic)
 
     def __post_init__(self) -> None:
         checks.positive("--batch-size", self.global_batch)
         if not self.checkpointing:
             raise UsageError("activation checkpointing: plan with it, without it, or both (not neither)")
+        for how in self.checkpointing:
+            if how not in (False, True, "selective"):
+                raise UsageError(f"activation checkpointing: False, True (full) or 'selective', not {how!r}")
         checks.choice("--precision", self.precision, ("fp32", "bf16", "fp16"))
         checks.choice("--optimizer", self.optimizer, ("adamw", "sgd"))
 
@@ -86,7 +90,10 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
     """Trace and predict every layout of `spec` on `cluster`: for each, the largest
     micro-batch (a power of two dividing a data rank's share, or the share itself) that fits."""
     start = time.perf_counter()
-    heads = spec.options.get("heads", models.GPT_HEADS) if spec.language else None
+    heads = None  # what tp's size must divide: gpt's heads, key/value heads and vocabulary
+    if spec.language:
+        h = spec.options.get("heads", models.GPT_HEADS)
+        heads = math.gcd(h, spec.options.get("kv_heads") or h, spec.num_classes)
     todo = layouts(cluster, spec.share, heads, spec.checkpointing)
     if not todo:
         raise UsageError(
@@ -113,7 +120,7 @@ def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
         parameters = sum(p.numel() for p in spec.build().parameters())
     depth = _depth(spec)
     per_sample = {}
-    for ac in (False, True):
+    for ac in dict.fromkeys((False, *spec.checkpointing)):
         if depth <= EXTRAPOLATE_FROM:
             per_sample[ac] = flops(spec.build, spec.batch, ac)
         else:
@@ -207,7 +214,9 @@ def command(spec: Spec, cluster: Cluster, layout: Layout) -> str:
     parts = ["ddpkit train", f"--model {spec.model}"]
     if spec.language:
         parts += [f"--data {spec.data or 'text'}", f"--seq-len {spec.in_shape[0]}"]
-        parts += [f"--gpt-{name} {value}" for name, value in spec.options.items()]
+        parts += [
+            f"--gpt-{name.replace('_', '-')} {value}" for name, value in spec.options.items() if value is not None
+        ]
     elif spec.data and spec.data != "synthetic":
         parts += [f"--data {spec.data}"]
     else:  # the shape planned, as synthetic images
@@ -229,4 +238,6 @@ def command(spec: Spec, cluster: Cluster, layout: Layout) -> str:
         parts += [f"--micro-batch-size {layout.micro_batch}"]
     if layout.checkpointing:
         parts += ["--activation-checkpointing true"]
+    if layout.checkpointing_mode == "selective":
+        parts += ["--activation-checkpointing-mode selective"]
     return " ".join(parts)

@@ -44,13 +44,20 @@ from ..strategy.mesh import MeshSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: a strategy on a mesh, activation checkpointing on or off, and
-    the samples per forward on one data rank."""
+    """One way to run the job: a strategy on a mesh, activation checkpointing (off, True for
+    full, or "selective"), and the samples per forward on one data rank."""
 
     strategy: str  # ddp, fsdp, hsdp or tp
     mesh: str  # "dp=8", "replicate=2,dp=4", "dp=4,tp=2"
-    checkpointing: bool
+    checkpointing: bool | str
     micro_batch: int
+
+    @property
+    def checkpointing_mode(self) -> str | None:
+        """None (off), "full" or "selective": as `Runtime(activation_checkpointing_mode=...)`."""
+        if not self.checkpointing:
+            return None
+        return "selective" if self.checkpointing == "selective" else "full"
 
     @property
     def spec(self) -> MeshSpec:
@@ -64,7 +71,7 @@ class Layout:
         else:
             kind = "fsdp+tp" if self.strategy == "tp" else self.strategy
             name = f"{kind} {'x'.join(str(size) for _, size in spec.sizes)}"
-        ac = " +ac" if self.checkpointing else ""
+        ac = {None: "", "full": " +ac", "selective": " +sac"}[self.checkpointing_mode]
         return f"{name}{ac} mb{self.micro_batch}"
 
 
@@ -202,7 +209,7 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
     with mode:
         model = step.build()
         if layout.checkpointing:
-            checkpointing_apply(model)
+            checkpointing_apply(model, layout.checkpointing)
     strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
     if step.precision != "fp32" and (strategy is None or layout.spec.data_size == 1):
         # bf16/fp16 where FSDP2's policy does not carry it (ddp, tp on one data rank): the
@@ -212,9 +219,10 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
         return _step(model, strategy, layout, step)
 
 
-def checkpointing_apply(model: nn.Module) -> None:
-    """Activation checkpointing as `Runtime(activation_checkpointing=True)` applies it."""
-    checkpointing.apply(model, True)
+def checkpointing_apply(model: nn.Module, how: bool | str = True) -> None:
+    """Activation checkpointing as `Runtime(activation_checkpointing=True)` applies it: in full
+    (True), or "selective"."""
+    checkpointing.apply(model, True, "selective" if how == "selective" else "full")
 
 
 def _split(model: nn.Module, layout: Layout, precision: str) -> Any:
@@ -265,7 +273,32 @@ def _make_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool) -> float:
+def _cpu_attention_formulas() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's fused attention kernels, which the trace runs into on fake CPU
+    tensors: FlopCounterMode knows only the CUDA kernels' (torch 2.13), and counted CPU attention
+    as 0. Their arguments begin as those kernels' do (grad_out, query, key, value, ...), so
+    CUDA's flash-attention formulas count them."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    pairs = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+    }
+    formulas = {}
+    for cpu, cuda in pairs.items():
+        if hasattr(aten, cpu) and getattr(aten, cuda) in flop_registry:
+            formula = flop_registry[getattr(aten, cuda)]  # registered: it takes the tensors' shapes itself
+
+            def counted(*args: Any, formula: Any = formula, **kwargs: Any) -> int:
+                return formula(*args, **kwargs)
+
+            counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: do not wrap it again
+            formulas[getattr(aten, cpu)] = counted
+    return formulas
+
+
+def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool | str) -> float:
     """The FLOPs of one sample's forward and backward (with recomputation under activation
     checkpointing) on the whole model, counted on fake tensors. Kept apart from the traced
     step: FlopCounterMode around it changed what checkpointing keeps (torch 2.13)."""
@@ -275,9 +308,9 @@ def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpoin
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build()
         if checkpointing:
-            checkpointing_apply(model)
+            checkpointing_apply(model, checkpointing)
         x, y = batch(1)
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
         with counter:
             loss(model(x), y).backward()
         return float(counter.get_total_flops())

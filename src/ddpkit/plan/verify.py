@@ -80,6 +80,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
         mesh=layout.mesh,
         precision=spec.precision,
         activation_checkpointing=True if layout.checkpointing else None,
+        activation_checkpointing_mode=layout.checkpointing_mode or "full",
     ) as rt:
         model = rt.build(spec.build)
         model, opt = rt.setup(model, optimizer(spec.optimizer, model, foreach=rt.device.type == "cuda"))
