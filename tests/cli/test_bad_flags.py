@@ -129,6 +129,8 @@ KINDS = {
     ("plan", "--optimizer"): "choice",
     ("plan", "--activation-checkpointing"): "choice",
     ("plan", "--gpu"): "choice",
+    ("plan", "--gpt-style"): "choice",
+    ("plan", "--strategy"): "choice",
     ("plan", "--json"): "out-file",
     ("plan", "--plot"): "out-png",
     ("report", "--out"): "out-png",

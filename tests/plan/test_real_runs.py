@@ -2,11 +2,11 @@
 traced on fake tensors, against the same tracker's peak over a real step of ddpkit's Runtime on
 1, 2 and 4 gloo processes, for gpt and a CNN. One job per process count runs all its cases.
 
-Within 1% here, except three cases whose measured gap is stated beside them and asserted at a
-bound of its own, so that a change is seen: tensor parallel with activation checkpointing, and
-the CNN under fsdp and hsdp, where the real run's peak holds temporaries (in the all-gather and
-temporary roles) that the trace's peak does not. The cause is not found yet; the goal of 5% is
-not met there (docs/plan.md).
+Within 1% here, tensor parallel with activation checkpointing within 2% (8% before the trace
+warmed DTensor's caches up), except two cases whose measured gap is stated beside them and
+asserted at a bound of its own, so that a change is seen: the CNN under fsdp and hsdp, where the
+real run's peak holds temporaries (in the all-gather and temporary roles) that the trace's peak
+does not. The cause is not found yet; the goal of 5% is not met there (docs/plan.md).
 """
 
 import pytest
@@ -43,10 +43,10 @@ CASES = {
         (_gpt("bf16"), Layout("hsdp", "replicate=2,dp=2", False, 2), 0.01),
         (_gpt("bf16"), Layout("tp", "dp=2,tp=2", False, 2), 0.01),
         (_gpt("bf16"), Layout("tp", "dp=1,tp=4", False, 4), 0.01),
+        (_gpt("fp32"), Layout("tp", "dp=2,tp=2", True, 1), 0.02),  # 1.2%
         # below: the real peak holds temporaries the trace lacks, not explained yet
-        (_gpt("fp32"), Layout("tp", "dp=2,tp=2", True, 1), 0.12),  # 8% at these sizes
         (_cnn("fp32"), Layout("hsdp", "replicate=2,dp=2", False, 2), 0.12),  # 9.5% (0.1% at 32x32)
-        (_cnn("bf16"), Layout("fsdp", "dp=4", False, 2), 0.25),  # 21% (11% at 32x32)
+        (_cnn("bf16"), Layout("fsdp", "dp=4", False, 2), 0.27),  # 21% to 24% (11% at 32x32)
     ],
 }
 

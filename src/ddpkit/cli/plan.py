@@ -85,7 +85,19 @@ def _resolve(a: object) -> tuple[object, object]:
         checks.memory(f"one sample of --synthetic-shape {a.synthetic_shape}", 4 * math.prod(in_shape))
     if name == "synthetic" and classes < 2:
         raise UsageError(f"--num-classes must be at least 2 (a classifier of one class learns nothing), got {classes}")
-    spec = Spec(a.model, in_shape, classes, a.batch_size, a.precision, a.optimizer, options, ac, data=name)
+    strategies = tuple(s.strip() for s in a.strategy.split(",")) if a.strategy is not None else ()
+    spec = Spec(
+        a.model,
+        in_shape,
+        classes,
+        a.batch_size,
+        a.precision,
+        a.optimizer,
+        options,
+        ac,
+        data=name,
+        strategies=strategies,
+    )
     models.check(a.model, in_shape, classes)  # a model of one's own too: built and run once, as train does
     _check_outputs(a)
     c = cluster(
@@ -154,6 +166,7 @@ def _parser() -> ArgumentParser:
         help="both (default: each layout with and without, in full), on, off, selective (attention's and every "
         "other product's outputs kept), or all three",
     )
+    p.add_argument("--strategy", help="plan only these, comma-separated: ddp, fsdp, hsdp, tp (default: all)")
     p.add_argument("--gpu", default="h100", help="preset: h100 (default), h200, a100-80gb or a100-40gb")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")

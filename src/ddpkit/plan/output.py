@@ -9,6 +9,8 @@ from ..core.files import write_json
 from ..observe.env import metadata
 from ..observe.plots import pyplot, save_figure
 from .cluster import GIB
+
+BYTES = 256  # the vocabulary of ddpkit train's --data text
 from .predict import RING
 from .run import Plan
 from .trace import CATEGORIES
@@ -80,6 +82,11 @@ def report(p: Plan) -> str:
         )
     else:
         lines += [f"fastest that fits: {chosen.layout.label}", f"  {p.command(chosen)}"]
+        if s.language and s.num_classes != BYTES:
+            lines.append(
+                f"  (planned with a vocabulary of {s.num_classes:,} tokens; ddpkit train's --data text is bytes, "
+                f"{BYTES} tokens: train that vocabulary in a loop of your own under ddpkit run, with this layout)"
+            )
     return "\n".join(lines)
 
 

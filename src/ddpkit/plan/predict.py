@@ -37,6 +37,9 @@ RING: dict[str, Any] = {
 DATA_PARALLEL = ("dp", "replicate")
 
 
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # the layouts' strategies, as `ddpkit train --strategy` names them
+
+
 def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: tuple[bool | str, ...]) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
     fsdp+tp with tp within a node), each with and without activation checkpointing; the
