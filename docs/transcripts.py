@@ -228,6 +228,16 @@ TRANSCRIPTS: dict[str, Transcript] = {
         ],
         check="shape",
     ),
+    "plan-llama": Transcript(
+        [
+            Step(
+                "ddpkit plan --gpt-style llama --gpt-width 4096 --gpt-depth 32 --gpt-heads 32 --gpt-kv-heads 8 "
+                "--gpt-hidden 14336 --seq-len 8192 --num-classes 128256 --batch-size 16 --strategy fsdp "
+                "--activation-checkpointing all --gpu h100 --gpus-per-node 8"
+            )
+        ],
+        check="shape",
+    ),
     "runtime-digits": Transcript([Step("python train_digits.py")], files={"train_digits.py": ""}),
     "collectives": Transcript([Step(COLLECTIVES)]),
     "runtime-gather": Transcript([Step("python gather_metrics.py")], files={"gather_metrics.py": ""}),
