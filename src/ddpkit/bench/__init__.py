@@ -35,4 +35,5 @@ BENCHES: dict[str, str] = {
     "gpt": "ddpkit.bench.gpt",
     "fast-cifar": "ddpkit.bench.fast_cifar",
     "startup": "ddpkit.bench.startup",
+    "plan": "ddpkit.bench.plan",
 }

@@ -7,7 +7,7 @@ overrides the preset's.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import UsageError
@@ -29,6 +29,15 @@ class Gpu:
     inter_gbps: float
     intra_latency_us: float = 5.0
     inter_latency_us: float = 10.0
+    # Where set (a CPU measured here, `calibrate`): each operation at the longer of its FLOPs and
+    # its bytes at memory_gbps, plus op_overhead_us (more on DTensors: dtensor_op_overhead_us,
+    # by the layout's kind, "fsdp" or "tp"), all over the efficiency; and no collective beside
+    # the compute.
+    memory_gbps: float = 0.0
+    op_overhead_us: float = 0.0
+    dtensor_op_overhead_us: dict[str, float] = field(default_factory=dict)
+    attention_tflops: float = 0.0  # its fused attention kernel's rate, where measured (0: the peak's)
+    overlap: bool = True
 
 
 def _peaks(key: str, fp32: float) -> dict[str, float]:

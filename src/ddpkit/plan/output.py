@@ -9,11 +9,11 @@ from ..core.files import write_json
 from ..observe.env import metadata
 from ..observe.plots import pyplot, save_figure
 from .cluster import GIB
-
-BYTES = 256  # the vocabulary of ddpkit train's --data text
 from .predict import RING
 from .run import Plan
 from .trace import CATEGORIES
+
+BYTES = 256  # the vocabulary of ddpkit train's --data text
 
 
 def assumptions(p: Plan) -> list[str]:
@@ -24,14 +24,31 @@ def assumptions(p: Plan) -> list[str]:
         f"{c.peak_flops(p.spec.precision, not p.spec.language) / 1e12:g} TFLOP/s dense {p.spec.precision} peak"
         + (", TF32 for convolutions" if p.spec.precision == "fp32" and not p.spec.language else "")
         + ")",
-        f"compute: traced FLOPs at {c.efficiency:.0%} of the peak (--efficiency)",
+        _compute(p),
         f"links, one direction per GPU: {g.intra_gbps:g} GB/s within a node ({g.intra_latency_us:g} us), "
         f"{g.inter_gbps:g} GB/s between nodes ({g.inter_latency_us:g} us); ring collectives",
-        "overlap: data-parallel collectives run beside the compute (only their excess counts); "
-        "tensor-parallel ones in full; the optimizer step's time is not counted",
+        (
+            "overlap: data-parallel collectives run beside the compute (only their excess counts); "
+            "tensor-parallel ones in full; the optimizer step's time is not counted"
+            if g.overlap
+            else "overlap: none (every collective in full); the optimizer step counted as the trace ran it"
+        ),
         "memory: tensors one rank holds at its peak, traced on fake tensors (no allocator "
         "fragmentation, no CUDA context or NCCL workspace: keep a few GiB free)",
     ]
+
+
+def _compute(p: Plan) -> str:
+    c, g = p.cluster, p.cluster.gpu
+    if not g.memory_gbps:
+        return f"compute: traced FLOPs at {c.efficiency:.0%} of the peak (--efficiency)"
+    extra = ", ".join(f"{k} {v:.0f}" for k, v in g.dtensor_op_overhead_us.items())
+    return (
+        f"compute (measured here): each traced operation at the longer of its FLOPs at the peak "
+        f"(attention at {g.attention_tflops * 1e3:.1f} GFLOP/s) and its bytes at {g.memory_gbps:.1f} GB/s, "
+        f"plus {g.op_overhead_us:.1f} us each" + (f" (on DTensors more, us: {extra})" if extra else "") + f", "
+        f"over {c.efficiency:.0%} (the processes' share of the cores)"
+    )
 
 
 def table(p: Plan) -> str:

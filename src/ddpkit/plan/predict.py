@@ -126,7 +126,18 @@ def predict(
 ) -> Prediction:
     """The step time and throughput of `layout` from its `trace` at `peak` FLOP/s per GPU;
     `model_flops` is the step's useful FLOPs over the whole job (no recomputation), for MFU."""
-    compute = trace.flops / (peak * cluster.efficiency)
+    gpu = cluster.gpu
+    if trace.work is not None and gpu.memory_gbps:  # a processor measured here: see `work`
+        busy = trace.work.seconds(
+            peak,
+            gpu.memory_gbps * 1e9,
+            gpu.op_overhead_us * 1e-6,
+            gpu.dtensor_op_overhead_us.get("tp" if layout.spec.size("tp") > 1 else "fsdp", 0.0) * 1e-6,
+            gpu.attention_tflops * 1e12 or None,
+        )
+        compute = busy / cluster.efficiency
+    else:
+        compute = trace.flops / (peak * cluster.efficiency)
     dims = layout.spec.names
     dp_comm = tp_comm = 0.0
     for op in trace.ops:
@@ -138,6 +149,8 @@ def predict(
     # DDP's all-reduce can only start in the backward (about 2/3 of the compute); FSDP2's
     # all-gathers run ahead of the forward and the backward, its reduce-scatters in the backward
     window = compute * (2 / 3 if any(op.kind == "all_reduce" for op in trace.ops if not _is_tp(op, layout)) else 1)
+    if not gpu.overlap:
+        window = 0.0
     exposed = tp_comm + max(0.0, dp_comm - window)
     step = compute + exposed
     tokens = global_batch * seq_len / step if seq_len else None

@@ -149,7 +149,7 @@ def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, 
     none does)."""
     share = spec.share(layout.spec.data_size)
     assert share is not None
-    step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer)
+    step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, count=bool(cluster.gpu.memory_gbps))
     for micro in _micro_batches(share):
         sized = replace(layout, micro_batch=micro)
         traced = _traced(spec, step, sized, cluster.world_size)
@@ -198,10 +198,11 @@ def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:
     one, two = (trace(replace(step, build=spec.builder(depth=d)), layout, world_size) for d in (low, high))
     ops = _extrapolated_ops(one.ops, two.ops, depth - low)
     computed = [*one.computed, f"gpt: traced at {low} and {high} blocks, extrapolated to {depth}"]
+    work = one.work.extrapolated(two.work, depth - low) if one.work is not None and two.work is not None else None
     grows = ("parameters", "gradients", "optimizer", "activations")
     if layout.strategy == "ddp":  # its buckets hold every gradient; FSDP2's buffers, the units in flight
         grows += ("communication",)
-    return Trace(*_extrapolated_memory(one, two, depth - high, grows), ops, 0.0, computed)
+    return Trace(*_extrapolated_memory(one, two, depth - high, grows), ops, 0.0, computed, work)
 
 
 def _extrapolated_memory(one: Trace, two: Trace, n: int, grows: tuple[str, ...]) -> tuple[dict[str, float], float]:

@@ -37,6 +37,7 @@ from ..strategy import REGISTRY, DDPOptions, FSDPOptions
 from ..strategy import activations as checkpointing
 from ..strategy.mesh import Layout as MeshLayout
 from ..strategy.mesh import MeshSpec
+from .work import Counting, Ops
 
 # Imports inside functions: torch's fake-tensor, memory-tracking, FLOP-counting and DeviceMesh
 # modules load when a trace runs, not when `ddpkit plan --help` imports this package.
@@ -85,6 +86,7 @@ class Trace:
     ops: list[Op]
     flops: float
     computed: list[str] = field(default_factory=list)
+    work: Ops | None = None  # every operation's FLOPs and bytes, where the step counted them (`Step.count`)
 
 
 T = TypeVar("T")
@@ -196,6 +198,7 @@ class Step:
     precision: str = "fp32"
     optimizer: str = "adamw"
     foreach: bool = True  # the optimizer's multi-tensor step, as on CUDA GPUs (see `optimizer`)
+    count: bool = False  # count every operation's FLOPs and bytes too (`work.Counting`: a CPU's time model)
 
 
 def trace(step: Step, layout: Layout, world_size: int) -> Trace:
@@ -253,7 +256,8 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
     ops: list[Op] = []
     if layout.spec.size("tp") > 1:
         _warm_up(model, strategy, layout, step)
-    with tracker:
+    counting = Counting() if step.count else contextlib.nullcontext()
+    with tracker, counting:
         for last in ([False] if micro > 1 else []) + [True]:
             tracker.reset_mod_stats()  # per-module figures only: the peak so far stays
             with Collectives() as collectives, _no_sync(strategy, model, last):
@@ -264,7 +268,13 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
             ops.extend(collectives.ops * (1 if last else micro - 1))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return _result(tracker, model, layout, ops)
+    traced = _result(tracker, model, layout, ops)
+    if isinstance(counting, Counting):
+        traced.work = counting.ops
+        if layout.strategy == "ddp" and layout.spec.processes > 1:  # its buckets: gradients copied in, then out
+            grads = int(tensor_bytes(p for p in model.parameters()))
+            traced.work.counts[0, 2 * grads, False, False] += 2
+    return traced
 
 
 def _warm_up(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> None:

@@ -46,7 +46,10 @@ def _traced_case(spec: Spec, layout: Layout, nproc: int) -> Any:
     share = spec.share(layout.spec.data_size)
     assert share is not None, layout
     return _traced(
-        spec, Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False), layout, nproc
+        spec,
+        Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False, count=True),
+        layout,
+        nproc,
     )
 
 
@@ -126,6 +129,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
             "memory": memory,
             "peak": sum(memory.values()),
             "step_s": statistics.median(seconds),
+            "steps_s": seconds,
         }
 
 

@@ -1,0 +1,127 @@
+"""What a traced step asks of the processor, operation by operation: the FLOPs of each (torch's
+own formulas) and the bytes it reads and writes, for a time model in which an operation takes
+the longer of its FLOPs over the peak and its bytes over the memory bandwidth, plus a fixed cost
+for being dispatched at all (`Ops.seconds`). On a CPU the last two are most of a small model's
+step; the GPU presets leave them out (their plans count FLOPs alone, see predict.py).
+
+Counted on rank 0's own step, as traced: its shards and slices (a DTensor's local part), FSDP2's
+copies in and out of its buffers, the recomputation under checkpointing, the optimizer's step.
+Views (no data moved) and collectives (timed by the ring model instead) are not operations here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# Imports inside functions: torch's FLOP formulas load when a trace counts.
+
+
+@dataclass
+class Ops:
+    """The operations of a step, as (FLOPs, bytes, on DTensors, attention) -> how many there
+    were."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def calls(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def distributed_calls(self) -> int:
+        return sum(n for (_, _, d, _), n in self.counts.items() if d)
+
+    @property
+    def flops(self) -> float:
+        return float(sum(f * n for (f, _, _, _), n in self.counts.items()))
+
+    def seconds(
+        self,
+        flops_per_s: float,
+        bytes_per_s: float,
+        per_op_s: float,
+        per_dtensor_op_s: float = 0.0,
+        attention_flops_per_s: float | None = None,
+    ) -> float:
+        """Every operation at the longer of its FLOPs at `flops_per_s` (attention's at
+        `attention_flops_per_s`, where given: its fused kernel is no matrix product) and its
+        bytes at `bytes_per_s`, plus `per_op_s` each, and `per_dtensor_op_s` more for one on
+        DTensors (DTensor's dispatch, in Python, works out the shardings)."""
+        attention = attention_flops_per_s or flops_per_s
+        busy = sum(
+            n * max(f / (attention if a else flops_per_s), b / bytes_per_s) for (f, b, _, a), n in self.counts.items()
+        )
+        return busy + self.calls * per_op_s + self.distributed_calls * per_dtensor_op_s
+
+    def extrapolated(self, other: Ops, n: int) -> Ops:
+        """These operations with `n` more of what `other` has beyond them (a model `n` blocks
+        deeper, `other` being it one block deeper)."""
+        keys = set(self.counts) | set(other.counts)
+        grown = {k: self.counts[k] + n * (other.counts[k] - self.counts[k]) for k in keys}
+        return Ops(Counter({k: v for k, v in grown.items() if v > 0}))
+
+    def to_json(self) -> dict[str, float]:
+        moved = float(sum(b * n for (_, b, _, _), n in self.counts.items()))
+        return {"operations": self.calls, "on_dtensors": self.distributed_calls, "flops": self.flops, "bytes": moved}
+
+
+class Counting(TorchDispatchMode):
+    """Counts every operation dispatched under it into `ops` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Ops()
+        self._formulas = _formulas()
+        self._attention = _attention()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "is_view", False) or func.namespace in ("_c10d_functional", "c10d", "prim"):
+            return out
+        distributed = any(_is_dtensor(x) for x in tree_leaves((args, kwargs)))
+        local_args, local_kwargs, local_out = (_local(x) for x in (args, kwargs, out))
+        moved = sum(_nbytes(t) for t in tree_leaves((local_args, local_kwargs, local_out)))
+        formula = self._formulas.get(func._overloadpacket) or self._formulas.get(func)
+        flops = int(formula(*local_args, **local_kwargs, out_val=local_out)) if formula is not None else 0
+        self.ops.counts[flops, moved, distributed, func in self._attention] += 1
+        return out
+
+
+def _local(tree: Any) -> Any:
+    """DTensors as their local parts: what this rank computes on."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
+
+
+def _is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def _nbytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def _attention() -> set[Any]:
+    """torch's fused attention kernels, forward and backward."""
+    aten = torch.ops.aten
+    names = [n for n in dir(aten) if n.startswith(("_scaled_dot_product_", "_flash_attention", "_efficient_attention"))]
+    return {getattr(aten, n).default for n in names if hasattr(getattr(aten, n), "default")}
+
+
+def _formulas() -> dict[Any, Any]:
+    from torch.utils.flop_counter import flop_registry
+
+    from .trace import _cpu_attention_formulas
+
+    return {**flop_registry, **_cpu_attention_formulas()}

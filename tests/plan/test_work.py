@@ -1,0 +1,45 @@
+"""`plan.work`: every operation a step dispatches, counted with its FLOPs (torch's formulas) and
+the bytes it moves; the CPU's time model over them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ddpkit.plan.work import Counting, Ops
+
+pytestmark = pytest.mark.unit
+
+
+def test_products_and_attention_are_counted_with_their_flops_and_bytes_views_are_not():
+    with FakeTensorMode():
+        a, b = torch.randn(64, 32), torch.randn(32, 16, requires_grad=True)
+        q = torch.randn(2, 4, 16, 8)
+        with Counting() as counting:
+            y = a @ b  # 2 * 64 * 32 * 16 FLOPs, (64*32 + 32*16 + 64*16) * 4 bytes
+            y.t()  # a view: nothing moved
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    ops = counting.ops
+    assert ops.counts[2 * 64 * 32 * 16, (64 * 32 + 32 * 16 + 64 * 16) * 4, False, False] == 1
+    attention = [(f, n) for (f, _, _, a), n in ops.counts.items() if a]
+    assert attention == [(4 * 2 * 4 * 16 * 16 * 8, 1)]  # QK^T and AV, counted whole (causal or not)
+    assert ops.calls == 2 and ops.flops == 2 * 64 * 32 * 16 + 4 * 2 * 4 * 16 * 16 * 8
+
+
+def test_each_operation_takes_the_longer_of_its_flops_and_its_bytes_plus_its_dispatch():
+    ops = Ops(Counter({(100, 10, False, False): 2, (0, 50, True, False): 1, (40, 0, False, True): 1}))
+    # products at 10 FLOP/s, attention at 4, bytes at 5 per s; 1 s per operation, 3 more on DTensors
+    seconds = ops.seconds(10.0, 5.0, 1.0, 3.0, attention_flops_per_s=4.0)
+    assert seconds == pytest.approx(2 * max(10, 2) + 10 + 10 + 4 * 1 + 1 * 3)
+    assert ops.distributed_calls == 1 and ops.to_json()["bytes"] == 70
+
+
+def test_operations_of_a_deeper_model_grow_by_one_blocks_worth_each():
+    two = Ops(Counter({(1, 1, False, False): 5, (9, 9, False, False): 1}))
+    three = Ops(Counter({(1, 1, False, False): 7, (9, 9, False, False): 1}))
+    assert three.extrapolated(three, 5).counts == three.counts
+    assert two.extrapolated(three, 4).counts == Counter({(1, 1, False, False): 13, (9, 9, False, False): 1})
