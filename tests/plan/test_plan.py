@@ -223,3 +223,20 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_any_plan(tmp_path):
         assert r["code"] == 2, (flags, r["stderr"][-2000:])
         assert says in r["stderr"] and len(r["stderr"].strip().splitlines()) == 1, (flags, r["stderr"])
         assert r["seconds"] < 20, flags  # refused before anything is traced
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_cli_plans_for_this_machines_cpu_measured_first(cli):
+    """`--gpu cpu`: the cluster is this machine's CPU with --gpus-per-node processes, measured
+    (calibrate.measure), and the plan says how it times each step; the command runs on the CPU."""
+    proc = cli(
+        "plan", "--gpu", "cpu", "--gpus-per-node", "2", "--gpt-width", "32", "--gpt-depth", "2", "--seq-len", "32",
+        "--batch-size", "8", "--activation-checkpointing", "off", "--precision", "fp32", "--strategy", "ddp,fsdp",
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "CPU process (of 2 here, measured)" in out and "compute (measured here)" in out
+    assert "overlap: none" in out and "ddp 2 mb4" in out and "fsdp 2 mb4" in out
+    assert "--device cpu --nproc 2" in out

@@ -8,6 +8,8 @@ from .parsing import ArgumentParser
 
 # Imports inside functions: `--help` and a bad flag's one line load no torch.
 
+EFFICIENCY = 0.4  # --efficiency's default
+
 # --activation-checkpointing: the settings each layout is planned with (True: full)
 AC = {
     "both": (False, True),
@@ -100,6 +102,8 @@ def _resolve(a: object) -> tuple[object, object]:
     )
     models.check(a.model, in_shape, classes)  # a model of one's own too: built and run once, as train does
     _check_outputs(a)
+    if a.gpu == "cpu":
+        return spec, _cpu(a)
     c = cluster(
         a.gpu,
         checks.positive("--gpus-per-node", a.gpus_per_node),
@@ -111,6 +115,20 @@ def _resolve(a: object) -> tuple[object, object]:
         inter_gbps=a.inter_gbps,
     )
     return spec, c
+
+
+def _cpu(a: object) -> object:
+    """This machine's CPU, measured with --gpus-per-node processes (`plan.calibrate`)."""
+    from ..core import checks
+    from ..errors import UsageError
+    from ..plan.calibrate import measure
+
+    given = [f for f in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps") if getattr(a, f) is not None]
+    if a.nodes != 1 or given or a.efficiency != EFFICIENCY:
+        extra = ", ".join(f"--{f.replace('_', '-')}" for f in given) or ("--efficiency" if a.nodes == 1 else "--nodes")
+        raise UsageError(f"--gpu cpu is this machine, measured: {extra} cannot be given with it")
+    n = checks.positive("--gpus-per-node", a.gpus_per_node)
+    return measure(n).cluster()
 
 
 def _check_outputs(a: object) -> None:
@@ -167,14 +185,21 @@ def _parser() -> ArgumentParser:
         "other product's outputs kept), or all three",
     )
     p.add_argument("--strategy", help="plan only these, comma-separated: ddp, fsdp, hsdp, tp (default: all)")
-    p.add_argument("--gpu", default="h100", help="preset: h100 (default), h200, a100-80gb or a100-40gb")
+    p.add_argument(
+        "--gpu",
+        default="h100",
+        help="preset: h100 (default), h200, a100-80gb or a100-40gb; or cpu: this machine's CPU with --gpus-per-node "
+        "processes, measured first (rates, bandwidth, collectives; see docs/plan.md)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--memory-gib", type=float, help="GPU memory in GiB (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s at --precision (default: the preset's)")
     p.add_argument("--intra-gbps", type=float, help="GB/s per GPU, one direction, within a node (default: preset)")
     p.add_argument("--inter-gbps", type=float, help="GB/s per GPU, one direction, between nodes (default: preset)")
-    p.add_argument("--efficiency", type=float, default=0.4, help="share of the peak the products reach (default 0.4)")
+    p.add_argument(
+        "--efficiency", type=float, default=EFFICIENCY, help="share of the peak the products reach (default 0.4)"
+    )
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot memory and predicted throughput per layout")
     p.add_argument("--progress", action="store_true", help="a progress bar over the layouts")

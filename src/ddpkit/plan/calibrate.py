@@ -89,6 +89,7 @@ class Calibration:
             dtensor_op_overhead_us={k: v * 1e6 for k, v in self.per_dtensor_op_s.items()},
             attention_tflops=self.attention_flops_per_s / 1e12,
             overlap=False,
+            device="cpu",
         )
         return Cluster(gpu, self.nproc, 1, efficiency=self.efficiency)
 

@@ -38,6 +38,7 @@ class Gpu:
     dtensor_op_overhead_us: dict[str, float] = field(default_factory=dict)
     attention_tflops: float = 0.0  # its fused attention kernel's rate, where measured (0: the peak's)
     overlap: bool = True
+    device: str = "cuda"  # as `ddpkit train --device` names it
 
 
 def _peaks(key: str, fp32: float) -> dict[str, float]:
@@ -122,7 +123,9 @@ def cluster(
     `peak_tflops=...` for every precision at once, `intra_gbps=...`); None leaves a field as
     the preset has it."""
     if gpu not in GPUS:
-        raise UsageError(f"--gpu {gpu!r}: not a preset; choose one of {', '.join(GPUS)} (and override its figures)")
+        raise UsageError(
+            f"--gpu {gpu!r}: not a preset; choose one of {', '.join(GPUS)} (and override its figures), or cpu"
+        )
     given = {k: v for k, v in overrides.items() if v is not None}
     if "peak_tflops" in given:
         peak = float(given["peak_tflops"])

@@ -254,7 +254,7 @@ def command(spec: Spec, cluster: Cluster, layout: Layout) -> str:
     else:  # the shape planned, as synthetic images
         shape = ",".join(str(n) for n in spec.in_shape)
         parts += ["--data synthetic", f"--synthetic-shape {shape}", f"--num-classes {spec.num_classes}"]
-    parts += ["--device cuda", f"--nproc {cluster.gpus_per_node}"]
+    parts += [f"--device {cluster.gpu.device}", f"--nproc {cluster.gpus_per_node}"]
     if cluster.nodes > 1:
         parts += [
             f"--nnodes {cluster.nodes}",
