@@ -209,17 +209,33 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
     spec = layout.spec
     spec.check_processes(world_size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        model = step.build()
-        if layout.checkpointing:
-            checkpointing_apply(model, layout.checkpointing)
+    model, on_meta = _built(step, mode)
+    if layout.checkpointing:
+        checkpointing_apply(model, layout.checkpointing)
     strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
+    if on_meta:
+        with mode:
+            model.to_empty(device="cpu")  # FSDP2 and DTensor take their shards from here on, as in a run
     if step.precision != "fp32" and (strategy is None or layout.spec.data_size == 1):
         # bf16/fp16 where FSDP2's policy does not carry it (ddp, tp on one data rank): the
         # forward under autocast, outputs back in fp32, as the strategies wrap it
         model = AutocastModule(model, Precision(step.precision, torch.device("cpu")))
     with mode:
         return _step(model, strategy, layout, step)
+
+
+def _built(step: Step, mode: Any) -> tuple[nn.Module, bool]:
+    """The model on the meta device, split there and given fake storage afterwards (`to_empty`):
+    FSDP2 cuts each parameter into a shard per rank, and on fake tensors every shard is a Python
+    object (a 512-rank fsdp trace spent 7.8 of its 9.4 s there); on meta it is a view in C++.
+    A model of one's own that cannot be built on meta (it reads values) is built on fake
+    tensors. Whether it was built on meta is returned too."""
+    try:
+        with torch.device("meta"):
+            return step.build(), True
+    except Exception:  # noqa: BLE001 - a model of one's own: whatever its constructor raises on meta
+        with mode:
+            return step.build(), False
 
 
 def checkpointing_apply(model: nn.Module, how: bool | str = True) -> None:
