@@ -142,7 +142,6 @@ KINDS = {
     ("bench", "--model"): "name",  # built-in models only; "" is the benchmark's default
     ("bench", "--shape"): "shape",
     ("bench", "--batch-sizes"): "int-list",
-    ("bench", "--processes"): "int-list",
     ("bench", "--models"): "choice",
     ("bench", "--precision"): "name",
 }

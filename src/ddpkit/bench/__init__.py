@@ -35,5 +35,4 @@ BENCHES: dict[str, str] = {
     "gpt": "ddpkit.bench.gpt",
     "fast-cifar": "ddpkit.bench.fast_cifar",
     "startup": "ddpkit.bench.startup",
-    "plan": "ddpkit.bench.plan",
 }

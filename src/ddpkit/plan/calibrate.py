@@ -1,5 +1,5 @@
 """A cluster of this machine's CPU: its figures measured here, for `ddpkit plan --gpu cpu` and
-for checking the plan's step times against real runs (`ddpkit bench plan`).
+for checking the plan's step times against real runs (`python -m benchmarks plan`, from the repository).
 
 `nproc` processes start as `ddpkit train` would start them (gloo, and ddpkit's share of the
 cores each: `ddpkit.core.threads`) and measure, all at once so that they contend for the cores

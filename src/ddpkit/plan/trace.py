@@ -37,7 +37,7 @@ from ..strategy import REGISTRY, DDPOptions, FSDPOptions
 from ..strategy import activations as checkpointing
 from ..strategy.mesh import Layout as MeshLayout
 from ..strategy.mesh import MeshSpec
-from .work import Counting, Ops
+from .work import Counting, Ops, cpu_attention_formulas
 
 # Imports inside functions: torch's fake-tensor, memory-tracking, FLOP-counting and DeviceMesh
 # modules load when a trace runs, not when `ddpkit plan --help` imports this package.
@@ -315,31 +315,6 @@ def _make_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _cpu_attention_formulas() -> dict[Any, Any]:
-    """FLOP formulas for the CPU's fused attention kernels, which the trace runs into on fake CPU
-    tensors: FlopCounterMode knows only the CUDA kernels' (torch 2.13), and counted CPU attention
-    as 0. Their arguments begin as those kernels' do (grad_out, query, key, value, ...), so
-    CUDA's flash-attention formulas count them."""
-    from torch.utils.flop_counter import flop_registry
-
-    aten = torch.ops.aten
-    pairs = {
-        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
-    }
-    formulas = {}
-    for cpu, cuda in pairs.items():
-        if hasattr(aten, cpu) and getattr(aten, cuda) in flop_registry:
-            formula = flop_registry[getattr(aten, cuda)]  # registered: it takes the tensors' shapes itself
-
-            def counted(*args: Any, formula: Any = formula, **kwargs: Any) -> int:
-                return formula(*args, **kwargs)
-
-            counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: do not wrap it again
-            formulas[getattr(aten, cpu)] = counted
-    return formulas
-
-
 def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool | str) -> float:
     """The FLOPs of one sample's forward and backward (with recomputation under activation
     checkpointing) on the whole model, counted on fake tensors. Kept apart from the traced
@@ -352,7 +327,7 @@ def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpoin
         if checkpointing:
             checkpointing_apply(model, checkpointing)
         x, y = batch(1)
-        counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
+        counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas())
         with counter:
             loss(model(x), y).backward()
         return float(counter.get_total_flops())

@@ -122,6 +122,29 @@ def _attention() -> set[Any]:
 def _formulas() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry
 
-    from .trace import _cpu_attention_formulas
+    return {**flop_registry, **cpu_attention_formulas()}
 
-    return {**flop_registry, **_cpu_attention_formulas()}
+
+def cpu_attention_formulas() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's fused attention kernels, which the trace runs into on fake CPU
+    tensors: FlopCounterMode knows only the CUDA kernels' (torch 2.13), and counted CPU attention
+    as 0. Their arguments begin as those kernels' do (grad_out, query, key, value, ...), so
+    CUDA's flash-attention formulas count them."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    pairs = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+    }
+    formulas = {}
+    for cpu, cuda in pairs.items():
+        if hasattr(aten, cpu) and getattr(aten, cuda) in flop_registry:
+            formula = flop_registry[getattr(aten, cuda)]  # registered: it takes the tensors' shapes itself
+
+            def counted(*args: Any, formula: Any = formula, **kwargs: Any) -> int:
+                return formula(*args, **kwargs)
+
+            counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: do not wrap it again
+            formulas[getattr(aten, cpu)] = counted
+    return formulas

@@ -1,4 +1,4 @@
-"""`ddpkit bench plan` as a real command at --quick size on 2 processes: this machine calibrated
+"""`python -m benchmarks plan` as a real command at --quick size on 2 processes: this machine calibrated
 (`ddpkit.plan.calibrate`), the plan's step time of ddp, fsdp and fsdp+tp beside real steps. What
 must hold whatever the machine's speed: every figure measured and positive, the operations
 counted as the layouts split the model, the ratio that of the two times. How close they are is
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 def test_plan_benchmark_calibrates_here_and_compares_predicted_with_measured(tmp_path):
-    r = run_bench(tmp_path, "plan")
+    r = run_bench(tmp_path, "plan", comparison=True)
     rows = {row["layout"]: row for row in r["rows"]}
     assert set(rows) == {"ddp 2 mb8", "fsdp 2 mb8", "tp 2 mb8"} and all(row["processes"] == 2 for row in r["rows"])
     for row in r["rows"]:

@@ -1,4 +1,4 @@
-"""`ddpkit bench plan`: the plan's step time against real steps on this machine's CPU (issue 30's
+"""`python -m benchmarks plan`: the plan's step time against real steps on this machine's CPU (issue 30's
 goal 5: within 25% for ddp, fsdp and fsdp+tp on 1, 2 and 4 processes, on ddpkit's gpt).
 
 For each process count, this machine is calibrated first (`ddpkit.plan.calibrate`: the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import stats
+from ddpkit.bench.common import stats
 
 DESCRIPTION = "the plan's predicted step time against real steps here, for ddp, fsdp and fsdp+tp on 1, 2, 4 processes"
 CASE = {"width": 128, "depth": 4, "heads": 4}
@@ -32,8 +32,8 @@ def add_arguments(parser: Any) -> None:
 
 def cases(nproc: int) -> list[Any]:
     """gpt (CASE) under ddp, fsdp and fsdp+tp (tp 2, where the processes are even)."""
-    from ..plan.run import Spec
-    from ..plan.trace import Layout
+    from ddpkit.plan.run import Spec
+    from ddpkit.plan.trace import Layout
 
     layouts = [("ddp", f"dp={nproc}", nproc), ("fsdp", f"dp={nproc}", nproc)]
     if nproc % 2 == 0:
@@ -46,10 +46,10 @@ def cases(nproc: int) -> list[Any]:
 
 
 def run(opts: Any, device: str) -> dict[str, Any]:
-    from ..core import checks
-    from ..plan.calibrate import measure
-    from ..plan.predict import predict
-    from ..plan.verify import measured, predicted
+    from ddpkit.core import checks
+    from ddpkit.plan.calibrate import measure
+    from ddpkit.plan.predict import predict
+    from ddpkit.plan.verify import measured, predicted
 
     if device != "cpu":  # `bench all` on a GPU machine: the GPU presets are checked by `ddpkit plan --verify`
         return {"unavailable": "the plan's CPU time model is checked on CPU processes: --device cpu"}
@@ -91,7 +91,7 @@ def run(opts: Any, device: str) -> dict[str, Any]:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
-    from ..observe.plots import pyplot, save_figure
+    from ddpkit.observe.plots import pyplot, save_figure
 
     plt = pyplot()
     rows = record["result"].get("rows")
