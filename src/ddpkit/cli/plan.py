@@ -128,6 +128,8 @@ def _cpu(a: object) -> object:
         extra = ", ".join(f"--{f.replace('_', '-')}" for f in given) or ("--efficiency" if a.nodes == 1 else "--nodes")
         raise UsageError(f"--gpu cpu is this machine, measured: {extra} cannot be given with it")
     n = checks.positive("--gpus-per-node", a.gpus_per_node)
+    # each measuring process holds torch, gloo and a small gpt: about 350 MiB (peak RSS, measured)
+    checks.memory(f"--gpu cpu with --gpus-per-node {n} (a process each, measured)", 350 * 2**20, n)
     return measure(n).cluster()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 # Imports inside functions: torch's FLOP formulas load when a trace counts.
 
@@ -78,45 +78,33 @@ class Counting(TorchDispatchMode):
         super().__init__()
         self.ops = Ops()
         self._formulas = _formulas()
-        self._attention = _attention()
+        from torch.distributed.tensor import DTensor  # 0.5 s to import: when a trace counts, once
+
+        from ..strategy.activations import attention_ops
+
+        self._attention = attention_ops()
+        self._dtensor = DTensor
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if getattr(func, "is_view", False) or func.namespace in ("_c10d_functional", "c10d", "prim"):
             return out
-        distributed = any(_is_dtensor(x) for x in tree_leaves((args, kwargs)))
-        local_args, local_kwargs, local_out = (_local(x) for x in (args, kwargs, out))
+        distributed = any(isinstance(x, self._dtensor) for x in tree_leaves((args, kwargs)))
+        local_args, local_kwargs, local_out = (self._local(x) for x in (args, kwargs, out))
         moved = sum(_nbytes(t) for t in tree_leaves((local_args, local_kwargs, local_out)))
         formula = self._formulas.get(func._overloadpacket) or self._formulas.get(func)
         flops = int(formula(*local_args, **local_kwargs, out_val=local_out)) if formula is not None else 0
         self.ops.counts[flops, moved, distributed, func in self._attention] += 1
         return out
 
-
-def _local(tree: Any) -> Any:
-    """DTensors as their local parts: what this rank computes on."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
-
-
-def _is_dtensor(x: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
+    def _local(self, tree: Any) -> Any:
+        """DTensors as their local parts: what this rank computes on."""
+        return tree_map(lambda x: x._local_tensor if isinstance(x, self._dtensor) else x, tree)
 
 
 def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
-
-
-def _attention() -> set[Any]:
-    """torch's fused attention kernels, forward and backward."""
-    aten = torch.ops.aten
-    names = [n for n in dir(aten) if n.startswith(("_scaled_dot_product_", "_flash_attention", "_efficient_attention"))]
-    return {getattr(aten, n).default for n in names if hasattr(getattr(aten, n), "default")}
 
 
 def _formulas() -> dict[Any, Any]:

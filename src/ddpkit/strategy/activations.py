@@ -113,19 +113,17 @@ def _subclass(cls: type[nn.Module], mode: str) -> type[nn.Module]:
     return _SUBCLASSES[cls, mode]
 
 
-def _attention_ops() -> set[Any]:
-    """torch's fused attention kernels (CUDA's, and the CPU's), whichever this build has."""
-    names = (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+def attention_ops() -> frozenset[Any]:
+    """torch's fused attention kernels, forward and backward (CUDA's, and the CPU's), whichever
+    this build has: what selective checkpointing keeps, and what the plan times apart."""
+    aten = torch.ops.aten
+    prefixes = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention")
+    names = [n for n in dir(aten) if n.startswith(prefixes)]
+    return frozenset(getattr(aten, n).default for n in names if hasattr(getattr(aten, n), "default"))
 
 
 _PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-_ATTENTION = _attention_ops()
+_ATTENTION = attention_ops()
 
 
 def _selective_contexts() -> Any:
