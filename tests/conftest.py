@@ -84,7 +84,9 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with parallel.turn(item.config, alone=item.get_closest_marker("alone") is not None):
+    alone = item.get_closest_marker("alone") is not None
+    next_alone = nextitem is not None and nextitem.get_closest_marker("alone") is not None
+    with parallel.turn(item.config, alone, next_alone):
         return (yield)
 
 
