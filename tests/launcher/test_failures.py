@@ -222,3 +222,29 @@ def test_a_worker_the_agent_reaped_first_still_has_its_exit_recorded(tmp_path):
     (tmp_path / records.STOPS).write_text(f"{t + 5}\n")
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert cause.rank == 1 and cause.outside, cause
+
+
+@pytest.mark.unit
+def test_a_sigkilled_rank_the_agent_reaped_first_is_blamed_not_the_peer_it_sigtermed(tmp_path):
+    # Under load torch's agent reaped SIGKILLed rank 1 before the launcher's SIGCHLD watch looked,
+    # and SIGTERMed rank 0 before its stops were recorded. Rank 1's end was stamped when the
+    # failure was noted (after rank 0's): rank 0 was blamed, "killed by SIGTERM (not from the
+    # launcher)". When rank 1 ended is not known, so it may have ended first.
+    from types import SimpleNamespace
+
+    from ddpkit.launcher import failures, records
+
+    folder = tmp_path / "attempt-0"
+    folder.mkdir()
+    t = time.time()
+    for rank in (0, 1):
+        (folder / f"rank-{rank}.pid").write_text(str(5000 + rank))
+    (folder / "rank-0.stack").write_text("Stack of rank 0:\n  File 'x.py', line 1 in barrier\n")
+    os.utime(folder / "rank-0.stack", (t - 1.0, t - 1.0))
+    (folder / "rank-0.exit").write_text(json.dumps({"status": -signal.SIGTERM, "time": t - 0.9}))
+    (tmp_path / records.STOPS).write_text(f"{t - 0.5}\n")
+    records.note_failures(str(tmp_path), {1: SimpleNamespace(pid=5001, exitcode=-signal.SIGKILL)})
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert cause.rank == 1 and cause.status == -signal.SIGKILL and not cause.outside, cause
+    what, _ = failures.describe(cause, failures.endings(str(tmp_path), 0, {}, 0))
+    assert what == "was killed by SIGKILL (out of memory?)"

@@ -135,9 +135,19 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
     for rank, e in out.items():
         if stop is None or e.status != -signal.SIGTERM or not e.when < stop:
             continue
-        if all(o.when > e.when for o in out.values() if o.rank != rank and o.kind != "ok"):
+        if not any(_may_have_ended_before(o, e) for o in out.values() if o.rank != rank and o.kind != "ok"):
             out[rank] = dataclasses.replace(e, outside=True)
     return out
+
+
+def _may_have_ended_before(other: Ending, e: Ending) -> bool:
+    """Whether `other` may have ended before `e`: it did, or when it ended is not known and it
+    did not die of the agent's SIGTERM (a rank SIGKILLed and reaped by the agent before the
+    launcher's watch looked: the agent then SIGTERMs the rest, before its stops are recorded)."""
+    if other.when <= e.when:
+        return True
+    unknown = other.when == float("inf")
+    return unknown and (other.kind == "vanished" or other.status not in (None, 0, -signal.SIGTERM))
 
 
 def blame(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], offset: int) -> Ending | None:

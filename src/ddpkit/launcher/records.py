@@ -142,7 +142,8 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
         started = float("inf")
     exit_, frozen = _json(text("exit")), _json(text("frozen"))
     stack = text("stack").strip()
-    ended = exit_.get("time", float("inf"))
+    ended = exit_.get("time")
+    ended = float("inf") if ended is None else ended  # not known: no record, or the agent's report only
     if stack and (exit_.get("status") or 0) < 0:
         # Killed by a signal whose handler dumped the stack: it got the signal when the dump was
         # written. The parent's time is when its SIGCHLD watch looked, which under load may look
@@ -212,12 +213,13 @@ def agent_stops(root: str) -> Iterator[None]:
 def note_failures(root: str, failures: dict[int, Any]) -> None:
     """The exit status of each failed worker the agent saw (torch's ProcessFailure: its pid and
     exit code, minus the signal), written as its `.exit` record where the SIGCHLD watch wrote
-    none: the agent reaped it before the watch looked, which under load happens."""
+    none: the agent reaped it before the watch looked, which under load happens. When it ended
+    is not known (at some moment before now): its time is None."""
     pids = {int(f.pid): int(f.exitcode) for f in failures.values() if getattr(f, "pid", None)}
     for _, record, pid in worker_records(root) if pids else ():
         if pid in pids and not os.path.exists(record + ".exit"):
             with open(record + ".exit", "w") as f:
-                json.dump({"status": pids[pid], "time": time.time()}, f)
+                json.dump({"status": pids[pid], "time": None}, f)
 
 
 def worker_records(root: str) -> Iterator[tuple[str, str, int]]:
