@@ -130,6 +130,7 @@ KINDS = {
     ("plan", "--activation-checkpointing"): "choice",
     ("plan", "--gpu"): "choice",
     ("plan", "--gpt-style"): "choice",
+    ("find-batch-size", "--gpt-style"): "choice",
     ("plan", "--strategy"): "choice",
     ("plan", "--json"): "out-file",
     ("plan", "--plot"): "out-png",

@@ -59,8 +59,10 @@ def test_cli_two_processes_json_png_and_the_knee(tmp_path):
         (("--mesh", "replicate=2,dp=1"), "2 x cpu hsdp on replicate=2,dp=1", "hsdp", "replicate=2,dp=1", [1, 2]),
         # a pipeline of gpt: a size is the one data rank's, cut into micro-batches; gpipe starts at 1
         (
-            ("--model", "gpt", "--mesh", "pp=2", "--pp-schedule", "gpipe", "--seq-len", "16", "--gpt-width", "16"),
-            "gpt (width 16, depth 4, heads 4) on sequences of 16 tokens (a vocabulary of 256), 2 x cpu pp on pp=2",
+            ("--model", "gpt", "--mesh", "pp=2", "--pp-schedule", "gpipe", "--seq-len", "16", "--gpt-width", "16")
+            + ("--gpt-style", "llama", "--gpt-kv-heads", "2", "--gpt-hidden", "24"),  # Llama's shape, as train takes it
+            "gpt (width 16, depth 4, heads 4, llama, kv heads 2, hidden 24) on sequences of 16 tokens (a vocabulary "
+            "of 256), 2 x cpu pp on pp=2",
             "pp",
             "pp=2",
             [1, 2, 4],
@@ -105,6 +107,10 @@ BAD_INPUT = {
     "gpt-images": ["--model", "gpt", "--data", "digits"],
     "seq-len": ["--model", "gpt", "--seq-len", "0"],
     "gpt-width": ["--model", "gpt", "--gpt-width", "30"],
+    "gpt-kv-heads": ["--model", "gpt", "--gpt-kv-heads", "3"],  # 4 query heads
+    "gpt-style": ["--model", "gpt", "--gpt-style", "mistral"],
+    "llama-odd-head": ["--model", "gpt", "--gpt-style", "llama", "--gpt-width", "20"],  # heads of 5 features
+    "tp-kv-heads": ["--model", "gpt", "--gpt-kv-heads", "1", "--mesh", "dp=1,tp=2", "--nproc", "2"],
     "gpt-memory": ["--model", "gpt", "--seq-len", "100000000"],
     "tp-fp16": ["--model", "gpt", "--mesh", "dp=1,tp=2", "--nproc", "2", "--precision", "fp16"],
     "max-batch": ["--max-batch", "0"],
@@ -138,3 +144,13 @@ def test_bad_input_exits_2_with_one_line(refused, name):
     lines = r["stderr"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpkit find-batch-size: error:"), r["stderr"]
     assert not os.listdir(r["cwd"])  # nothing written
+    assert NAMED.get(name, "") in lines[0]
+
+
+# what the line of some cases names: the flag to change
+NAMED = {
+    "gpt-kv-heads": "--gpt-kv-heads 3",
+    "gpt-style": "--gpt-style must be one of gpt2, llama",
+    "llama-odd-head": "each head's width (5) must be even",
+    "tp-kv-heads": "its 4 heads, 1 key/value heads and 256 tokens must be multiples of 2",
+}

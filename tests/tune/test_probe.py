@@ -170,3 +170,21 @@ def test_real_cuda_out_of_memory_is_caught_and_bisected(tmp_path):
     bad = [t["per_device_batch"] for t in r["trials"] if not t["fits"]]
     assert bad and r["per_device_batch"] + 1 == min(bad)
     assert r["gpu"] and r["peak_memory_measure"] == "torch.cuda.max_memory_allocated"
+
+
+@pytest.mark.unit
+def test_a_searched_gpt_is_built_in_the_shape_asked_as_train_builds_it():
+    from ddpkit import models
+    from ddpkit.tune.plan import Settings
+
+    shape = {"gpt_width": 16, "gpt_depth": 2, "gpt_heads": 4, "gpt_style": "llama", "gpt_kv_heads": 2, "gpt_hidden": 24}
+    s = Settings(model="gpt", data="text", in_shape=(16,), num_classes=256, **shape)
+    model = models.build(s.model, s.in_shape, s.num_classes, **s.model_options())  # as the probe builds it
+    counted = models.gpt_parameters(16, 256, 16, 2, style="llama", heads=4, kv_heads=2, hidden=24)
+    assert sum(p.numel() for p in model.parameters()) == counted
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())  # RMSNorm: llama's
+    assert Settings(model="gpt", data="text", in_shape=(16,), num_classes=256).model_options() == {
+        "width": models.GPT_WIDTH,
+        "depth": models.GPT_DEPTH,
+        "heads": models.GPT_HEADS,
+    }  # gpt2's flags unchanged: nothing new passed

@@ -43,6 +43,13 @@ def _parser() -> ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="--data text: tokens per sequence (default 128)")
     for name, what in (("width", "embedding width"), ("depth", "transformer blocks"), ("heads", "attention heads")):
         p.add_argument(f"--gpt-{name}", type=int, help=f"--model gpt: {what} (default: ddpkit train's)")
+    p.add_argument(
+        "--gpt-style",
+        help="--model gpt: gpt2 (LayerNorm, GELU MLP, learned positions; the default) or llama (RMSNorm, SwiGLU, "
+        "rotary positions, no biases), as ddpkit train's",
+    )
+    p.add_argument("--gpt-kv-heads", type=int, help="--model gpt: key/value heads (fewer: grouped-query attention)")
+    p.add_argument("--gpt-hidden", type=int, help="--model gpt: the MLP's hidden width (default: the style's)")
     p.add_argument("--nproc", default="auto", help="processes: N, or auto (one per GPU; on CPU one per 4 cores)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")

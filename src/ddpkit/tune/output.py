@@ -50,7 +50,7 @@ def header(s: Settings, world: int, device: str, strategy: str, probes: bool = T
     below the strategy first; a sharded one has none, see `probe`)."""
     if s.language:
         what = (
-            f"{s.model} (width {s.gpt_width}, depth {s.gpt_depth}, heads {s.gpt_heads}) on sequences of "
+            f"{s.model} (width {s.gpt_width}, depth {s.gpt_depth}, heads {s.gpt_heads}{_gpt_extras(s)}) on sequences of "
             f"{s.in_shape[0]} tokens (a vocabulary of {s.num_classes})"
         )
     else:
@@ -60,6 +60,14 @@ def header(s: Settings, world: int, device: str, strategy: str, probes: bool = T
         f"{'1 probe step, then ' if probes else ''}{s.warmup} warm-up and {s.steps} timed training steps on a "
         "synthetic batch"
     )
+
+
+def _gpt_extras(s: Settings) -> str:
+    """The gpt shape's flags beyond width, depth and heads, where given: ', llama, kv heads 2'."""
+    extras = [s.gpt_style] if s.gpt_style != "gpt2" else []
+    extras += [f"kv heads {s.gpt_kv_heads}"] if s.gpt_kv_heads is not None else []
+    extras += [f"hidden {s.gpt_hidden}"] if s.gpt_hidden is not None else []
+    return "".join(f", {e}" for e in extras)
 
 
 def shared_samples(world: int, data_ranks: int, mesh: str) -> str | None:

@@ -36,6 +36,9 @@ class Settings:
     gpt_width: int = models.GPT_WIDTH  # --model gpt's shape (as ddpkit train's --gpt-* flags)
     gpt_depth: int = models.GPT_DEPTH
     gpt_heads: int = models.GPT_HEADS
+    gpt_style: str = "gpt2"
+    gpt_kv_heads: int | None = None  # None: as many as --gpt-heads
+    gpt_hidden: int | None = None  # None: the style's default MLP width
     device: str = "auto"
     precision: str = "fp32"
     optimizer: str = "sgd"
@@ -66,8 +69,11 @@ class Settings:
             ("--gpt-heads", self.gpt_heads),
         ):
             checks.positive(flag, value)
-        if self.gpt_width % self.gpt_heads:
-            raise UsageError(f"--gpt-width {self.gpt_width} must be a multiple of --gpt-heads {self.gpt_heads}")
+        shape = models.gpt_shape_error(
+            self.gpt_width, self.gpt_heads, self.gpt_kv_heads, self.gpt_style, self.gpt_hidden
+        )
+        if shape:
+            raise UsageError(shape)
         if self.start > self.max_batch:
             raise UsageError(f"--start {self.start} is larger than --max-batch {self.max_batch}")
         checks.at_least("--warmup", self.warmup, 0)
@@ -83,8 +89,14 @@ class Settings:
         return self.model in models.LANGUAGE_MODELS
 
     def model_options(self) -> dict[str, Any]:
-        """What `models.build` passes the builder besides the shape (gpt's)."""
-        return {"width": self.gpt_width, "depth": self.gpt_depth, "heads": self.gpt_heads} if self.language else {}
+        """What `models.build` passes the builder besides the shape (gpt's; the style, key/value
+        heads and MLP width only where given, as ddpkit train passes them)."""
+        if not self.language:
+            return {}
+        options = {"width": self.gpt_width, "depth": self.gpt_depth, "heads": self.gpt_heads}
+        given = {"style": None if self.gpt_style == "gpt2" else self.gpt_style}
+        given |= {"kv_heads": self.gpt_kv_heads, "hidden": self.gpt_hidden}
+        return options | {k: v for k, v in given.items() if v is not None}
 
 
 def criterion_for(criterion: str, device_type: str) -> str:
@@ -129,7 +141,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         optimizer=a.optimizer,
         **{
             f"gpt_{n}": getattr(a, f"gpt_{n}")
-            for n in ("width", "depth", "heads")
+            for n in ("width", "depth", "heads", "style", "kv_heads", "hidden")
             if getattr(a, f"gpt_{n}") is not None
         },
         strategy=strategy,
@@ -144,8 +156,9 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     )
     if language:
         per_weight = strategies.by_name(strategy).bytes_per_weight(topology.world_size)
+        shape = {k: v for k, v in settings.model_options().items() if k not in ("width", "depth")}
         models.check_gpt_memory(
-            in_shape[0], classes, settings.gpt_width, settings.gpt_depth, per_weight, topology.nproc
+            in_shape[0], classes, settings.gpt_width, settings.gpt_depth, per_weight, topology.nproc, **shape
         )
     _check_layout(settings, layout)
     if a.plot and not a.plot.lower().endswith(".png"):
