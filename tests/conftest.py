@@ -84,9 +84,7 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    alone = item.get_closest_marker("alone") is not None
-    next_alone = nextitem is not None and nextitem.get_closest_marker("alone") is not None
-    with parallel.turn(item.config, alone, next_alone):
+    with parallel.turn(item.config, alone=item.get_closest_marker("alone") is not None):
         return (yield)
 
 

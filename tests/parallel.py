@@ -9,8 +9,7 @@ Two things stop a worker from getting in the other's way:
   (the thread choice, a bound in milliseconds) runs while no other worker runs a test. Every
   other test holds a shared turn, an `alone` test the only one: a readers-writer lock over two
   files (fcntl.flock), where a waiting `alone` test holds the gate, so later tests queue behind
-  it instead of starving it. A worker keeps the only turn over consecutive `alone` tests (a
-  file of them), so the other workers wait once for the lot, not once per test.
+  it instead of starving it.
 
 Without xdist (`python -m pytest` alone, or -n 0) neither does anything.
 """
@@ -44,61 +43,33 @@ def shared_folder(config) -> Path | None:
     return Path(config.option.basetemp).parent
 
 
-class _Turns:
-    """One worker's hold on the turn files of its run: a shared turn per test, or the only one
-    for an `alone` test, kept over the `alone` tests that follow it."""
-
-    def __init__(self, folder: Path):
-        self.gate = open(folder / "gate", "a")  # noqa: SIM115 (held for the worker's life)
-        self.turn = open(folder / "turn", "a")  # noqa: SIM115
-        self.alone = False
-
-    def take(self, alone: bool) -> None:
-        if alone and self.alone:
-            return  # still the only one, since the `alone` test before
-        fcntl.flock(self.gate, fcntl.LOCK_EX)  # queue: an `alone` test waiting here keeps it
-        try:
-            fcntl.flock(self.turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            if not alone:
-                fcntl.flock(self.gate, fcntl.LOCK_UN)
-        self.alone = alone
-
-    def give(self, next_alone: bool) -> None:
-        if self.alone and next_alone:
-            return  # the next test runs alone too: no other test in between
-        fcntl.flock(self.turn, fcntl.LOCK_UN)
-        if self.alone:
-            fcntl.flock(self.gate, fcntl.LOCK_UN)
-        self.alone = False
-
-
-_TURNS: dict[tuple[Path, str], _Turns] = {}  # by (run's folder, worker)
-
-
 @contextlib.contextmanager
-def turn(config, alone: bool, next_alone: bool = False):
-    """Hold this worker's turn to run a test: shared, or the only one when `alone` (and still
-    after it when `next_alone`, the next test of this worker, runs alone too)."""
+def turn(config, alone: bool):
+    """Hold this worker's turn to run a test: shared, or the only one when `alone`."""
     folder = shared_folder(config)
     if folder is None:
         yield
         return
-    key = (folder, config.workerinput["workerid"])
-    turns = _TURNS.get(key) or _TURNS.setdefault(key, _Turns(folder))
-    turns.take(alone)
-    try:
-        yield
-    finally:
-        turns.give(next_alone)
+    with open(folder / "gate", "a") as gate, open(folder / "turn", "a") as held:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # queue: an `alone` test waiting here keeps it
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def made_once(config, name: str, make: Callable[[], Any]) -> Any:
     """`make()`'s result, made by one worker of the run and read by the others (in one process,
     simply made). It must pickle, and its files must live under tmp_path_factory's folders, which
-    stay until the run is over (pytest removes a run's folders only in a later run). A `make`
-    that raises leaves nothing behind: the next worker to ask tries again, and fails with its own
-    error."""
+    stay until the run is over (pytest removes a run's folders only in a later run). A `make` that raises leaves nothing behind: the next worker to
+    ask tries again, and fails with its own error."""
     shared = shared_folder(config)
     if shared is None:
         return make()

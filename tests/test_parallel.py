@@ -84,28 +84,3 @@ def test_an_alone_test_waits_for_the_running_ones_and_later_ones_wait_for_it(tmp
     assert events.index("b in") < events.index("a out")
     assert events.index("alone in") > max(events.index("a out"), events.index("b out"))
     assert events.index("alone out") + 1 == events.index("late in")
-
-
-def test_consecutive_alone_tests_of_a_worker_keep_the_turn_between_them(tmp_path):
-    events: list[str] = []
-
-    def alone_worker():
-        config = _worker_config(tmp_path, "gw0")
-        for i, next_alone in ((1, True), (2, False)):
-            with parallel.turn(config, alone=True, next_alone=next_alone):
-                events.append(f"alone {i} in")
-                time.sleep(0.3)
-                events.append(f"alone {i} out")
-            time.sleep(0.1)  # the worker's own work between two tests: the other one asks meanwhile
-
-    def other_worker():
-        time.sleep(0.1)
-        with parallel.turn(_worker_config(tmp_path, "gw1"), alone=False):
-            events.append("other in")
-
-    threads = [threading.Thread(target=alone_worker), threading.Thread(target=other_worker)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert events == ["alone 1 in", "alone 1 out", "alone 2 in", "alone 2 out", "other in"]
