@@ -23,7 +23,6 @@ import termios
 import pytest
 
 from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job
-from tests import parallel
 
 # The suite's runs take their share of the cores whatever else the machine does (ddpkit would
 # otherwise give fewer threads to a run started while another test's processes are busy, and the
@@ -66,26 +65,15 @@ def pytest_sessionfinish(session, exitstatus):
     path = config.getoption("--slowest-into")
     whole = not config.getoption("markexpr") and not config.getoption("keyword")
     whole = whole and all(os.path.abspath(a) in (ROOT, os.path.join(ROOT, "tests")) for a in config.args)
-    if not path or exitstatus != 0 or not whole or config.option.collectonly or parallel.shared_folder(config):
-        return  # (a part of the suite says nothing of the whole's slowest; xdist's workers neither)
+    if not path or exitstatus != 0 or not whole or config.option.collectonly:
+        return  # (a part of the suite says nothing of the whole's slowest)
     import datetime
     import time
 
     from tests import slowest
 
     total = time.time() - _STARTED[0]
-    workers = config.getoption("numprocesses", None) or 0
-    slowest.write_into(path, slowest.block(_SECONDS, total, len(_PASSED), datetime.date.today(), workers))
-
-
-def pytest_xdist_auto_num_workers(config):
-    return parallel.auto_workers()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    with parallel.turn(item.config, alone=item.get_closest_marker("alone") is not None):
-        return (yield)
+    slowest.write_into(path, slowest.block(_SECONDS, total, len(_PASSED), datetime.date.today()))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
@@ -229,52 +217,41 @@ TENSORBOARD = ["--tensorboard"] if HAVE_TENSORBOARD else []
 
 
 @pytest.fixture(scope="session")
-def two_process_run(tmp_path_factory, pytestconfig):
+def two_process_run(tmp_path_factory):
     """`ddpkit train --epochs 2 --nproc 2 --device cpu --out DIR` (with --tensorboard when it is
     installed): 46 steps on digits, made once per session and read by every test that needs
     this run: cli/test_train.py and cli/test_bad_input.py (as `run1`), the trainer's invariance
     and resume tests (as `straight`), the outputs and report tests (as run A of `runs`), and
     the two-host test (launcher/test_multinode.py) as the one-host run it compares with.
     Returns (out directory, the completed process); no test writes in it (those that continue
-    the run copy it first). Made once per run of the suite, however many workers it has
-    (tests/parallel.py), as are the other shared runs below."""
-
-    def make():
-        root = tmp_path_factory.mktemp("two_process_run")
-        out = root / "out"
-        args = ("--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD)
-        return out, run_cli("train", *args, cwd=str(root))
-
-    return parallel.made_once(pytestconfig, "two_process_run", make)
+    the run copy it first)."""
+    root = tmp_path_factory.mktemp("two_process_run")
+    out = root / "out"
+    proc = run_cli(
+        "train", "--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD, cwd=str(root)
+    )
+    return out, proc
 
 
 @pytest.fixture(scope="session")
-def fsdp_two_process_run(tmp_path_factory, pytestconfig):
+def fsdp_two_process_run(tmp_path_factory):
     """`two_process_run` under `--strategy fsdp`: `ddpkit train --epochs 2 --nproc 2 --strategy
     fsdp --device cpu --out DIR`, 46 steps on digits, made once per session: the uninterrupted
     fsdp run that the invariance test (trainer/test_invariance.py) and the SIGKILL test under
     fsdp (launcher/test_faults.py) compare with. Returns (out directory, the completed process)."""
-
-    def make():
-        out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
-        args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
-        return out, run_cli("train", *args)
-
-    return parallel.made_once(pytestconfig, "fsdp_two_process_run", make)
+    out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
+    args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
+    return out, run_cli("train", *args)
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory, pytestconfig):
+def default_run(tmp_path_factory):
     """`ddpkit train --nproc 1 --device cpu --out DIR`: the default recipe (10 epochs of digits)
     on one process, made once per session for the test of its accuracy (cli/test_train.py) and
     as run B of `runs`. Returns (out directory, the completed process)."""
-
-    def make():
-        root = tmp_path_factory.mktemp("default_run")
-        out = root / "out"
-        return out, run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(root))
-
-    return parallel.made_once(pytestconfig, "default_run", make)
+    root = tmp_path_factory.mktemp("default_run")
+    out = root / "out"
+    return out, run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(root))
 
 
 @pytest.fixture(scope="session")
@@ -289,7 +266,7 @@ def runs(tmp_path_factory, two_process_run, default_run):
 
 
 @pytest.fixture(scope="session")
-def one_epoch_run(tmp_path_factory, pytestconfig):
+def one_epoch_run(tmp_path_factory):
     """`ddpkit train --epochs 1 --nproc 1 --device cpu --log-every 5 --checkpoint-every 5
     --keep-checkpoints 3 --out DIR` with its stderr on a pseudo-terminal: 23 steps on digits,
     checkpoints at steps 5, 10, 15, 20 and the epoch's end (23), the newest three kept. Made once
@@ -298,42 +275,34 @@ def one_epoch_run(tmp_path_factory, pytestconfig):
     run that --channels-last is compared with (test_runtime.py): neither the terminal nor the
     logging and checkpoint flags change what is trained. Returns (out directory, its stdout, what
     its terminal showed); no test writes in it (those that continue the run copy it first)."""
-
-    def make():
-        out = tmp_path_factory.mktemp("one_epoch_run") / "out"
-        args = ["train", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--log-every", "5"]
-        args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
-        stdout, terminal = stderr_on_a_terminal(args)
-        return out, stdout, terminal
-
-    return parallel.made_once(pytestconfig, "one_epoch_run", make)
+    out = tmp_path_factory.mktemp("one_epoch_run") / "out"
+    args = ["train", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--log-every", "5"]
+    args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
+    stdout, terminal = stderr_on_a_terminal(args)
+    return out, stdout, terminal
 
 
 @pytest.fixture(scope="session")
-def jobs_started_together(tmp_path_factory, pytestconfig):
+def jobs_started_together(tmp_path_factory):
     """Two `ddpkit train --epochs 1 --nproc 2 --device cpu --out DIR` jobs started at the same
     moment on this machine, the second with --compile: the two jobs that must not collide
     (launcher/test_topology.py), and the eager and the compiled run that must train alike
     (trainer/test_reports.py). Returns {"eager": (out, completed process), "compiled": ...}."""
-
-    def make():
-        root = tmp_path_factory.mktemp("together")
-        args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
-        jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
-        procs = {
-            name: subprocess.Popen(
-                [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=clean_env(),
-            )
-            for name, (out, extra) in jobs.items()
-        }
-        done = {}
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
-            done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        return done
-
-    return parallel.made_once(pytestconfig, "jobs_started_together", make)
+    root = tmp_path_factory.mktemp("together")
+    args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
+    jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        for name, (out, extra) in jobs.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done

@@ -14,16 +14,14 @@ END = "<!-- /slowest -->"
 COUNT = 10
 
 
-def block(seconds: dict[str, float], total: float, passed: int, when: datetime.date, workers: int = 0) -> str:
-    """The generated text: a table of the COUNT slowest tests, and what run measured them (on
-    `workers` xdist workers at once, 0: in one process)."""
+def block(seconds: dict[str, float], total: float, passed: int, when: datetime.date) -> str:
+    """The generated text: a table of the COUNT slowest tests, and what run measured them."""
     slowest = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:COUNT]
     lines = [
         BEGIN,
         f"Measured by a whole run of the suite on {when.isoformat()}: {passed} tests passed in "
         f"{total / 60:.1f} minutes on {os.cpu_count()} cores ({platform.machine()}, Python "
-        f"{platform.python_version()}), "
-        + (f"{workers} tests at a time (pytest-xdist's workers)." if workers else "one test at a time."),
+        f"{platform.python_version()}).",
         "",
         "| seconds | test |",
         "| ---: | --- |",
