@@ -5,6 +5,7 @@ launching process while the rendezvous waits; a fork never sees such an import h
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
@@ -127,6 +128,33 @@ def test_forked_workers_name_the_failing_rank(fn, args, nproc, rank, needle):
 def test_forked_workers_are_restarted_after_a_sigkill():
     assert choose_start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
     assert ddpkit.launch(die_once_on_rank1, nproc=2, device="cpu", max_restarts=1) == {0: 1, 1: 1}
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_python_thread_threading_does_not_know_of_means_spawn():
+    # pytest-xdist's workers run such a thread (execnet starts it with _thread): forking there
+    # once crashed the child while it collected garbage.
+    assert choose_start_method("cpu") == "fork", f"threads left running by earlier tests: {threading.enumerate()}"
+    started, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def wait():
+        started.set()
+        release.wait()
+        ended.set()
+
+    _thread.start_new_thread(wait, ())
+    assert started.wait(10)
+    try:
+        assert threading.active_count() == 1  # threading does not see it
+        assert choose_start_method("cpu") == "spawn"
+    finally:
+        release.set()
+    assert ended.wait(10)
+    deadline = time.monotonic() + 10
+    while len(sys._current_frames()) > 1 and time.monotonic() < deadline:  # its state is gone a moment later
+        time.sleep(0.01)
+    assert choose_start_method("cpu") == "fork"
 
 
 @pytest.mark.distributed

@@ -109,11 +109,16 @@ def choose_start_method(device_type: str) -> str:
     on 2 cores, `python -m benchmarks startup` measures it).
     Forking is unsafe after CUDA was initialized, from a process that already runs a process
     group or other Python threads, off Linux, and with a GNU OpenMP thread pool that cannot be
-    released first: choosing 'fork' releases it (see `_release_openmp`).
+    released first: choosing 'fork' releases it (see `_release_openmp`). Python threads started
+    with `_thread` rather than `threading` count too (`threading.active_count()` does not see
+    them; every Python thread has a frame in `sys._current_frames()`): pytest-xdist's workers
+    run one, and a process forked from there crashed collecting garbage.
     """
     if os.environ.get("DDPKIT_START_METHOD") == "spawn" or device_type != "cpu" or sys.platform != "linux":
         return "spawn"
-    if threading.active_count() > 1 or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
+        return "spawn"
+    if threading.active_count() > 1 or len(sys._current_frames()) > 1:
         return "spawn"
     torch, tdist = sys.modules.get("torch"), sys.modules.get("torch.distributed")
     if torch is not None and torch.cuda.is_initialized():
