@@ -177,24 +177,37 @@ def test_streams_of_the_same_length_pass_the_check_at_every_epoch_end():
     assert ddpkit.launch(workers.short_stream_on_rank, 1, 0, 4.0, 1.5, nproc=2, device="cpu") == {0: 16, 1: 16}
 
 
+def _attempt(root, pids: dict, stacks: dict, exits: dict, stops: float):
+    """The records of attempt 0 of a launch in `root`, as its workers and the launcher's watch
+    leave them: each rank's pid file (written 10 s before `stops`), the stacks their handlers
+    dumped {rank: when}, the exits the watch saw {rank: (status, when)}, and when the agent
+    began to stop the workers."""
+    from ddpkit.launcher import records
+
+    folder = root / "attempt-0"
+    folder.mkdir()
+    for rank, pid in pids.items():
+        (folder / f"rank-{rank}.pid").write_text(str(pid))
+        os.utime(folder / f"rank-{rank}.pid", (stops - 10, stops - 10))  # started well before
+    for rank, when in stacks.items():
+        (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
+        os.utime(folder / f"rank-{rank}.stack", (when, when))
+    for rank, (status, when) in exits.items():
+        (folder / f"rank-{rank}.exit").write_text(json.dumps({"status": status, "time": when}))
+    (root / records.STOPS).write_text(f"{stops}\n")
+    return folder
+
+
 @pytest.mark.unit
 def test_a_sigterm_from_outside_is_told_by_when_each_rank_got_its_signal_not_when_the_parent_looked(tmp_path):
     # Under load the parent's SIGCHLD watch looked once for both deaths and stamped rank 0 (the
     # launcher's SIGTERM) before rank 1 (killed from outside), in the order of their records:
     # rank 0 was blamed. The stacks their handlers dumped say when each got its signal.
-    from ddpkit.launcher import failures, records
+    from ddpkit.launcher import failures
 
-    folder = tmp_path / "attempt-0"
-    folder.mkdir()
     t = time.time()
-    for rank, got_signal in ((0, t - 1.0), (1, t - 2.0)):
-        (folder / f"rank-{rank}.pid").write_text(str(1000 + rank))
-        os.utime(folder / f"rank-{rank}.pid", (t - 5, t - 5))
-        (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
-        os.utime(folder / f"rank-{rank}.stack", (got_signal, got_signal))
-        stamped = t + rank * 0.001  # one look, rank 0 first
-        (folder / f"rank-{rank}.exit").write_text(json.dumps({"status": -signal.SIGTERM, "time": stamped}))
-    (tmp_path / records.STOPS).write_text(f"{t - 0.5}\n")
+    stamped = {rank: (-signal.SIGTERM, t + rank * 0.001) for rank in (0, 1)}  # one look, rank 0 first
+    _attempt(tmp_path, {0: 1000, 1: 1001}, {0: t - 1.0, 1: t - 2.0}, stamped, stops=t - 0.5)
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert cause.rank == 1 and cause.outside, cause
 
@@ -207,19 +220,13 @@ def test_a_worker_the_agent_reaped_first_still_has_its_exit_recorded(tmp_path):
 
     from ddpkit.launcher import failures, records
 
-    folder = tmp_path / "attempt-0"
-    folder.mkdir()
     t = time.time()
-    for rank in (0, 1):
-        (folder / f"rank-{rank}.pid").write_text(str(4000 + rank))
-        (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
-        os.utime(folder / f"rank-{rank}.stack", (t - 2 + rank, t - 2 + rank))
-    (folder / "rank-0.exit").write_text(json.dumps({"status": 0, "time": t}))  # the watch saw rank 0 end
+    seen = {0: (0, t)}  # the watch saw rank 0 end
+    folder = _attempt(tmp_path, {0: 4000, 1: 4001}, {0: t - 2, 1: t - 1}, seen, stops=t + 5)
     records.note_failures(str(tmp_path), {1: SimpleNamespace(pid=4001, exitcode=-signal.SIGTERM)})
     assert json.loads((folder / "rank-1.exit").read_text())["status"] == -signal.SIGTERM
     records.note_failures(str(tmp_path), {0: SimpleNamespace(pid=4000, exitcode=-signal.SIGKILL)})
     assert json.loads((folder / "rank-0.exit").read_text())["status"] == 0  # the watch's own is kept
-    (tmp_path / records.STOPS).write_text(f"{t + 5}\n")
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert cause.rank == 1 and cause.outside, cause
 
@@ -234,15 +241,8 @@ def test_a_sigkilled_rank_the_agent_reaped_first_is_blamed_not_the_peer_it_sigte
 
     from ddpkit.launcher import failures, records
 
-    folder = tmp_path / "attempt-0"
-    folder.mkdir()
     t = time.time()
-    for rank in (0, 1):
-        (folder / f"rank-{rank}.pid").write_text(str(5000 + rank))
-    (folder / "rank-0.stack").write_text("Stack of rank 0:\n  File 'x.py', line 1 in barrier\n")
-    os.utime(folder / "rank-0.stack", (t - 1.0, t - 1.0))
-    (folder / "rank-0.exit").write_text(json.dumps({"status": -signal.SIGTERM, "time": t - 0.9}))
-    (tmp_path / records.STOPS).write_text(f"{t - 0.5}\n")
+    _attempt(tmp_path, {0: 5000, 1: 5001}, {0: t - 1.0}, {0: (-signal.SIGTERM, t - 0.9)}, stops=t - 0.5)
     records.note_failures(str(tmp_path), {1: SimpleNamespace(pid=5001, exitcode=-signal.SIGKILL)})
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert cause.rank == 1 and cause.status == -signal.SIGKILL and not cause.outside, cause
