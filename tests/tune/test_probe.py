@@ -183,8 +183,3 @@ def test_a_searched_gpt_is_built_in_the_shape_asked_as_train_builds_it():
     counted = models.gpt_parameters(16, 256, 16, 2, style="llama", heads=4, kv_heads=2, hidden=24)
     assert sum(p.numel() for p in model.parameters()) == counted
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())  # RMSNorm: llama's
-    assert Settings(model="gpt", data="text", in_shape=(16,), num_classes=256).model_options() == {
-        "width": models.GPT_WIDTH,
-        "depth": models.GPT_DEPTH,
-        "heads": models.GPT_HEADS,
-    }  # gpt2's flags unchanged: nothing new passed

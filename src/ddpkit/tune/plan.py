@@ -89,14 +89,11 @@ class Settings:
         return self.model in models.LANGUAGE_MODELS
 
     def model_options(self) -> dict[str, Any]:
-        """What `models.build` passes the builder besides the shape (gpt's; the style, key/value
-        heads and MLP width only where given, as ddpkit train passes them)."""
+        """What `models.build` passes the builder besides the shape (gpt's, as ddpkit train's)."""
         if not self.language:
             return {}
-        options = {"width": self.gpt_width, "depth": self.gpt_depth, "heads": self.gpt_heads}
-        given = {"style": None if self.gpt_style == "gpt2" else self.gpt_style}
-        given |= {"kv_heads": self.gpt_kv_heads, "hidden": self.gpt_hidden}
-        return options | {k: v for k, v in given.items() if v is not None}
+        shape = ("width", "depth", "heads", "style", "kv_heads", "hidden")
+        return {name: getattr(self, f"gpt_{name}") for name in shape}
 
 
 def criterion_for(criterion: str, device_type: str) -> str:
