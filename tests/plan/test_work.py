@@ -43,3 +43,14 @@ def test_operations_of_a_deeper_model_grow_by_one_blocks_worth_each():
     three = Ops(Counter({(1, 1, False, False): 7, (9, 9, False, False): 1}))
     assert three.extrapolated(three, 5).counts == three.counts
     assert two.extrapolated(three, 4).counts == Counter({(1, 1, False, False): 13, (9, 9, False, False): 1})
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3, 5, 7, 8])
+def test_the_calibrations_collectives_split_evenly_over_any_number_of_processes(nproc):
+    # `ddpkit plan --gpu cpu --gpus-per-node 3` failed in gloo's reduce-scatter: 256 floats do
+    # not split into 3 equal parts.
+    from ddpkit.plan.calibrate import SIZES, collective_numels
+
+    numels = collective_numels(nproc)
+    assert all(n % nproc == 0 for n in numels)
+    assert all(size // 4 - nproc < n <= size // 4 for n, size in zip(numels, SIZES) if size // 4 >= nproc)

@@ -244,8 +244,7 @@ def _worker(nproc: int) -> dict[str, Any]:
         attention = _attention_rate(rt)
         collectives = []
         for kind in KINDS if nproc > 1 else ():
-            for size in SIZES:
-                numel = size // 4
+            for numel in collective_numels(nproc):
                 sent = torch.ones(numel)
                 out = torch.empty(numel * nproc) if kind == "all_gather" else torch.empty(numel // nproc)
                 call = {
@@ -254,8 +253,9 @@ def _worker(nproc: int) -> dict[str, Any]:
                     "reduce_scatter": lambda sent=sent, out=out: dist.reduce_scatter_tensor(out, sent),
                 }[kind]
                 rt.barrier()
-                reps = max(2, 2**16 // size)  # as many on every rank
-                collectives.append({"kind": kind, "bytes": size, "seconds": _timed(call, blocks=3, calls=reps)})
+                reps = max(2, 2**14 // numel)  # as many on every rank
+                seconds = _timed(call, blocks=3, calls=reps)
+                collectives.append({"kind": kind, "bytes": 4 * numel, "seconds": seconds})
         rt.barrier()
         return {
             "flops_per_s": flops,
@@ -264,6 +264,12 @@ def _worker(nproc: int) -> dict[str, Any]:
             "attention_flops_per_s": attention,
             "collectives": collectives,
         }
+
+
+def collective_numels(nproc: int) -> list[int]:
+    """The float32 elements each rank hands a timed collective: about SIZES bytes, each a
+    multiple of `nproc` (a reduce-scatter splits its input into `nproc` equal parts)."""
+    return [max(1, size // 4 // nproc) * nproc for size in SIZES]
 
 
 def _attention_rate(rt: Any) -> float:
