@@ -213,6 +213,7 @@ BAD = [
     # this machine's CPU: measured, so none of its figures can be given, nor more processes than fit
     (["--gpu", "cpu", "--nodes", "2"], "--gpu cpu is this machine"),
     (["--gpu", "cpu", "--peak-tflops", "10"], "--peak-tflops cannot be given"),
+    (["--gpu", "cpu", "--efficiency", "0.4"], "--efficiency cannot be given"),  # the default's value too: measured
     (["--gpu", "cpu", "--gpus-per-node", "100000"], "in each of 100000 processes"),
     (["--gpt-style", "llama", "--gpt-heads", "4", "--gpt-kv-heads", "3"], "--gpt-kv-heads 3"),
     (["--strategy", "hsdp"], "--strategy hsdp: no such layout"),

@@ -108,7 +108,7 @@ def _resolve(a: object) -> tuple[object, object]:
         a.gpu,
         checks.positive("--gpus-per-node", a.gpus_per_node),
         checks.positive("--nodes", a.nodes),
-        a.efficiency,
+        EFFICIENCY if a.efficiency is None else a.efficiency,
         memory_gib=a.memory_gib,
         peak_tflops=a.peak_tflops,
         intra_gbps=a.intra_gbps,
@@ -124,8 +124,9 @@ def _cpu(a: object) -> object:
     from ..plan.calibrate import measure
 
     given = [f for f in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps") if getattr(a, f) is not None]
-    if a.nodes != 1 or given or a.efficiency != EFFICIENCY:
-        extra = ", ".join(f"--{f.replace('_', '-')}" for f in given) or ("--efficiency" if a.nodes == 1 else "--nodes")
+    given += ["efficiency"] if a.efficiency is not None else []  # measured here, not assumed
+    if a.nodes != 1 or given:
+        extra = ", ".join(f"--{f.replace('_', '-')}" for f in given) or "--nodes"
         raise UsageError(f"--gpu cpu is this machine, measured: {extra} cannot be given with it")
     n = checks.positive("--gpus-per-node", a.gpus_per_node)
     # each measuring process holds torch, gloo and a small gpt: about 350 MiB (peak RSS, measured)
@@ -199,9 +200,7 @@ def _parser() -> ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s at --precision (default: the preset's)")
     p.add_argument("--intra-gbps", type=float, help="GB/s per GPU, one direction, within a node (default: preset)")
     p.add_argument("--inter-gbps", type=float, help="GB/s per GPU, one direction, between nodes (default: preset)")
-    p.add_argument(
-        "--efficiency", type=float, default=EFFICIENCY, help="share of the peak the products reach (default 0.4)"
-    )
+    p.add_argument("--efficiency", type=float, help=f"share of the peak the products reach (default {EFFICIENCY})")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot memory and predicted throughput per layout")
     p.add_argument("--progress", action="store_true", help="a progress bar over the layouts")
