@@ -47,27 +47,30 @@ def _start(
 
 def _workers(proc: subprocess.Popen) -> list[int]:
     """The launcher's worker processes (forked on CPU), oldest first."""
-    return sorted((p for p in _children(proc) if not _is_curves_helper(p)), key=_start_time)
+    return [pid for _, pid in sorted((start, pid) for pid, (start, helper) in _children(proc).items() if not helper)]
 
 
 def _curves_helper(proc: subprocess.Popen) -> list[int]:
     """The launcher's other child: the process that draws curves.png (ddpkit.observe.plotter)."""
-    return [p for p in _children(proc) if _is_curves_helper(p)]
+    return [pid for pid, (_, helper) in _children(proc).items() if helper]
 
 
-def _children(proc: subprocess.Popen) -> list[int]:
+def _children(proc: subprocess.Popen) -> dict[int, tuple[int, bool]]:
+    """{pid: (when it started, whether it is the curves helper)} of the launcher's children
+    alive now. A child listed may be gone a moment later (a killed worker, reaped): its /proc
+    entry then reads as missing or empty, and it is left out."""
     listed = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in listed]
-
-
-def _is_curves_helper(pid: int) -> bool:
-    return b"ddpkit.observe.plotter" in Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def _start_time(pid: int) -> int:
-    """Clock ticks after boot when `pid` started: field 22 of /proc/PID/stat (after the name,
-    which is in parentheses and may hold spaces)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+    children = {}
+    for pid in map(int, listed):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            # clock ticks after boot when it started: field 22 of /proc/PID/stat (after the
+            # name, which is in parentheses and may hold spaces)
+            start = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+        except (OSError, IndexError, ValueError):  # gone (ESRCH, ENOENT), or a zombie's empty entry
+            continue
+        children[pid] = (start, b"ddpkit.observe.plotter" in cmdline)
+    return children
 
 
 def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
