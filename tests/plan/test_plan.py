@@ -234,6 +234,36 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_any_plan(tmp_path):
 
 @pytest.mark.cli
 @pytest.mark.slow
+def test_cli_verify_that_cannot_fit_here_is_one_line_and_exit_2_after_the_plan(tmp_path, cli):
+    # --verify runs the layout for real: where its processes' traced peaks alone exceed what the
+    # machine has free, it is refused before any process starts. The plan is printed and its
+    # JSON written first: nothing is lost.
+    out = tmp_path / "plan.json"
+    proc = cli(
+        "plan", "--gpt-width", "64", "--gpt-depth", "2", "--gpt-heads", "4", "--seq-len", "32", "--batch-size", "16",
+        "--gpus-per-node", "2", "--activation-checkpointing", "off", "--json", str(out),
+        "--verify", "--verify-nproc", "20000",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = proc.stderr.strip().splitlines()
+    assert len(said) == 1 and "--verify's run of ddp 20000" in said[0] and "in each of 20000 processes" in said[0], said
+    assert "fastest that fits:" in proc.stdout and json.loads(out.read_text())["layouts"]
+
+
+@pytest.mark.unit
+def test_a_verification_is_refused_where_its_peaks_cannot_fit():
+    from ddpkit.core.memory import available_mib
+    from ddpkit.errors import UsageError
+    from ddpkit.plan.verify import fits_here
+
+    free = available_mib() * 2**20
+    fits_here(free / 8, 4, "cpu", "four processes of an eighth")
+    with pytest.raises(UsageError, match=r"two processes of two thirds needs about .* in each of 2 processes"):
+        fits_here(free * 2 / 3, 2, "cpu", "two processes of two thirds")
+
+
+@pytest.mark.cli
+@pytest.mark.slow
 def test_cli_plans_for_this_machines_cpu_measured_first(cli):
     """`--gpu cpu`: the cluster is this machine's CPU with --gpus-per-node processes, measured
     (calibrate.measure), and the plan says how it times each step; the command runs on the CPU."""

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..core import checks
+from ..errors import UsageError
 from .run import Spec, _traced
 from .trace import Layout, Step, in_fake_worlds, loss, optimizer, roles
 
@@ -177,5 +179,25 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
 
 
 def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
-    """The case's trace and its real run here (`nproc` processes on `device`)."""
-    return predicted([case], nproc)[0], measured([case], nproc, device)[0]
+    """The case's trace and its real run here (`nproc` processes on `device`). A run whose
+    traced peak alone does not fit in what this machine (or each GPU) has free is refused
+    first: `UsageError`, one line, instead of an out-of-memory error in every worker."""
+    guessed = predicted([case], nproc)[0]
+    fits_here(guessed.peak, nproc, device, f"--verify's run of {case[1].label}")
+    return guessed, measured([case], nproc, device)[0]
+
+
+def fits_here(peak: float, nproc: int, device: str, what: str) -> None:
+    """Refuse `what` where `nproc` processes of `peak` bytes each cannot fit: on a GPU, in the
+    first GPU's free memory (each process has one of its own); on the CPU, in the memory the
+    machine can still give out, all of them together. The peak counts tensors only (not the
+    runtime's own memory): what fits here may still not fit once running."""
+    if device != "cuda":
+        checks.memory(what, peak, nproc)
+        return
+    free, _ = torch.cuda.mem_get_info(0)
+    if peak > free:
+        raise UsageError(
+            f"{what} needs about {peak / 2**30:,.1f} GiB on each GPU (its traced peak); "
+            f"{free / 2**30:,.1f} GiB is free on GPU 0"
+        )
