@@ -2,14 +2,14 @@
 plan predicted for them on a cluster of this machine's processes.
 
 Measured: each layout runs through ddpkit's `Runtime` on `nproc` processes (gloo on CPU, NCCL on
-GPUs), all layouts one after the other in one job of fresh (spawned) processes. After a first step (the optimizer's state
-exists from then on, as in the trace), one more step runs under the same torch memory tracker
-the plan uses, on real tensors: `FSDPMemTracker` where FSDP2 shards, else `MemTracker`. DDP's
-gradient buckets are allocated by its C++ reducer, out of the tracker's sight until their first
-all-reduce hands them through a torch operation; two steps are tracked, so that the second
-counts them throughout, and their bytes (DDP's own `bucket_sizes`) are reported as
-communication rather than as the temporaries the tracker took them for. A rank's figure is its own;
-the plan's is rank 0's, the one compared.
+GPUs), all layouts one after the other in one job of fresh (spawned) processes. After a first
+step (the optimizer's state exists from then on, as in the trace), one more step runs under the
+same torch memory tracker the plan uses, on real tensors: `FSDPMemTracker` where FSDP2 shards,
+else `MemTracker`. DDP's gradient buckets are allocated by its C++ reducer, out of the
+tracker's sight until their first all-reduce hands them through a torch operation; two steps
+are tracked, so that the second counts them throughout, and their bytes (DDP's own
+`bucket_sizes`) are reported as communication rather than as the temporaries the tracker took
+them for. A rank's figure is its own; the plan's is rank 0's, the one compared.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -64,15 +65,8 @@ def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: in
     # Spawned, never forked: a forked worker inherits the launching process's torch state
     # (DTensor's caches among it), and tensor-parallel peaks measured after a long process
     # history (a whole test suite's) were 6% and 20% above the same runs in a fresh process.
-    before = os.environ.get("DDPKIT_START_METHOD")
-    os.environ["DDPKIT_START_METHOD"] = "spawn"
-    try:
+    with mock.patch.dict(os.environ, {"DDPKIT_START_METHOD": "spawn"}):  # restored afterwards
         ranks = launch(_worker, Job(tuple(cases), timed_steps), nproc=nproc, device=device)
-    finally:
-        if before is None:
-            os.environ.pop("DDPKIT_START_METHOD", None)
-        else:
-            os.environ["DDPKIT_START_METHOD"] = before
     return ranks[0]
 
 
