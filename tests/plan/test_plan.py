@@ -122,6 +122,24 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     assert "no layout fits" in output.report(replace(p, cluster=tiny, predictions=again))
 
 
+def _cnn_trace(backend):
+    spec = Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")
+    return trace(Step(spec.build, spec.batch, 2, "bf16", "adamw", backend=backend), Layout("fsdp", "dp=4", False, 2), 4)
+
+
+@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
+def test_a_gloo_trace_holds_the_copy_its_reduce_scatter_makes():
+    nccl, gloo = in_fake_worlds(4, [(_cnn_trace, ("nccl",)), (_cnn_trace, ("gloo",))])
+    # the CNN's largest unit, Linear(1024, 128), reduce-scatters its gradients in fp32 (the
+    # policy's reduce dtype): gloo's copy of that input beside the input and a rank's output
+    grads = (1024 * 128 + 128) * 4
+    assert gloo.memory["communication"] >= grads  # the reduce-scatter's input
+    assert gloo.memory["temporary"] >= grads + grads / 4  # gloo's copy and the output
+    assert gloo.peak > nccl.peak
+    assert [op.kind for op in gloo.ops] == [op.kind for op in nccl.ops]  # a copy, not a collective
+    assert any("gloo" in line for line in gloo.computed) and not any("gloo" in line for line in nccl.computed)
+
+
 def _whole_and_extrapolated(layout):
     from ddpkit.plan import run
 

@@ -149,7 +149,17 @@ def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, 
     none does)."""
     share = spec.share(layout.spec.data_size)
     assert share is not None
-    step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, count=bool(cluster.gpu.memory_gbps))
+    # A CPU cluster (`--gpu cpu`) runs on gloo, whose reduce-scatter holds a copy (`trace.GlooCopies`).
+    backend = "gloo" if cluster.gpu.device == "cpu" else "nccl"
+    step = Step(
+        spec.build,
+        spec.batch,
+        share,
+        spec.precision,
+        spec.optimizer,
+        count=bool(cluster.gpu.memory_gbps),
+        backend=backend,
+    )
     for micro in _micro_batches(share):
         sized = replace(layout, micro_batch=micro)
         traced = _traced(spec, step, sized, cluster.world_size)

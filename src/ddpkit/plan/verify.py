@@ -40,21 +40,21 @@ class Job:
     timed_steps: int = 3
 
 
-def predicted(cases: list[Case], nproc: int) -> list[Any]:
+def predicted(cases: list[Case], nproc: int, device: str = "cpu") -> list[Any]:
     """The plan's trace of each case on `nproc` ranks, with the optimizer torch picks on CPU
-    (one tensor at a time), as the real runs here have it."""
-    return in_fake_worlds(nproc, [(_traced_case, (spec, layout, nproc)) for spec, layout in cases])
+    (one tensor at a time), as the real runs here have it, and the process group `measured`
+    runs on `device` (gloo on the CPU, whose reduce-scatter copies its input: `GlooCopies`)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    return in_fake_worlds(nproc, [(_traced_case, (spec, layout, nproc, backend)) for spec, layout in cases])
 
 
-def _traced_case(spec: Spec, layout: Layout, nproc: int) -> Any:
+def _traced_case(spec: Spec, layout: Layout, nproc: int, backend: str) -> Any:
     share = spec.share(layout.spec.data_size)
     assert share is not None, layout
-    return _traced(
-        spec,
-        Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False, count=True),
-        layout,
-        nproc,
+    step = Step(
+        spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False, count=True, backend=backend
     )
+    return _traced(spec, step, layout, nproc)
 
 
 def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: int = 3) -> list[dict[str, Any]]:
@@ -188,7 +188,7 @@ def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
     """The case's trace and its real run here (`nproc` processes on `device`). A run whose
     traced peak alone does not fit in what this machine (or each GPU) has free is refused
     first: `UsageError`, one line, instead of an out-of-memory error in every worker."""
-    guessed = predicted([case], nproc)[0]
+    guessed = predicted([case], nproc, device)[0]
     fits_here(guessed.peak, nproc, device, f"--verify's run of {case[1].label}")
     return guessed, measured([case], nproc, device)[0]
 
