@@ -307,3 +307,21 @@ def test_launcher_variables_of_a_job_that_is_not_there_are_one_line_and_exit_2(t
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ddpkit train: error: {said}"), lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_and_data_that_do_not_go_together_are_one_and_the_same_line_in_every_command(tmp_path):
+    # train, find-batch-size and plan each take --model and --data: the same check, the same line
+    pairs = {
+        ("gpt", "digits"): "--model gpt is a language model of bytes: use it with --data text",
+        ("cnn", "text"): "--data text is byte sequences for a language model: use --model gpt, not cnn",
+    }
+    cases = []
+    for command, where in (("train", ["--device", "cpu"]), ("find-batch-size", ["--device", "cpu"]), ("plan", [])):
+        for (model, name), said in pairs.items():
+            cwd = tmp_path / f"{command}-{model}"
+            cwd.mkdir()
+            cases.append(({"argv": [command, "--model", model, "--data", name, *where], "cwd": str(cwd)}, said))
+    for (case, said), r in zip(cases, run_batch([c for c, _ in cases])):
+        line = _exits_2_with_one_line({**r, "argv": case["argv"]})
+        assert line.endswith(said), (case["argv"], line)
+        assert not os.listdir(case["cwd"]), (case["argv"], os.listdir(case["cwd"]))  # no runs/ or plan files

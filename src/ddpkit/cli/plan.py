@@ -63,8 +63,7 @@ def _resolve(a: object) -> tuple[object, object]:
 
     language = a.model in models.LANGUAGE_MODELS
     name = checks.choice("--data", ("text" if language else "cifar10") if a.data is None else a.data, data.DATASETS)
-    if language != (name in data.TEXT_DATASETS):
-        raise UsageError(f"--model {a.model} and --data {name}: gpt takes --data text, an image model the others")
+    data.check_pairing(name, a.model, language)
     in_shape, classes = data.shape_of(
         name,
         checks.shape("--synthetic-shape", a.synthetic_shape),

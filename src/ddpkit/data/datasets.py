@@ -315,6 +315,15 @@ def train_size(
     return found.train_size(name, r) if found.train_size is not None else len(found.load(name, r).train)
 
 
+def check_pairing(name: str, model: str, language: bool) -> None:
+    """That dataset `name` feeds `model`: byte sequences (TEXT_DATASETS) a language model
+    (`language`), anything else the others. One line for every command that takes both."""
+    if name in TEXT_DATASETS and not language:
+        raise UsageError(f"--data {name} is byte sequences for a language model: use --model gpt, not {model}")
+    if language and name not in TEXT_DATASETS:
+        raise UsageError(f"--model {model} is a language model of bytes: use it with --data text")
+
+
 def shape_of(
     name: str, synthetic_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seq_len: int = 128
 ) -> tuple[tuple[int, ...], int]:

@@ -299,10 +299,7 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
     in_shape, num_classes = data.shape_of(
         cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes, cfg.seq_len
     )
-    if cfg.data in data.TEXT_DATASETS and cfg.model not in models.LANGUAGE_MODELS:
-        raise UsageError(f"--data {cfg.data} is byte sequences for a language model: use --model gpt, not {cfg.model}")
-    if cfg.model in models.LANGUAGE_MODELS and cfg.data not in data.TEXT_DATASETS:
-        raise UsageError(f"--model {cfg.model} is a language model of bytes: use it with --data text")
+    data.check_pairing(cfg.data, cfg.model, cfg.model in models.LANGUAGE_MODELS)
     if augment is not None and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
     if augment is not None and augment.crop_padding > min(in_shape[1:]):  # crops of padding, and huge pads

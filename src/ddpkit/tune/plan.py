@@ -113,10 +113,7 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
     language = a.model in models.LANGUAGE_MODELS
     default = "text" if language else "digits"
     name = checks.choice("--data", default if a.data is None else a.data, data.DATASETS)
-    if name in data.TEXT_DATASETS and not language:
-        raise UsageError(f"--data {name} is byte sequences for a language model: use --model gpt, not {a.model}")
-    if language and name not in data.TEXT_DATASETS:
-        raise UsageError(f"--model {a.model} is a language model of bytes: use it with --data text")
+    data.check_pairing(name, a.model, language)
     in_shape, classes = data.shape_of(
         name,
         checks.shape("--synthetic-shape", a.synthetic_shape),
