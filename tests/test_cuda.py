@@ -144,6 +144,20 @@ def test_fsdp_on_one_gpu_runs_as_the_bare_model():
     assert torch.equal(fsdp, single)
 
 
+@pytest.mark.unit
+def test_plan_verify_refuses_a_run_whose_traced_peak_exceeds_the_memory_free_here():
+    # `ddpkit plan --verify`'s check before its real run: on a GPU, the first GPU's free memory
+    from ddpkit.core.memory import available_mib
+    from ddpkit.errors import UsageError
+    from ddpkit.plan.verify import fits_here
+
+    free = torch.cuda.mem_get_info(0)[0] if CUDA else available_mib() * 2**20
+    fits_here(free / 4, 1, DEVICE.type, "a quarter of what is free")
+    said = r"needs about .* on each GPU \(its traced peak\); .* GiB is free on GPU 0" if CUDA else "needs about"
+    with pytest.raises(UsageError, match=r"^twice what is free " + said):
+        fits_here(free * 2, 1, DEVICE.type, "twice what is free")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fsdp2_in_a_one_rank_group_trains_and_resumes_from_dcp(tmp_path, precision):
