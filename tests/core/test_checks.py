@@ -4,6 +4,7 @@ and raises UsageError (exit 2 at the command line)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -64,6 +65,13 @@ def test_output_file_is_checked_without_writing_anything(tmp_path):
         UsageError, match=rf"^--plot {tmp_path}/a-file/sub/p.png: {tmp_path}/a-file is not a directory$"
     ):
         checks.output_file("--plot", str(tmp_path / "a-file" / "sub" / "p.png"))
+    # a device or a pipe would be replaced by the file written beside it and renamed over it
+    # (as root, /dev/null was): refused
+    os.mkfifo(tmp_path / "pipe.json")
+    with pytest.raises(UsageError, match=r"pipe.json: not a regular file \(a device or a pipe\)"):
+        checks.output_file("--json", str(tmp_path / "pipe.json"))
+    (tmp_path / "link.json").symlink_to(tmp_path / "pipe.json")  # a link is replaced itself, never followed
+    assert checks.output_file("--json", str(tmp_path / "link.json"))
 
 
 def test_directory_refuses_a_file_at_or_above_it(tmp_path):

@@ -117,11 +117,15 @@ def directory(what: str, path: str) -> str:
 
 def output_file(what: str, path: str) -> str:
     """`path` if a file can be written there later, checked now without writing anything: not a
-    directory, and the nearest existing folder above it a writable directory (the missing ones
+    directory nor a device or pipe, and the nearest existing folder above it a writable directory (the missing ones
     are made when the file is written). Output goes last, after the work: checking it first
     means a typo costs nothing."""
     if os.path.isdir(path):
         raise UsageError(f"{what} {path}: is a directory; give a file name")
+    if os.path.lexists(path) and not (os.path.islink(path) or os.path.isfile(path)):
+        # A device or a pipe: the file is written beside it and renamed over it (`atomic_write`),
+        # which as root replaced /dev/null itself with a file of JSON.
+        raise UsageError(f"{what} {path}: not a regular file (a device or a pipe); give a file name")
     folder = _writable_parent(what, path)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{what} {path}: cannot write in {folder}")
