@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from .parsing import ArgumentParser
@@ -145,8 +146,9 @@ def _check_outputs(a: object) -> None:
             if not path.strip():
                 raise UsageError(f"{flag}: give a file name")
             checks.output_file(flag, path)
-    if a.json is not None and a.plot is not None and a.json == a.plot:
-        raise UsageError(f"--json and --plot name the same file ({a.json})")
+    # the same file however spelled (./plan.png, a link to it): the plot would replace the JSON
+    if a.json is not None and a.plot is not None and os.path.realpath(a.json) == os.path.realpath(a.plot):
+        raise UsageError(f"--json and --plot name the same file ({a.json}, {a.plot})")
     if a.verify_nproc is not None:
         if not a.verify:
             raise UsageError("--verify-nproc goes with --verify")
