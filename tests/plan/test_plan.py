@@ -2,6 +2,7 @@
 recommendation, and the command line (against real runs: test_real_runs.py)."""
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -122,6 +123,17 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     assert "no layout fits" in output.report(replace(p, cluster=tiny, predictions=again))
 
 
+@pytest.mark.distributed  # fake worlds of 2 ranks, in processes of their own
+def test_a_smaller_micro_batch_is_tried_where_the_temporaries_do_not_fit():
+    # a vocabulary of 50,000: the logits and their gradient, temporaries, are most of the peak at
+    # mb16 (0.42 GiB); at mb1 the peak is below 0.1 GiB. Stopping at mb16 (as if temporaries were
+    # states) said "no layout fits".
+    spec = Spec("gpt", (32,), 50_000, 32, "bf16", "adamw", dict(GPT), (False,), strategies=("fsdp",))
+    p = plan(spec, cluster("h100", 2, 1, memory_gib=0.1))
+    assert p.best is not None and p.best.layout.micro_batch < 16, output.report(p)
+    assert "--micro-batch-size" in p.command(p.best)
+
+
 def _cnn_trace(backend):
     spec = Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")
     return trace(Step(spec.build, spec.batch, 2, "bf16", "adamw", backend=backend), Layout("fsdp", "dp=4", False, 2), 4)
@@ -225,6 +237,8 @@ BAD = [
     (["--json", "."], "is a directory"),
     (["--json", ""], "--json"),
     (["--json", "same.png", "--plot", "same.png"], "same file"),
+    (["--json", "same.png", "--plot", "./same.png"], "same file"),  # however spelled: the plot replaced the JSON
+    (["--json", "pipe.json"], "pipe.json: not a regular file"),  # a fifo: written beside and renamed over it
     (["--verify-nproc", "2"], "--verify-nproc goes with --verify"),
     (["--verify", "--verify-nproc", "0"], "--verify-nproc"),
     (["--model", "broken_model:raises", "--data", "cifar10"], "boom"),
@@ -243,6 +257,7 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_any_plan(tmp_path):
     from tests.cli.argv_runner import run_batch
 
     (tmp_path / "broken_model.py").write_text(BROKEN_MODEL)
+    os.mkfifo(tmp_path / "pipe.json")  # as /dev/null is a device, which a plan run as root replaced
     results = run_batch([{"argv": ["plan", *flags], "cwd": str(tmp_path)} for flags, _ in BAD], path=str(tmp_path))
     for (flags, says), r in zip(BAD, results):
         assert r["code"] == 2, (flags, r["stderr"][-2000:])

@@ -164,8 +164,12 @@ def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, 
         sized = replace(layout, micro_batch=micro)
         traced = _traced(spec, step, sized, cluster.world_size)
         memory = cluster.gpu.memory_gib * GIB
-        if traced.peak <= memory or traced.peak - traced.memory["activations"] > memory:
-            break  # it fits; or what is not activations alone does not, at any micro-batch
+        # It fits; or the states alone (parameters, gradients, optimizer state, communication
+        # buffers: no smaller with a smaller micro-batch) do not, at any micro-batch. Temporaries
+        # shrink with it too (the logits and their gradient): counted as states, a 0.07 GiB
+        # layout at mb1 was reported as needing 0.42 GiB at mb16, and "no layout fits".
+        if traced.peak <= memory or traced.peak - traced.memory["activations"] - traced.memory["temporary"] > memory:
+            break
     return sized, traced
 
 
