@@ -22,11 +22,14 @@ KINDS = {
 
 @dataclass(frozen=True)
 class Op:
-    """One collective call: its kind, the bytes this rank handed to it, its group's ranks."""
+    """One collective call: its kind, the bytes this rank handed to it, its group's ranks; and
+    how many such calls it stands for (`calls`: a plan's micro-batch repeated over the
+    accumulation, or a block's over the depth, held as one entry and not as a list that long)."""
 
     kind: str
     bytes: int
     ranks: tuple[int, ...]
+    calls: int = 1
 
 
 class Collectives:

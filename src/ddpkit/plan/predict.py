@@ -64,7 +64,8 @@ def _data(mesh: str) -> int:
 
 
 def op_seconds(op: Op, cluster: Cluster) -> float:
-    """One collective's time on `cluster` by the ring model (see the module docstring)."""
+    """One collective's time on `cluster` by the ring model (see the module docstring): one call
+    of `op`'s (it may stand for `op.calls`)."""
     n = len(op.ranks) or 1
     if n == 1:
         return 0.0
@@ -141,7 +142,7 @@ def predict(
     dims = layout.spec.names
     dp_comm = tp_comm = 0.0
     for op in trace.ops:
-        seconds = op_seconds(op, cluster)
+        seconds = op_seconds(op, cluster) * op.calls
         if "tp" in dims and _is_tp(op, layout):
             tp_comm += seconds
         else:
@@ -170,9 +171,9 @@ def _by_kind(ops: list[Op], cluster: Cluster) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for op in ops:
         row = out.setdefault(op.kind, {"calls": 0, "bytes": 0, "seconds": 0.0})
-        row["calls"] += 1
-        row["bytes"] += op.bytes
-        row["seconds"] += op_seconds(op, cluster)
+        row["calls"] += op.calls
+        row["bytes"] += op.bytes * op.calls
+        row["seconds"] += op_seconds(op, cluster) * op.calls
     return out
 
 

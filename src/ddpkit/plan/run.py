@@ -126,9 +126,14 @@ def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
     from TRACED_DEPTHS blocks, as its traces are)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        parameters = sum(p.numel() for p in spec.build().parameters())
     depth = _depth(spec)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if depth <= EXTRAPOLATE_FROM:
+            parameters = sum(p.numel() for p in spec.build().parameters())
+        else:  # every block alike: built whole, 20,000 blocks took minutes even on fake tensors
+            low, high = TRACED_DEPTHS[True]
+            one, two = (sum(p.numel() for p in spec.builder(depth=d)().parameters()) for d in (low, high))
+            parameters = one + (depth - low) * (two - one)
     per_sample = {}
     for ac in dict.fromkeys((False, *spec.checkpointing)):
         if depth <= EXTRAPOLATE_FROM:
@@ -160,10 +165,14 @@ def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, 
         count=bool(cluster.gpu.memory_gbps),
         backend=backend,
     )
-    for micro in _micro_batches(share):
+    memory = cluster.gpu.memory_gib * GIB
+    # A micro-batch whose input alone (4 bytes a value at least) exceeds the GPU cannot fit:
+    # not traced (with --batch-size 2**62 its tensors' sizes overflowed int64 in the trace)
+    sizes = _micro_batches(share)
+    sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]
+    for micro in sizes:
         sized = replace(layout, micro_batch=micro)
         traced = _traced(spec, step, sized, cluster.world_size)
-        memory = cluster.gpu.memory_gib * GIB
         # It fits; or the states alone (parameters, gradients, optimizer state, communication
         # buffers: no smaller with a smaller micro-batch) do not, at any micro-batch. Temporaries
         # shrink with it too (the logits and their gradient): counted as states, a 0.07 GiB
@@ -234,13 +243,14 @@ def _extrapolated_memory(one: Trace, two: Trace, n: int, grows: tuple[str, ...])
 def _extrapolated_ops(one: list[Op], two: list[Op], n: int) -> list[Op]:
     """The collectives at `n` more blocks than `one`'s: per kind and group, the calls and the
     bytes grow by `two`'s excess over `one` for each block (a whole-model collective, DDP's
-    all-reduce, grows in bytes; a per-block one in calls), as calls of equal size."""
+    all-reduce, grows in bytes; a per-block one in calls), as one `Op` of that many calls of
+    equal size."""
     out = []
     for key in dict.fromkeys((op.kind, op.ranks) for op in [*one, *two]):
-        c1, c2 = (sum(1 for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
-        b1, b2 = (sum(op.bytes for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
+        c1, c2 = (sum(op.calls for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
+        b1, b2 = (sum(op.bytes * op.calls for op in ops if (op.kind, op.ranks) == key) for ops in (one, two))
         calls, size = c1 + n * (c2 - c1), b1 + n * (b2 - b1)
-        out += [Op(key[0], size // calls, key[1])] * calls if calls > 0 else []
+        out += [Op(key[0], size // calls, key[1], calls)] if calls > 0 else []
     return out
 
 

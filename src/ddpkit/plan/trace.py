@@ -25,7 +25,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -289,7 +289,11 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
                 out = model(x)  # alive through the backward, as in `rt.forward_backward`
                 loss(out, y).backward()
                 del out
-            ops.extend(collectives.ops * (1 if last else micro - 1))
+            # every micro-batch but the last makes these calls: counted, not copied (a global
+            # batch of 2**40 over micro-batches that fit was billions of list entries)
+            ops.extend(
+                collectives.ops if last else [replace(op, calls=op.calls * (micro - 1)) for op in collectives.ops]
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
     traced = _result(tracker, model, layout, ops)
