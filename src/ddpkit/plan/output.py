@@ -52,9 +52,8 @@ def _compute(p: Plan) -> str:
 
 
 def table(p: Plan) -> str:
-    rows = [
-        ("layout", "peak GiB", "fits", "params", "grads", "optim", "activ", "comm", "step ms", "tokens/s/GPU", "MFU")
-    ]
+    rate = "tokens/s/GPU" if p.spec.language else "samples/s/GPU"  # a classifier's rate is in samples
+    rows = [("layout", "peak GiB", "fits", "params", "grads", "optim", "activ", "comm", "step ms", rate, "MFU")]
     for q in p.predictions:
         m = q.trace.memory
         per_gpu = (q.tokens_per_s or q.samples_per_s) / p.cluster.world_size
@@ -68,7 +67,7 @@ def table(p: Plan) -> str:
                     for k in ("parameters", "gradients", "optimizer", "activations", "communication")
                 ),
                 f"{q.step_s * 1e3:.1f}",
-                f"{per_gpu:,.0f}",
+                _figure(per_gpu),
                 f"{q.mfu:.1%}",
             )
         )
@@ -76,6 +75,12 @@ def table(p: Plan) -> str:
     return "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
     )
+
+
+def _figure(x: float, decimals: int = 0) -> str:
+    """`x` with `decimals` decimals, or three significant digits where those would show 0: a
+    rate of 0.2 samples/s printed as 0, and 'needs 0.0 GiB per GPU of 1e-06' read as fitting."""
+    return f"{x:,.{decimals}f}" if x == 0 or abs(x) >= 10**-decimals * 10 else f"{x:.3g}"
 
 
 def report(p: Plan) -> str:
@@ -94,8 +99,8 @@ def report(p: Plan) -> str:
     if chosen is None:
         smallest = min(p.predictions, key=lambda q: q.trace.peak)
         lines.append(
-            f"no layout fits: the smallest, {smallest.layout.label}, needs {smallest.trace.peak / GIB:.1f} GiB "
-            f"per GPU of {p.cluster.gpu.memory_gib:g}; use more GPUs, a smaller model or a smaller batch"
+            f"no layout fits: the smallest, {smallest.layout.label}, needs {_figure(smallest.trace.peak / GIB, 1)} "
+            f"GiB per GPU of {p.cluster.gpu.memory_gib:g}; use more GPUs, a smaller model or a smaller batch"
         )
     else:
         lines += [f"fastest that fits: {chosen.layout.label}", f"  {p.command(chosen)}"]
