@@ -70,8 +70,13 @@ def test_output_file_is_checked_without_writing_anything(tmp_path):
     os.mkfifo(tmp_path / "pipe.json")
     with pytest.raises(UsageError, match=r"pipe.json: not a regular file \(a device or a pipe\)"):
         checks.output_file("--json", str(tmp_path / "pipe.json"))
-    (tmp_path / "link.json").symlink_to(tmp_path / "pipe.json")  # a link is replaced itself, never followed
-    assert checks.output_file("--json", str(tmp_path / "link.json"))
+    # and so is a link to one (/dev/stdout is a link): the rename would replace the link itself
+    (tmp_path / "link.json").symlink_to(tmp_path / "pipe.json")
+    with pytest.raises(UsageError, match=r"link.json: not a regular file \(a device or a pipe\)"):
+        checks.output_file("--json", str(tmp_path / "link.json"))
+    (tmp_path / "file.json").write_text("{}")
+    (tmp_path / "to-file.json").symlink_to(tmp_path / "file.json")  # a link to a file, as before
+    assert checks.output_file("--json", str(tmp_path / "to-file.json"))
 
 
 def test_directory_refuses_a_file_at_or_above_it(tmp_path):

@@ -122,9 +122,10 @@ def output_file(what: str, path: str) -> str:
     means a typo costs nothing."""
     if os.path.isdir(path):
         raise UsageError(f"{what} {path}: is a directory; give a file name")
-    if os.path.lexists(path) and not (os.path.islink(path) or os.path.isfile(path)):
-        # A device or a pipe: the file is written beside it and renamed over it (`atomic_write`),
-        # which as root replaced /dev/null itself with a file of JSON.
+    if os.path.exists(path) and not os.path.isfile(path):
+        # A device or a pipe, or a link to one (/dev/stdout): the file is written beside it and
+        # renamed over it (`atomic_write`), which as root replaced /dev/null itself with a file of
+        # JSON. A link to a regular file, or to nothing yet, is replaced as before.
         raise UsageError(f"{what} {path}: not a regular file (a device or a pipe); give a file name")
     folder = _writable_parent(what, path)
     if not os.access(folder, os.W_OK | os.X_OK):
