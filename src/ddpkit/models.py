@@ -611,6 +611,9 @@ def _checked(name: str, model: Any) -> nn.Module:
             f"{name}(in_shape, num_classes) must return a torch.nn.Module, "  # noqa: TRY004
             f"got {type(model).__name__}"
         )
+    if not any(p.requires_grad for p in model.parameters()):
+        # nothing to train: the optimizer (or DDP) failed inside every worker, a traceback each
+        raise ValueError(f"{name}(in_shape, num_classes) returned a module with no parameter that requires a gradient")
     return model
 
 

@@ -159,6 +159,12 @@ def tiny(in_shape, num_classes):
 def not_a_module(in_shape, num_classes):
     return "a string"
 
+def no_parameters(in_shape, num_classes):
+    return nn.Flatten()
+
+def frozen(in_shape, num_classes):
+    return tiny(in_shape, num_classes).requires_grad_(False)
+
 def fails_when_called(in_shape, num_classes):
     raise RuntimeError("only at build time")
 
@@ -224,6 +230,8 @@ def test_build_user_model_from_current_directory(user_module):
     "suffix, message",
     [
         (":not_a_module", "must return a torch.nn.Module, got str"),
+        (":no_parameters", "returned a module with no parameter that requires a gradient"),
+        (":frozen", "returned a module with no parameter that requires a gradient"),
         (":missing", "has no attribute 'missing'"),
         (":VALUE", "is not callable"),
         (":", "expected package.module:function"),
