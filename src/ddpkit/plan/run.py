@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
 from .predict import STRATEGIES, Prediction, best, layouts, predict
-from .trace import Layout, Step, Trace, flops, in_fake_worlds, trace
+from .trace import Layout, Step, Trace, built, flops, in_fake_worlds, trace
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -121,19 +121,20 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
 
 
 def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
-    """The model's parameters (built on fake tensors: nothing allocated) and its training
-    FLOPs per sample, without and with activation checkpointing (a deep gpt's extrapolated
-    from TRACED_DEPTHS blocks, as its traces are)."""
+    """The model's parameters (built on the meta device, or on fake tensors where it cannot
+    be: nothing allocated, see `trace.built`) and its training FLOPs per sample, without and
+    with activation checkpointing (a deep gpt's extrapolated from TRACED_DEPTHS blocks, as its
+    traces are)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     depth = _depth(spec)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        if depth <= EXTRAPOLATE_FROM:
-            parameters = sum(p.numel() for p in spec.build().parameters())
-        else:  # every block alike: built whole, 20,000 blocks took minutes even on fake tensors
-            low, high = TRACED_DEPTHS[True]
-            one, two = (sum(p.numel() for p in spec.builder(depth=d)().parameters()) for d in (low, high))
-            parameters = one + (depth - low) * (two - one)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if depth <= EXTRAPOLATE_FROM:
+        parameters = _parameters(spec.build, mode)
+    else:  # every block alike: built whole, 20,000 blocks took minutes even on fake tensors
+        low, high = TRACED_DEPTHS[True]
+        one, two = (_parameters(spec.builder(depth=d), mode) for d in (low, high))
+        parameters = one + (depth - low) * (two - one)
     per_sample = {}
     for ac in dict.fromkeys((False, *spec.checkpointing)):
         if depth <= EXTRAPOLATE_FROM:
@@ -143,6 +144,12 @@ def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
             one, two = (flops(spec.builder(depth=d), spec.batch, ac) for d in (low, high))
             per_sample[ac] = one + (depth - low) * (two - one)
     return parameters, per_sample
+
+
+def _parameters(build: Any, mode: Any) -> int:
+    """The parameters of the model `build` makes, built as a trace builds it (`trace.built`)."""
+    model, _ = built(build, mode)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _depth(spec: Spec) -> int:

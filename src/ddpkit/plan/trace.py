@@ -214,7 +214,7 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
     spec = layout.spec
     spec.check_processes(world_size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, on_meta = _built(step, mode)
+    model, on_meta = built(step.build, mode)
     if layout.checkpointing:
         checkpointing_apply(model, layout.checkpointing)
     strategy = _split(model, layout, step.precision) if layout.strategy != "ddp" else None
@@ -229,18 +229,18 @@ def trace(step: Step, layout: Layout, world_size: int) -> Trace:
         return _step(model, strategy, layout, step)
 
 
-def _built(step: Step, mode: Any) -> tuple[nn.Module, bool]:
+def built(build: Callable[[], nn.Module], mode: Any) -> tuple[nn.Module, bool]:
     """The model on the meta device, split there and given fake storage afterwards (`to_empty`):
     FSDP2 cuts each parameter into a shard per rank, and on fake tensors every shard is a Python
     object (a 512-rank fsdp trace spent 7.8 of its 9.4 s there); on meta it is a view in C++.
     A model of one's own that cannot be built on meta (it reads values) is built on fake
-    tensors. Whether it was built on meta is returned too."""
+    tensors (`mode`). Whether it was built on meta is returned too."""
     try:
         with torch.device("meta"):
-            return step.build(), True
+            return build(), True
     except Exception:  # noqa: BLE001 - a model of one's own: whatever its constructor raises on meta
         with mode:
-            return step.build(), False
+            return build(), False
 
 
 def checkpointing_apply(model: nn.Module, how: bool | str = True) -> None:
