@@ -13,7 +13,7 @@ from ddpkit.launcher.workers import choose_start_method
 from ddpkit.observe.collectives import Op
 from ddpkit.plan import Spec, cluster, output, plan
 from ddpkit.plan.predict import best, op_seconds, predict
-from ddpkit.plan.run import _micro_batches, command
+from ddpkit.plan.run import _micro_batches, _parts, command
 from ddpkit.plan.trace import Layout, Step, flops, in_fake_worlds, trace
 
 GPT = {"width": 64, "depth": 2, "heads": 4}
@@ -83,6 +83,19 @@ def test_on_a_tie_the_layout_without_checkpointing_is_recommended():
 def test_micro_batches_are_the_share_then_powers_of_two_dividing_it():
     assert _micro_batches(12) == [12, 4, 2, 1]
     assert _micro_batches(1) == [1]
+
+
+@pytest.mark.unit
+def test_a_meshs_layouts_are_traced_in_one_process_the_costliest_first_where_the_cores_stay_busy():
+    todo = [
+        Layout(s, m, ac, 0) for s, m in (("ddp", "dp=8"), ("fsdp", "dp=8"), ("tp", "dp=4,tp=2")) for ac in (False, True)
+    ]
+    ddp, ddp_ac, fsdp, fsdp_ac, tp, tp_ac = todo
+    # two cores: fsdp's and tp's layouts share a process each (DTensor's sharding, worked out
+    # once); ddp's share nothing and go alone, last
+    assert _parts(todo, 2) == [[tp, tp_ac], [fsdp, fsdp_ac], [ddp], [ddp_ac]]
+    # more cores than those parts: one layout to a process
+    assert _parts(todo, 8) == [[tp], [tp_ac], [fsdp], [fsdp_ac], [ddp], [ddp_ac]]
 
 
 def _trace(layout, world):

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
 from .predict import STRATEGIES, Prediction, best, layouts, predict
-from .trace import Layout, Step, Trace, built, flops, in_fake_worlds, trace
+from .trace import Layout, Step, Trace, built, flops, in_fake_worlds, trace, workers
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -110,14 +110,42 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             f"--batch-size {spec.global_batch} does not divide over the {cluster.world_size} GPUs' data ranks "
             "in any layout: give a multiple of the GPU count"
         )
+    parts = _parts(todo, workers())
     tqdm.monitor_interval = 0  # no monitor thread: the traces' processes are forked where it is safe
-    bar = tqdm(total=len(todo) + 1, desc="ddpkit plan", unit="trace", disable=not progress, leave=False)
+    bar = tqdm(total=len(parts) + 1, desc="ddpkit plan", unit="part", disable=not progress, leave=False)
     with bar:
-        calls: list[tuple[Any, tuple[Any, ...]]] = [(_size, (spec,))]
-        calls += [(_traced_fits, (spec, cluster, layout)) for layout in todo]
-        (parameters, per_sample), *fitted = in_fake_worlds(cluster.world_size, calls, bar)
-    predictions = [_predicted(spec, cluster, traced, per_sample) for traced in fitted]
+        calls: list[tuple[Any, tuple[Any, ...]]] = [(_traced_fits, (spec, cluster, part)) for part in parts]
+        calls.append((_size, (spec,)))  # the cheapest last: the processes end nearer together
+        *traced, (parameters, per_sample) = in_fake_worlds(cluster.world_size, calls, bar)
+    fitted = {layout: one for part, results in zip(parts, traced) for layout, one in zip(part, results)}
+    predictions = [_predicted(spec, cluster, fitted[layout], per_sample) for layout in todo]
     return Plan(spec, cluster, parameters, predictions, time.perf_counter() - start)
+
+
+# The strategies' traces by cost, dearest first (`_parts`): tensor parallelism's take an untracked
+# step more (`trace._warm_up`) and DTensor's sharding of every operation; FSDP2's, of its
+# optimizer's step; DDP's are the bare model's.
+COSTLIEST_FIRST = ("tp", "hsdp", "fsdp", "ddp")
+
+
+def _parts(todo: list[Layout], workers: int) -> list[list[Layout]]:
+    """`todo` in the parts that one process traces in turn (`_traced_fits`), the costliest
+    first: one per strategy and mesh (its layouts with and without checkpointing, in `todo`'s
+    order; DDP's layout by layout: it shares nothing) where those are enough to keep the
+    `workers` busy, else one per layout.
+
+    DTensor works out an operation's sharding the first time it meets it on a mesh, and caches
+    it in the process: a mesh's traces in one process work it out once. The model at 3 blocks,
+    traced without checkpointing and then with it, finds it worked out but for checkpointing's
+    own (a detach), the optimizer's step too, whose list of every parameter costs most to work
+    out (0.7 to 1.1 s of a 2 s trace, on a 2-D mesh). One layout to a call, a mesh's layouts
+    were spread over the processes, and the last (the dearest) left one process alone for the
+    last 2.8 s of a 512-rank plan's 17.6 s."""
+    parts: dict[Any, list[Layout]] = {}
+    for layout in todo:
+        parts.setdefault(layout if layout.strategy == "ddp" else (layout.strategy, layout.mesh), []).append(layout)
+    chosen = list(parts.values()) if len(parts) + 1 >= workers else [[layout] for layout in todo]
+    return sorted(chosen, key=lambda part: COSTLIEST_FIRST.index(part[0].strategy))
 
 
 def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
@@ -156,9 +184,13 @@ def _depth(spec: Spec) -> int:
     return spec.options.get("depth", models.GPT_DEPTH) if spec.language else 0
 
 
-def _traced_fits(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
-    """In a fake world: `layout`'s trace at the largest micro-batch that fits (the smallest if
-    none does)."""
+def _traced_fits(spec: Spec, cluster: Cluster, part: list[Layout]) -> list[tuple[Layout, Trace]]:
+    """In a fake world: each of `part`'s layouts (see `_parts`) traced in turn, each at the
+    largest micro-batch that fits (the smallest if none does)."""
+    return [_traced_fit(spec, cluster, layout) for layout in part]
+
+
+def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
     share = spec.share(layout.spec.data_size)
     assert share is not None
     # A CPU cluster (`--gpu cpu`) runs on gloo, whose reduce-scatter holds a copy (`trace.GlooCopies`).

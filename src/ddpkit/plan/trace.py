@@ -134,7 +134,7 @@ def in_fake_worlds(
     method = choose_start_method("cpu")
     before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
-        min(len(calls), os.cpu_count() or 1),
+        min(len(calls), workers()),
         mp_context=multiprocessing.get_context(method),
         initializer=_join_fake_world,
         initargs=(world_size,),
@@ -160,6 +160,11 @@ def in_fake_worlds(
                 child.terminate()
                 child.join()
         pool.shutdown(wait=True, cancel_futures=True)  # its manager thread too: a later fork stays safe
+
+
+def workers() -> int:
+    """The processes `in_fake_worlds` runs at most: one per core."""
+    return os.cpu_count() or 1
 
 
 class TraceFailed(RunError):
