@@ -117,9 +117,9 @@ def directory(what: str, path: str) -> str:
 
 def output_file(what: str, path: str) -> str:
     """`path` if a file can be written there later, checked now without writing anything: not a
-    directory nor a device or pipe, and the nearest existing folder above it a writable directory (the missing ones
-    are made when the file is written). Output goes last, after the work: checking it first
-    means a typo costs nothing."""
+    directory, a device or a pipe, and the nearest existing folder above it a writable
+    directory (the missing ones are made when the file is written). Output goes last, after the
+    work: checking it first means a typo costs nothing."""
     if os.path.isdir(path):
         raise UsageError(f"{what} {path}: is a directory; give a file name")
     if os.path.exists(path) and not os.path.isfile(path):

@@ -65,8 +65,8 @@ class Collectives:
 
     def add(self, op: Op) -> None:
         self.ops.append(op)
-        self.bytes[op.kind] = self.bytes.get(op.kind, 0) + op.bytes
-        self.calls[op.kind] = self.calls.get(op.kind, 0) + 1
+        self.bytes[op.kind] = self.bytes.get(op.kind, 0) + op.bytes * op.calls
+        self.calls[op.kind] = self.calls.get(op.kind, 0) + op.calls
 
 
 def _kind(op: str) -> str:

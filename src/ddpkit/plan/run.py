@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
 from .predict import STRATEGIES, Prediction, best, layouts, predict
-from .trace import Layout, Step, Trace, built, flops, in_fake_worlds, trace, workers
+from .trace import Layout, Step, Trace, backend_for, built, flops, in_fake_worlds, trace, workers
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -193,8 +193,6 @@ def _traced_fits(spec: Spec, cluster: Cluster, part: list[Layout]) -> list[tuple
 def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
     share = spec.share(layout.spec.data_size)
     assert share is not None
-    # A CPU cluster (`--gpu cpu`) runs on gloo, whose reduce-scatter holds a copy (`trace.GlooCopies`).
-    backend = "gloo" if cluster.gpu.device == "cpu" else "nccl"
     step = Step(
         spec.build,
         spec.batch,
@@ -202,7 +200,7 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
         spec.precision,
         spec.optimizer,
         count=bool(cluster.gpu.memory_gbps),
-        backend=backend,
+        backend=backend_for(cluster.gpu.device),  # `--gpu cpu`: gloo (see `trace.GlooCopies`)
     )
     memory = cluster.gpu.memory_gib * GIB
     # A micro-batch whose input alone (4 bytes a value at least) exceeds the GPU cannot fit:

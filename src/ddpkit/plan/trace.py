@@ -22,7 +22,6 @@ Where they fall short, the arithmetic is ddpkit's and the result says so (`compu
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -35,6 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.precision import AutocastModule, Precision
+from ..core.threads import usable_cores
 from ..errors import RunError, UsageError
 from ..observe.collectives import Collectives, Op, tensor_bytes
 from ..strategy import REGISTRY, DDPOptions, FSDPOptions
@@ -163,8 +163,13 @@ def in_fake_worlds(
 
 
 def workers() -> int:
-    """The processes `in_fake_worlds` runs at most: one per core."""
-    return os.cpu_count() or 1
+    """The processes `in_fake_worlds` runs at most: one per core this process may use."""
+    return usable_cores()
+
+
+def backend_for(device: str) -> str:
+    """The process group a run on `device` has (`Step.backend`): NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if device == "cuda" else "gloo"
 
 
 class TraceFailed(RunError):

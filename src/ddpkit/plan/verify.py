@@ -26,7 +26,7 @@ import torch
 from ..core import checks
 from ..errors import UsageError
 from .run import Spec, _traced
-from .trace import Layout, Step, in_fake_worlds, loss, optimizer, roles
+from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
 
 # Imports inside functions: the Runtime and the launcher load when a verification runs.
 
@@ -44,7 +44,7 @@ def predicted(cases: list[Case], nproc: int, device: str = "cpu") -> list[Any]:
     """The plan's trace of each case on `nproc` ranks, with the optimizer torch picks on CPU
     (one tensor at a time), as the real runs here have it, and the process group `measured`
     runs on `device` (gloo on the CPU, whose reduce-scatter copies its input: `GlooCopies`)."""
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = backend_for(device)
     return in_fake_worlds(nproc, [(_traced_case, (spec, layout, nproc, backend)) for spec, layout in cases])
 
 
