@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 import ddpkit
 from ddpkit.errors import WorkerFailed
 from tests import workers
+from tests.conftest import clean_env
 from tests.launcher.helpers import run_python
 
 
@@ -193,8 +196,11 @@ def _attempt(root, pids: dict, stacks: dict, exits: dict, stops: float):
         (folder / f"rank-{rank}.stack").write_text(f"Stack of rank {rank}:\n  File 'x.py', line 1 in f\n")
         os.utime(folder / f"rank-{rank}.stack", (when, when))
     for rank, (status, when) in exits.items():
-        (folder / f"rank-{rank}.exit").write_text(json.dumps({"status": status, "time": when}))
-    (root / records.STOPS).write_text(f"{stops}\n")
+        (folder / f"rank-{rank}.exit").write_text(json.dumps({"status": status, "seen": True}))
+        os.utime(folder / f"rank-{rank}.exit", (when, when))  # the watch's record, made when it looked
+    (root / records.STOPS).mkdir()
+    (root / records.STOPS / "stop-1").touch()
+    os.utime(root / records.STOPS / "stop-1", (stops, stops))
     return folder
 
 
@@ -248,3 +254,46 @@ def test_a_sigkilled_rank_the_agent_reaped_first_is_blamed_not_the_peer_it_sigte
     assert cause.rank == 1 and cause.status == -signal.SIGKILL and not cause.outside, cause
     what, _ = failures.describe(cause, failures.endings(str(tmp_path), 0, {}, 0))
     assert what == "was killed by SIGKILL (out of memory?)"
+
+
+@pytest.mark.distributed  # worker processes armed as the launcher's are, without gloo
+def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path):
+    # A file's time trails `time.time()` by up to a tick of the kernel's coarse clock (8 ms here).
+    # The watch stamped a SIGKILLed rank's end with `time.time()`, and the agent's SIGTERM to its
+    # peer a moment later left a stack whose file time could be earlier: the peer was blamed,
+    # "killed by SIGTERM (not from the launcher)" (seen in CI under pp 2). Real workers here: two
+    # processes armed as a launch's workers are, the watch's real look, then the agent's order.
+    from ddpkit.launcher import failures, records
+
+    (tmp_path / "attempt-0").mkdir()
+    (tmp_path / records.STOPS).mkdir()  # the agent's stops come later: none recorded yet
+    armed = "from ddpkit.launcher import records; records.arm(); import sys, time; print(flush=True); time.sleep(60)"
+    workers = []
+    for rank in (0, 1):
+        env = {**clean_env(), records.LAUNCH_DIR: str(tmp_path), "RANK": str(rank)}
+        workers.append(subprocess.Popen([sys.executable, "-c", armed], env=env, stdout=subprocess.PIPE))
+    try:
+        for w in workers:
+            w.stdout.readline()  # armed
+        time.sleep(0.3)  # the stack files were opened a while ago, as a worker's are
+        watch = records.ExitWatch(str(tmp_path))
+        workers[1].send_signal(signal.SIGKILL)  # killed from outside
+        while os.waitid(os.P_PID, workers[1].pid, os.WEXITED | os.WNOWAIT) is None:
+            pass
+        watch._on_child()  # the watch's look, on SIGCHLD
+        workers[0].send_signal(signal.SIGTERM)  # the agent stops the rest: a stack dumped, then the end
+        os.waitid(os.P_PID, workers[0].pid, os.WEXITED | os.WNOWAIT)
+        watch._on_child()
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    ends = records.read_attempt(str(tmp_path), 0)
+    assert (ends[0].status, ends[1].status) == (-signal.SIGTERM, -signal.SIGKILL) and ends[0].stack
+    # One clock for both: the times of the files the watch and the dying rank wrote (the race
+    # itself, a look that lands within a coarse tick of the next signal, is rare to catch).
+    folder = tmp_path / "attempt-0"
+    assert ends[1].ended == os.path.getmtime(folder / "rank-1.exit")
+    assert ends[0].ended == min(os.path.getmtime(folder / "rank-0.exit"), os.path.getmtime(folder / "rank-0.stack"))
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert (cause.rank, cause.status, cause.outside) == (1, -signal.SIGKILL, False), cause

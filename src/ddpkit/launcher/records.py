@@ -14,8 +14,14 @@ folder per attempt (the agent's restart count):
 - `rank-R.frozen`: it was stopped by a signal (SIGSTOP, Ctrl-Z's SIGTSTP) and not continued,
   from the parent too: a frozen rank cannot dump its stack nor die of the agent's SIGTERM.
 
-And the launcher notes in `stops` when its agent begins to stop the workers (`AgentStops`): a
+And the launcher notes in `stops` when its agent begins to stop the workers (`agent_stops`): a
 worker that died of SIGTERM before then got it from outside (`kill`, a scheduler).
+
+Every time these records are compared by is a file's modification time, never `time.time()`:
+a dumped stack's time is the file system's, which trails the system clock by up to a tick of
+the kernel's coarse clock (8 ms measured here), so a rank the agent SIGTERMed after another
+died could seem to have died before the other's end was stamped with `time.time()`. Times from
+one clock keep their order (ties are possible, and read as "may have come first").
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -107,7 +113,7 @@ class RankRecord:
     rank: int
     pid: int | None = None
     status: int | None = None  # exit code, or minus the signal's number (as Popen's returncode)
-    ended: float = float("inf")  # when the parent saw it end (time.time())
+    ended: float = float("inf")  # when the parent saw it end (a file's time: see above)
     stack: str = ""
     done: bool = False
     frozen: str = ""  # the signal that stopped it, if it was stopped and not continued
@@ -136,20 +142,16 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
             return ""
 
     pid = text("pid")
-    try:
-        started = os.path.getmtime(os.path.join(folder, f"rank-{rank}.pid"))
-    except OSError:
-        started = float("inf")
+    started = _mtime(os.path.join(folder, f"rank-{rank}.pid"))
     exit_, frozen = _json(text("exit")), _json(text("frozen"))
     stack = text("stack").strip()
-    ended = exit_.get("time")
-    ended = float("inf") if ended is None else ended  # not known: no record, or the agent's report only
+    # When the watch saw it end: its record's time. Not known: no record, or the agent's report only.
+    ended = _mtime(os.path.join(folder, f"rank-{rank}.exit")) if exit_.get("seen") else float("inf")
     if stack and (exit_.get("status") or 0) < 0:
         # Killed by a signal whose handler dumped the stack: it got the signal when the dump was
         # written. The parent's time is when its SIGCHLD watch looked, which under load may look
         # once for several deaths and stamp them in the order of their records, not of their ends.
-        with contextlib.suppress(OSError):
-            ended = min(ended, os.path.getmtime(os.path.join(folder, f"rank-{rank}.stack")))
+        ended = min(ended, _mtime(os.path.join(folder, f"rank-{rank}.stack")))
     return RankRecord(
         rank=rank,
         pid=int(pid) if pid.isdigit() else None,
@@ -158,20 +160,29 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
         stack=stack,
         done=os.path.exists(os.path.join(folder, f"rank-{rank}.done")),
         frozen=str(frozen.get("signal", "")),
-        frozen_at=frozen.get("time", float("inf")),
+        frozen_at=_mtime(os.path.join(folder, f"rank-{rank}.frozen")) if frozen else float("inf"),
         started=started,
         where=text("where").strip(),
     )
 
 
-STOPS = "stops"  # in a launch's folder: when its agent began to stop workers, a time a line
+STOPS = "stops"  # in a launch's folder: a file for each time its agent began to stop workers, made then
+
+
+def _mtime(path: str) -> float:
+    """When `path` was last written, on the file system's clock (infinity if it is not there)."""
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return float("inf")
 
 
 @contextlib.contextmanager
 def agent_stops(root: str) -> Iterator[None]:
-    """While the agent runs, note in `root`/STOPS each time it begins to stop its workers (its
-    process context's `close`: after a failure, before a restart, at the end). The file exists
-    from the start: its absence means the stops went unrecorded (a torch without that method)."""
+    """While the agent runs, note in the folder `root`/STOPS each time it begins to stop its
+    workers (its process context's `close`: after a failure, before a restart, at the end), as a
+    file made then. The folder exists from the start: its absence means the stops went
+    unrecorded (a torch without that method)."""
     try:
         from torch.distributed.elastic.multiprocessing.api import (
             PContext,
@@ -186,8 +197,8 @@ def agent_stops(root: str) -> Iterator[None]:
     path = os.path.join(root, STOPS)
 
     def close(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with contextlib.suppress(OSError), open(path, "a") as f:
-            f.write(f"{time.time()}\n")
+        with contextlib.suppress(OSError):
+            os.close(tempfile.mkstemp(prefix="stop-", dir=path)[0])
         return own(self, *args, **kwargs)
 
     own_wait = getattr(PContext, "wait", None)
@@ -198,7 +209,7 @@ def agent_stops(root: str) -> Iterator[None]:
             note_failures(root, getattr(result, "failures", None) or {})
         return result
 
-    open(path, "a").close()
+    os.makedirs(path, exist_ok=True)
     PContext.close = close
     if own_wait is not None:
         PContext.wait = wait
@@ -214,12 +225,12 @@ def note_failures(root: str, failures: dict[int, Any]) -> None:
     """The exit status of each failed worker the agent saw (torch's ProcessFailure: its pid and
     exit code, minus the signal), written as its `.exit` record where the SIGCHLD watch wrote
     none: the agent reaped it before the watch looked, which under load happens. When it ended
-    is not known (at some moment before now): its time is None."""
+    is not known (at some moment before now): the record says it was not seen."""
     pids = {int(f.pid): int(f.exitcode) for f in failures.values() if getattr(f, "pid", None)}
     for _, record, pid in worker_records(root) if pids else ():
         if pid in pids and not os.path.exists(record + ".exit"):
             with open(record + ".exit", "w") as f:
-                json.dump({"status": pids[pid], "time": None}, f)
+                json.dump({"status": pids[pid], "seen": False}, f)
 
 
 def worker_records(root: str) -> Iterator[tuple[str, str, int]]:
@@ -237,10 +248,10 @@ def worker_records(root: str) -> Iterator[tuple[str, str, int]]:
 def agent_stop_after(root: str, since: float) -> float | None:
     """When the agent first began to stop workers at or after `since`: infinity if it has not,
     None if its stops were not recorded."""
+    folder = os.path.join(root, STOPS)
     try:
-        with open(os.path.join(root, STOPS)) as f:
-            times = [float(line) for line in f if line.strip()]
-    except (OSError, ValueError):
+        times = [_mtime(os.path.join(folder, name)) for name in os.listdir(folder)]
+    except OSError:
         return None
     return min((t for t in times if t >= since), default=float("inf"))
 
@@ -308,7 +319,7 @@ class ExitWatch:
             if status != 0:
                 self.failing.add(attempt)
             with open(record + ".exit", "w") as f:
-                json.dump({"status": status, "time": time.time()}, f)
+                json.dump({"status": status, "seen": True}, f)  # seen now: the file's time says when
         for record, pid in frozen.items():  # in an attempt that is over: ended, with their stacks
             if os.path.dirname(record) in self.failing and record not in self.ended:
                 self.ended.add(record)
@@ -332,7 +343,7 @@ class ExitWatch:
         except FileExistsError:
             return True
         with os.fdopen(fd, "w") as f:
-            json.dump({"signal": name, "time": time.time()}, f)
+            json.dump({"signal": name}, f)  # stopped by now: the file's time says when
         rank = os.path.basename(record).removeprefix("rank-")
         line = (
             f"ddpkit: rank {rank} (pid {pid}) was stopped by {name}: its peers wait for it until their "
