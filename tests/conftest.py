@@ -23,6 +23,7 @@ import termios
 import pytest
 
 from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job
+from tests import parallel
 
 # The suite's runs take their share of the cores whatever else the machine does (ddpkit would
 # otherwise give fewer threads to a run started while another test's processes are busy, and the
@@ -41,6 +42,7 @@ def pytest_addoption(parser):
         "(docs/testing.md; see tests/slowest.py). Defined here: name the tests folder, "
         "`python -m pytest tests --slowest-into docs/testing.md`",
     )
+    parallel.add_options(parser)
 
 
 _SECONDS: dict[str, float] = {}  # each test's setup, call and teardown, for --slowest-into
@@ -62,18 +64,49 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    parallel.leave_results(config, reporter.stats if reporter else {}, _SECONDS)  # (one of several processes)
+    if exitstatus == 0 and not parallel.shared_folder(config):
+        import time
+
+        _write_slowest(config, _SECONDS, time.time() - _STARTED[0], len(_PASSED), 0)
+
+
+def _write_slowest(config, seconds: dict[str, float], total: float, passed: int, processes: int) -> None:
+    """--slowest-into FILE: after a whole run that passed, its ten slowest tests into FILE."""
     path = config.getoption("--slowest-into")
     whole = not config.getoption("markexpr") and not config.getoption("keyword")
     whole = whole and all(os.path.abspath(a) in (ROOT, os.path.join(ROOT, "tests")) for a in config.args)
-    if not path or exitstatus != 0 or not whole or config.option.collectonly:
+    if not path or not whole or config.option.collectonly:
         return  # (a part of the suite says nothing of the whole's slowest)
     import datetime
-    import time
 
     from tests import slowest
 
-    total = time.time() - _STARTED[0]
-    slowest.write_into(path, slowest.block(_SECONDS, total, len(_PASSED), datetime.date.today()))
+    slowest.write_into(path, slowest.block(seconds, total, passed, datetime.date.today(), processes))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`--processes N`: the session in N pytest processes at once (tests/parallel.py)."""
+    if parallel.wanted(config):
+        return parallel.run(config, lambda *measured: _write_slowest(config, *measured))
+    return None
+
+
+def pytest_configure(config):
+    if parallel.shared_folder(config):
+        config.pluginmanager.register(parallel.Unclaimed(), "unclaimed test files")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not parallel.claimed(item):
+        return (yield)
+    with parallel.turn(item.config, alone=item.get_closest_marker("alone") is not None):
+        result = yield
+    parallel.note_done(item.config)
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
@@ -217,41 +250,52 @@ TENSORBOARD = ["--tensorboard"] if HAVE_TENSORBOARD else []
 
 
 @pytest.fixture(scope="session")
-def two_process_run(tmp_path_factory):
+def two_process_run(tmp_path_factory, pytestconfig):
     """`ddpkit train --epochs 2 --nproc 2 --device cpu --out DIR` (with --tensorboard when it is
     installed): 46 steps on digits, made once per session and read by every test that needs
     this run: cli/test_train.py and cli/test_bad_input.py (as `run1`), the trainer's invariance
     and resume tests (as `straight`), the outputs and report tests (as run A of `runs`), and
     the two-host test (launcher/test_multinode.py) as the one-host run it compares with.
     Returns (out directory, the completed process); no test writes in it (those that continue
-    the run copy it first)."""
-    root = tmp_path_factory.mktemp("two_process_run")
-    out = root / "out"
-    proc = run_cli(
-        "train", "--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD, cwd=str(root)
-    )
-    return out, proc
+    the run copy it first). Made once per run of the suite, however many workers it has
+    (tests/parallel.py), as are the other shared runs below."""
+
+    def make():
+        root = tmp_path_factory.mktemp("two_process_run")
+        out = root / "out"
+        args = ("--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD)
+        return out, run_cli("train", *args, cwd=str(root))
+
+    return parallel.made_once(pytestconfig, "two_process_run", make)
 
 
 @pytest.fixture(scope="session")
-def fsdp_two_process_run(tmp_path_factory):
+def fsdp_two_process_run(tmp_path_factory, pytestconfig):
     """`two_process_run` under `--strategy fsdp`: `ddpkit train --epochs 2 --nproc 2 --strategy
     fsdp --device cpu --out DIR`, 46 steps on digits, made once per session: the uninterrupted
     fsdp run that the invariance test (trainer/test_invariance.py) and the SIGKILL test under
     fsdp (launcher/test_faults.py) compare with. Returns (out directory, the completed process)."""
-    out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
-    args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
-    return out, run_cli("train", *args)
+
+    def make():
+        out = tmp_path_factory.mktemp("fsdp_two_process_run") / "out"
+        args = ("--epochs", "2", "--nproc", "2", "--strategy", "fsdp", "--device", "cpu", "--out", str(out))
+        return out, run_cli("train", *args)
+
+    return parallel.made_once(pytestconfig, "fsdp_two_process_run", make)
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory):
+def default_run(tmp_path_factory, pytestconfig):
     """`ddpkit train --nproc 1 --device cpu --out DIR`: the default recipe (10 epochs of digits)
     on one process, made once per session for the test of its accuracy (cli/test_train.py) and
     as run B of `runs`. Returns (out directory, the completed process)."""
-    root = tmp_path_factory.mktemp("default_run")
-    out = root / "out"
-    return out, run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(root))
+
+    def make():
+        root = tmp_path_factory.mktemp("default_run")
+        out = root / "out"
+        return out, run_cli("train", "--nproc", "1", "--device", "cpu", "--out", str(out), cwd=str(root))
+
+    return parallel.made_once(pytestconfig, "default_run", make)
 
 
 @pytest.fixture(scope="session")
@@ -266,7 +310,7 @@ def runs(tmp_path_factory, two_process_run, default_run):
 
 
 @pytest.fixture(scope="session")
-def one_epoch_run(tmp_path_factory):
+def one_epoch_run(tmp_path_factory, pytestconfig):
     """`ddpkit train --epochs 1 --nproc 1 --device cpu --log-every 5 --checkpoint-every 5
     --keep-checkpoints 3 --out DIR` with its stderr on a pseudo-terminal: 23 steps on digits,
     checkpoints at steps 5, 10, 15, 20 and the epoch's end (23), the newest three kept. Made once
@@ -275,34 +319,42 @@ def one_epoch_run(tmp_path_factory):
     run that --channels-last is compared with (test_runtime.py): neither the terminal nor the
     logging and checkpoint flags change what is trained. Returns (out directory, its stdout, what
     its terminal showed); no test writes in it (those that continue the run copy it first)."""
-    out = tmp_path_factory.mktemp("one_epoch_run") / "out"
-    args = ["train", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--log-every", "5"]
-    args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
-    stdout, terminal = stderr_on_a_terminal(args)
-    return out, stdout, terminal
+
+    def make():
+        out = tmp_path_factory.mktemp("one_epoch_run") / "out"
+        args = ["train", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--log-every", "5"]
+        args += ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--out", str(out)]
+        stdout, terminal = stderr_on_a_terminal(args)
+        return out, stdout, terminal
+
+    return parallel.made_once(pytestconfig, "one_epoch_run", make)
 
 
 @pytest.fixture(scope="session")
-def jobs_started_together(tmp_path_factory):
+def jobs_started_together(tmp_path_factory, pytestconfig):
     """Two `ddpkit train --epochs 1 --nproc 2 --device cpu --out DIR` jobs started at the same
     moment on this machine, the second with --compile: the two jobs that must not collide
     (launcher/test_topology.py), and the eager and the compiled run that must train alike
     (trainer/test_reports.py). Returns {"eager": (out, completed process), "compiled": ...}."""
-    root = tmp_path_factory.mktemp("together")
-    args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
-    jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-        )
-        for name, (out, extra) in jobs.items()
-    }
-    done = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    return done
+
+    def make():
+        root = tmp_path_factory.mktemp("together")
+        args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
+        jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
+        procs = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=clean_env(),
+            )
+            for name, (out, extra) in jobs.items()
+        }
+        done = {}
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            done[name] = jobs[name][0], subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return done
+
+    return parallel.made_once(pytestconfig, "jobs_started_together", make)

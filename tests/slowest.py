@@ -14,14 +14,16 @@ END = "<!-- /slowest -->"
 COUNT = 10
 
 
-def block(seconds: dict[str, float], total: float, passed: int, when: datetime.date) -> str:
-    """The generated text: a table of the COUNT slowest tests, and what run measured them."""
+def block(seconds: dict[str, float], total: float, passed: int, when: datetime.date, workers: int = 0) -> str:
+    """The generated text: a table of the COUNT slowest tests, and what run measured them (on
+    `workers` processes at once, `--processes`; 0: in one process)."""
     slowest = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:COUNT]
     lines = [
         BEGIN,
         f"Measured by a whole run of the suite on {when.isoformat()}: {passed} tests passed in "
         f"{total / 60:.1f} minutes on {os.cpu_count()} cores ({platform.machine()}, Python "
-        f"{platform.python_version()}).",
+        f"{platform.python_version()}), "
+        + (f"in {workers} processes at once (--processes)." if workers else "one test at a time."),
         "",
         "| seconds | test |",
         "| ---: | --- |",

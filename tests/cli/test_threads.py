@@ -17,7 +17,7 @@ from tests.cli.helpers import ok
 from tests.conftest import run_cli
 from tests.spinner import outside_spinner
 
-pytestmark = pytest.mark.cli
+pytestmark = [pytest.mark.cli, pytest.mark.alone]  # they read the machine's load
 
 AUTO = {"DDPKIT_THREADS": ""}  # not the suite's "share": ddpkit's own choice by load
 

@@ -99,6 +99,7 @@ def test_memory_refuses_more_than_the_machine_has():
 
 
 @pytest.mark.unit
+@pytest.mark.alone  # timed in milliseconds
 def test_a_value_shown_in_a_message_is_bounded_whatever_its_structure():
     import time
 

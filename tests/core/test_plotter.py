@@ -105,6 +105,7 @@ def test_a_failing_block_kills_the_helper(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.alone  # timed to the second
 def test_an_answer_read_off_the_pipe_with_another_is_not_waited_for_again(monkeypatch):
     # After a restart both attempts' rank 0 asked for the curves: the helper's two answers came
     # in one read, the buffered readline returned the first, and select() waited for the second,

@@ -14,7 +14,7 @@ import torch
 from ddpkit.core import threads
 from tests.spinner import SPIN, outside_spinner
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.alone]  # they read the machine's load
 
 
 def _busy_over(seconds: float) -> float:

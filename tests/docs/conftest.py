@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel import made_once
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,16 +25,20 @@ class SiteBuild:
 
 
 @pytest.fixture(scope="session")
-def site_build(tmp_path_factory) -> SiteBuild:
+def site_build(tmp_path_factory, pytestconfig) -> SiteBuild:
     """`python -m mkdocs build --strict` of the repository's site, once per test session. A failed
     build is returned, not raised: each test that uses it fails with mkdocs' own output."""
-    site = tmp_path_factory.mktemp("docs") / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    return SiteBuild(proc, site)
+
+    def make():
+        site = tmp_path_factory.mktemp("docs") / "site"
+        proc = subprocess.run(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        return SiteBuild(proc, site)
+
+    return made_once(pytestconfig, "site_build", make)

@@ -4,12 +4,14 @@ with (the session's `two_process_run`, tests/conftest.py); `one_process`, the sa
 `three_processes`, the same on 3 processes with micro-batches; `stopped(step)`, that run stopped
 at a step; and `three_checkpoints`, a finished one-process run
 with several checkpoints (the session's `one_epoch_run`). Tests that continue or damage a run work
-on their own copy (helpers.copied)."""
+on their own copy (helpers.copied). Each is made once per run of the suite, however many workers
+run its files (tests/parallel.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.parallel import made_once
 from tests.trainer.helpers import THREE, finished, train
 
 
@@ -20,31 +22,40 @@ def straight(two_process_run):
 
 
 @pytest.fixture(scope="package")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, pytestconfig):
     """`straight`'s run on one process, with --max-steps 46 (= its whole 2 epochs): compared
     with `straight` (test_invariance) and the run that --max-steps on an epoch's end completes
     (test_loop)."""
-    return train(tmp_path_factory.mktemp("one_process") / "out", "--nproc", "1", "--max-steps", "46")
+
+    def make():
+        return train(tmp_path_factory.mktemp("one_process") / "out", "--nproc", "1", "--max-steps", "46")
+
+    return made_once(pytestconfig, "one_process", make)
 
 
 @pytest.fixture(scope="package")
-def three_processes(tmp_path_factory):
+def three_processes(tmp_path_factory, pytestconfig):
     """`straight`'s run on 3 processes (`THREE`): compared with `straight` and with itself
     stopped and resumed (test_invariance)."""
-    return train(tmp_path_factory.mktemp("three_processes") / "out", *THREE)
+    return made_once(
+        pytestconfig, "three_processes", lambda: train(tmp_path_factory.mktemp("three_processes") / "out", *THREE)
+    )
 
 
 @pytest.fixture(scope="package")
-def stopped(tmp_path_factory):
+def stopped(tmp_path_factory, pytestconfig):
     """`stopped(step)`: the out directory of `straight`'s run stopped by --max-steps STEP, with a
     checkpoint every 10 steps and the newest 3 kept (made once per step), and its results."""
     made: dict[int, tuple] = {}
 
     def make(step: int):
-        if step not in made:
+        def make():
             out = tmp_path_factory.mktemp(f"stopped-{step}") / "out"
             flags = ("--nproc", "2", "--max-steps", str(step), "--checkpoint-every", "10", "--keep-checkpoints", "3")
-            made[step] = out, train(out, *flags)
+            return out, train(out, *flags)
+
+        if step not in made:
+            made[step] = made_once(pytestconfig, f"stopped-{step}", make)
         return made[step]
 
     return make

@@ -1,0 +1,133 @@
+"""tests/parallel.py: what keeps the processes of a `--processes` run out of each other's way.
+Threads stand in for the processes (flock locks belong to each open file, so two threads conflict
+as two processes do); a process's config is what `--processes` gives one: the run's shared
+folder and its index. The whole (processes started, files claimed, one summary) runs for real
+in test_a_run_in_two_processes_runs_each_test_once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests import parallel
+
+
+def _worker_config(run_folder, name: str):
+    return SimpleNamespace(option=SimpleNamespace(shard_dir=str(run_folder), shard_index=name))
+
+
+@pytest.mark.unit
+def test_in_one_process_nothing_is_shared_or_locked(tmp_path):
+    config = SimpleNamespace(option=SimpleNamespace(shard_dir=None))
+    assert parallel.shared_folder(config) is None
+    assert parallel.made_once(config, "x", lambda: 7) == 7
+    with parallel.turn(config, alone=True), parallel.turn(config, alone=True):  # no lock to wait for
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_a_shared_run_is_made_by_one_worker_and_read_by_the_others(tmp_path):
+    made, results = [], {}
+
+    def make():
+        made.append(1)
+        time.sleep(0.3)  # the others ask meanwhile
+        return {"out": tmp_path / "run", "code": 0}
+
+    def worker(name):
+        results[name] = parallel.made_once(_worker_config(tmp_path, name), "run", make)
+
+    threads = [threading.Thread(target=worker, args=(f"gw{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(results) == 3
+    assert all(r == {"out": tmp_path / "run", "code": 0} for r in results.values())
+
+
+@pytest.mark.unit
+def test_a_make_that_fails_is_tried_again_by_the_next_worker(tmp_path):
+    def fails():
+        raise RuntimeError("no run")
+
+    with pytest.raises(RuntimeError, match="no run"):
+        parallel.made_once(_worker_config(tmp_path, "gw0"), "run", fails)
+    assert parallel.made_once(_worker_config(tmp_path, "gw1"), "run", lambda: 5) == 5
+
+
+@pytest.mark.unit
+def test_an_alone_test_waits_for_the_running_ones_and_later_ones_wait_for_it(tmp_path):
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def note(what):
+        with lock:
+            events.append(what)
+
+    def run(name, alone, start_after, hold):
+        time.sleep(start_after)
+        with parallel.turn(_worker_config(tmp_path, name), alone=alone):
+            note(f"{name} in")
+            time.sleep(hold)
+            note(f"{name} out")
+
+    plan = [("a", False, 0.0, 0.6), ("b", False, 0.05, 0.6), ("alone", True, 0.2, 0.3), ("late", False, 0.4, 0.1)]
+    threads = [threading.Thread(target=run, args=p) for p in plan]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # a and b share their turns; the alone test waits for both to end, and the test that asked
+    # after it waits for it, not the other way round.
+    assert events.index("b in") < events.index("a out")
+    assert events.index("alone in") > max(events.index("a out"), events.index("b out"))
+    assert events.index("alone out") + 1 == events.index("late in")
+
+
+@pytest.mark.cli
+def test_a_run_in_two_processes_runs_each_test_once_and_sums_them_up(tmp_path):
+    # A small suite of its own, three files, one failing test and one `alone` test, under the
+    # suite's own conftest: the run goes through the hooks `--processes auto` does.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text("from tests.conftest import *  # noqa: F403\n")
+    files = {"test_a.py": "abc", "test_b.py": "de", "test_c.py": "fg"}
+    record = "    with open(os.environ['SEEN'], 'a') as f:\n        f.write(f'{__name__}.{sys._getframe().f_code.co_name} {os.getpid()}\\n')\n"
+    for name, tests in files.items():
+        code = "import os, sys\nimport pytest\n\npytestmark = pytest.mark.unit\n"
+        code += "".join(f"\n\ndef test_{t}():\n{record}" for t in tests)
+        if name == "test_b.py":
+            code += "\n\n@pytest.mark.alone\ndef test_h():\n    assert 1 == 2\n"
+        (suite / name).write_text(code)
+    seen = tmp_path / "seen.txt"
+    env = {**os.environ, "SEEN": str(seen), "PYTHONPATH": str(root)}
+    # As CI runs it: no path given, the tests found from the configuration's testpaths.
+    (suite / "pytest.ini").write_text(
+        "[pytest]\ntestpaths = .\nmarkers =\n  unit\n  alone\naddopts = --strict-markers\n"
+    )
+    args = ["-q", "-p", "no:cacheprovider", "--processes", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *args], capture_output=True, text=True, env=env, cwd=suite, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the failing test fails the run
+    ran = [line.split()[0] for line in seen.read_text().splitlines()]
+    assert sorted(ran) == sorted(f"{f[:-3]}.test_{t}" for f, tests in files.items() for t in tests), out
+    by_file = {}
+    for line in seen.read_text().splitlines():
+        test, pid = line.split()
+        by_file.setdefault(test.split(".")[0], set()).add(pid)
+    assert all(len(pids) == 1 for pids in by_file.values()), by_file  # a file runs in one process
+    assert "==== process 1 of 2" in out and "==== process 2 of 2" in out, out
+    assert "==== all 2 processes: 1 failed, 7 passed in" in out, out
