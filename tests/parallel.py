@@ -78,9 +78,14 @@ def shared_folder(config) -> Path | None:
 def wanted(config) -> int:
     """How many processes this run asks for (0: none of ours; this is one of them, or a plain run)."""
     asked = getattr(config.option, "processes", None)
-    if not asked or shared_folder(config) is not None:
+    if asked is None or shared_folder(config) is not None:
         return 0
-    n = auto_workers() if asked == "auto" else int(asked)
+    if asked == "auto":
+        n = auto_workers()
+    elif asked.isdigit() and int(asked) > 0:
+        n = int(asked)
+    else:
+        raise pytest.UsageError(f"--processes {asked}: give a count of processes (1 or more) or 'auto'")
     return n if n > 1 else 0
 
 
@@ -152,7 +157,7 @@ def run(config, write_slowest: Callable[[dict[str, float], float, int, int], Non
     started = time.time()
     folder = Path(tempfile.mkdtemp(prefix="pytest-processes-"))
     (folder / "claims").mkdir()
-    args = [a for a in _without_processes(config.invocation_params.args)]
+    args = _without_processes(config.invocation_params.args)
     procs, outs = [], []
     try:
         for k in range(n):

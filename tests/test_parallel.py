@@ -131,3 +131,19 @@ def test_a_run_in_two_processes_runs_each_test_once_and_sums_them_up(tmp_path):
     assert all(len(pids) == 1 for pids in by_file.values()), by_file  # a file runs in one process
     assert "==== process 1 of 2" in out and "==== process 2 of 2" in out, out
     assert "==== all 2 processes: 1 failed, 7 passed in" in out, out
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", ""])
+def test_a_bad_count_of_processes_is_one_line_and_a_usage_error(bad):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "tests/test_parallel.py", f"--processes={bad}"],
+        capture_output=True, text=True, cwd=root, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
+    assert f"--processes {bad}: give a count of processes (1 or more) or 'auto'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
