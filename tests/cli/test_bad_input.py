@@ -325,3 +325,67 @@ def test_a_model_and_data_that_do_not_go_together_are_one_and_the_same_line_in_e
         line = _exits_2_with_one_line({**r, "argv": case["argv"]})
         assert line.endswith(said), (case["argv"], line)
         assert not os.listdir(case["cwd"]), (case["argv"], os.listdir(case["cwd"]))  # no runs/ or plan files
+
+
+# A flag that acts on one model or dataset only, given with another: it would change nothing.
+FLAGS_ELSEWHERE = [
+    (["--model", "cnn", "--gpt-width", "64"], "--gpt-width applies to --model gpt only (this run has --model cnn)"),
+    (["--model", "mlp", "--gpt-style", "llama"], "--gpt-style applies to --model gpt only (this run has --model mlp)"),
+    (["--model", "cnn", "--gpt-heads", "2"], "--gpt-heads applies to --model gpt only (this run has --model cnn)"),
+    (
+        ["--model", "cnn", "--data", "digits", "--synthetic-shape", "1,8,8"],
+        "--synthetic-shape applies to --data synthetic only (this run has --data digits)",
+    ),
+    (
+        ["--model", "cnn", "--data", "digits", "--seq-len", "64"],
+        "--seq-len applies to --data text only (this run has --data digits)",
+    ),
+    (
+        ["--model", "gpt", "--data", "text", "--synthetic-shape", "1,8,8"],
+        "--synthetic-shape applies to --data synthetic only (this run has --data text)",
+    ),
+]
+
+
+def test_a_flag_for_another_model_or_dataset_is_one_line_in_every_command(tmp_path):
+    # `--gpt-width` with a cnn, `--synthetic-shape` without synthetic data: silently ignored
+    # before, by train, find-batch-size and plan alike. Now the same line from all three.
+    cases = []
+    for command, where in (("train", ["--device", "cpu"]), ("find-batch-size", ["--device", "cpu"]), ("plan", [])):
+        for i, (flags, said) in enumerate(FLAGS_ELSEWHERE):
+            cwd = tmp_path / f"{command}-{i}"
+            cwd.mkdir()
+            cases.append(({"argv": [command, *flags, *where], "cwd": str(cwd)}, said))
+    # --num-classes: the synthetic set's classes; plan also takes it as a language model's vocabulary
+    for command in ("train", "find-batch-size", "plan"):
+        cwd = tmp_path / f"{command}-classes"
+        cwd.mkdir()
+        argv = [command, "--model", "cnn", "--data", "digits", "--num-classes", "3"]
+        cases.append(
+            (
+                {"argv": argv, "cwd": str(cwd)},
+                "--num-classes applies to --data synthetic only (this run has --data digits)",
+            )
+        )
+    for (case, said), r in zip(cases, run_batch([c for c, _ in cases])):
+        line = _exits_2_with_one_line({**r, "argv": case["argv"]})
+        assert line.endswith(said), (case["argv"], line)
+        assert not os.listdir(case["cwd"]), (case["argv"], os.listdir(case["cwd"]))
+
+
+def test_a_language_models_vocabulary_is_a_plan_flag_and_train_refuses_it(tmp_path):
+    # plan sizes a language model's output layer by --num-classes (Llama 3's 128256, say); train
+    # and find-batch-size read bytes, 256 of them, and say so.
+    small = ("--gpt-width", "32", "--gpt-depth", "1", "--gpt-heads", "2", "--seq-len", "16", "--batch-size", "4")
+    plan = run_cli(
+        "plan", "--model", "gpt", "--num-classes", "512", *small, "--gpus-per-node", "2", "--strategy", "ddp",
+        cwd=str(tmp_path),
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    cases = [
+        {"argv": [c, "--model", "gpt", "--num-classes", "512", "--device", "cpu"], "cwd": str(tmp_path)}
+        for c in ("train", "find-batch-size")
+    ]
+    for case, r in zip(cases, run_batch(cases)):
+        line = _exits_2_with_one_line({**r, "argv": case["argv"]})
+        assert line.endswith("--num-classes applies to --data synthetic only (this run has --data text)"), line

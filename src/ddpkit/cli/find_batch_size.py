@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .parsing import ArgumentParser
+from .parsing import ArgumentParser, given
 
 # Imports inside functions: a command's --help and its flags' checks load no torch; what runs
 # the command loads when it runs.
@@ -15,8 +15,9 @@ KNEE_PERCENT = 90  # tune.search.KNEE_FRACTION, for the help text without import
 def main(argv: Sequence[str]) -> int:
     from ..tune import find, resolve
 
-    a = _parser().parse_args(argv)
-    settings, topology = resolve(a)
+    parser = _parser()
+    a = parser.parse_args(argv)
+    settings, topology = resolve(a, given(parser, a))
     return find(settings, topology, a.json, a.plot)
 
 

@@ -89,3 +89,8 @@ class OneLineErrors:
 
 class ArgumentParser(OneLineErrors, argparse.ArgumentParser):
     pass
+
+
+def given(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> list[str]:
+    """The settings in `namespace` set away from `parser`'s defaults, by destination ("gpt_width")."""
+    return [dest for dest, value in vars(namespace).items() if value != parser.get_default(dest)]

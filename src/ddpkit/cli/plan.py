@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .parsing import ArgumentParser
+from .parsing import ArgumentParser, given
 
 # Imports inside functions: `--help` and a bad flag's one line load no torch.
 
@@ -24,8 +24,9 @@ AC = {
 def main(argv: Sequence[str]) -> int:
     from ..plan import output, plan
 
-    a = _parser().parse_args(argv)
-    spec, cluster = _resolve(a)
+    parser = _parser()
+    a = parser.parse_args(argv)
+    spec, cluster = _resolve(a, given(parser, a))
     p = plan(spec, cluster, progress=a.progress)
     print(output.report(p))
     if a.json is not None:
@@ -54,7 +55,7 @@ def _verify(p: object, nproc: int | None) -> None:
     print(output.verification(case, n, "cuda" if cuda else "cpu", guessed, real))
 
 
-def _resolve(a: object) -> tuple[object, object]:
+def _resolve(a: object, given: list[str]) -> tuple[object, object]:
     import math
 
     from .. import data, models
@@ -101,6 +102,7 @@ def _resolve(a: object) -> tuple[object, object]:
         strategies=strategies,
     )
     models.check(a.model, in_shape, classes)  # a model of one's own too: built and run once, as train does
+    data.check_applies(name, a.model, language, given, vocabulary=True)
     _check_outputs(a)
     if a.gpu == "cpu":
         return spec, _cpu(a)

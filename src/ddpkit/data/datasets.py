@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -322,6 +322,24 @@ def check_pairing(name: str, model: str, language: bool) -> None:
         raise UsageError(f"--data {name} is byte sequences for a language model: use --model gpt, not {model}")
     if language and name not in TEXT_DATASETS:
         raise UsageError(f"--model {model} is a language model of bytes: use it with --data text")
+
+
+def check_applies(name: str, model: str, language: bool, given: Iterable[str], vocabulary: bool = False) -> None:
+    """That each setting in `given` (set away from its default, named as "gpt_width") acts on
+    this run of `model` on dataset `name`, where elsewhere it would change nothing: the gpt flags
+    on a language model, --synthetic-shape, --synthetic-size and --num-classes on --data
+    synthetic (--num-classes on a language model too, where it is the `vocabulary`), --seq-len
+    on text. One line for every command that takes them; called once the model is known good,
+    so that a wrong --model is said first."""
+    synthetic = ("synthetic_shape", "synthetic_size") + (() if vocabulary and language else ("num_classes",))
+    for setting in given:
+        flag = "--" + setting.replace("_", "-")
+        if setting.startswith("gpt_") and not language:
+            raise UsageError(f"{flag} applies to --model gpt only (this run has --model {model})")
+        if setting in synthetic and name != "synthetic":
+            raise UsageError(f"{flag} applies to --data synthetic only (this run has --data {name})")
+        if setting == "seq_len" and name not in TEXT_DATASETS:
+            raise UsageError(f"{flag} applies to --data text only (this run has --data {name})")
 
 
 def shape_of(

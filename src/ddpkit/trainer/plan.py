@@ -299,7 +299,8 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
     in_shape, num_classes = data.shape_of(
         cfg.data, checks.shape("--synthetic-shape", cfg.synthetic_shape), cfg.num_classes, cfg.seq_len
     )
-    data.check_pairing(cfg.data, cfg.model, cfg.model in models.LANGUAGE_MODELS)
+    language = cfg.model in models.LANGUAGE_MODELS
+    data.check_pairing(cfg.data, cfg.model, language)
     if augment is not None and len(in_shape) != 3:
         raise UsageError(f"--augment {cfg.augment} needs image data (C,H,W); --data {cfg.data} is not")
     if augment is not None and augment.crop_padding > min(in_shape[1:]):  # crops of padding, and huge pads
@@ -307,6 +308,7 @@ def _data_shape(cfg: TrainConfig, augment: Augment | None) -> tuple[tuple[int, .
             f"--crop-padding {cfg.crop_padding} is more than the images' side ({in_shape[1]}x{in_shape[2]})"
         )
     models.check(cfg.model, in_shape, num_classes)
+    data.check_applies(cfg.data, cfg.model, language, [name for name in FIELDS if _is_set(cfg, name)])
     if cfg.activation_checkpointing:
         import torch  # (the model on meta: shapes, no memory; torch is loaded by the check above)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +104,9 @@ def criterion_for(criterion: str, device_type: str) -> str:
     return "largest" if device_type == "cuda" else "knee"
 
 
-def resolve(a: Any) -> tuple[Settings, Topology]:
-    """The search and its processes from the parsed command line (`cli.find_batch_size`)."""
+def resolve(a: Any, given: Sequence[str] = ()) -> tuple[Settings, Topology]:
+    """The search and its processes from the parsed command line (`cli.find_batch_size`);
+    `given`: the settings set away from their defaults there."""
     topology = topologies.resolve(a.device, a.nproc)
     mesh = None if a.mesh is None else strategies.MeshSpec.parse(a.mesh)
     strategy = strategies.for_mesh(a.strategy, mesh)  # --mesh replicate=2,dp=2: hsdp
@@ -147,7 +149,8 @@ def resolve(a: Any) -> tuple[Settings, Topology]:
         warmup=a.warmup,
         criterion=criterion_for(a.criterion, topology.device_type),
         plateau=a.plateau,
-    )
+    )  # (which checks the model: built and run once)
+    data.check_applies(name, a.model, language, given)
     if language:
         per_weight = strategies.by_name(strategy).bytes_per_weight(topology.world_size)
         shape = {k: v for k, v in settings.model_options().items() if k not in ("width", "depth")}
