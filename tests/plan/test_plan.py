@@ -274,6 +274,19 @@ def test_cli_prints_table_and_command_and_writes_json_and_plot(tmp_path, cli):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.cli
+def test_cli_exits_1_when_no_layout_fits_and_still_writes_its_files(tmp_path, cli):
+    # A script could not tell "no layout fits" from a recommendation: both exited 0. Now 1, as
+    # find-batch-size does when no size fits; the table, --json and --plot still say why.
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    small = ("--gpt-width", "32", "--gpt-depth", "1", "--gpt-heads", "2", "--seq-len", "16", "--batch-size", "4")
+    flags = ("--gpus-per-node", "2", "--strategy", "ddp", "--activation-checkpointing", "off")
+    proc = cli("plan", *small, *flags, "--memory-gib", "0.0001", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no layout fits: the smallest, ddp 2" in proc.stdout and "Traceback" not in proc.stderr
+    assert json.loads(out.read_text())["recommended"] is None and png.stat().st_size > 10_000
+
+
 # A model of one's own whose constructor raises, for the bad-input table.
 BROKEN_MODEL = """
 def raises(in_shape, num_classes):

@@ -35,7 +35,7 @@ def main(argv: Sequence[str]) -> int:
         output.plot(p, a.plot)
     if a.verify:
         _verify(p, a.verify_nproc)
-    return 0
+    return 0 if p.best is not None else 1  # none fits: as find-batch-size when no size does
 
 
 def _verify(p: object, nproc: int | None) -> None:
@@ -163,7 +163,8 @@ def _parser() -> ArgumentParser:
         description="Predict, before booking the GPUs, each layout's per-GPU memory (parameters, gradients, "
         "optimizer state, activations, communication buffers, peak) and step time, which fit, and the "
         "fastest one's ddpkit train command. Memory is traced on fake tensors over a fake process group of "
-        "the cluster's size; time is FLOPs at --efficiency plus each collective by a ring model of the links.",
+        "the cluster's size; time is FLOPs at --efficiency plus each collective by a ring model of the links. "
+        "Exit code 1 when no layout fits (the table, --json and --plot are written all the same).",
     )
     p.add_argument("--model", default="gpt", help="gpt (default), another built-in model, or package.module:function")
     p.add_argument("--data", help="gives the input shape and classes (default text for gpt, cifar10 otherwise)")
