@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,9 @@ def wanted(config) -> int:
     asked = getattr(config.option, "processes", None)
     if asked is None or shared_folder(config) is not None:
         return 0
+    o = config.option
+    if o.help or o.version or o.collectonly or o.showfixtures or o.show_fixtures_per_test or o.markers:
+        return 0  # nothing runs: one process says it
     if asked == "auto":
         n = auto_workers()
     elif asked.isdigit() and int(asked) > 0:
@@ -152,46 +156,41 @@ def leave_results(config, stats: dict[str, list], seconds: dict[str, float]) -> 
 
 def run(config, write_slowest: Callable[[dict[str, float], float, int, int], None] | None) -> int:
     """Run the session in `wanted(config)` processes: start them, show progress, then each one's
-    output and one summary. Returns the exit code: the first failing process's, else 0."""
+    output and one summary. Returns the exit code: the first failing process's (3 for one that
+    died of a signal), else 0. Ctrl-C or SIGTERM here interrupts every process as Ctrl-C does
+    one (its fixtures torn down), SIGKILL after GRACE_S, and returns pytest's 2."""
     n = wanted(config)
     started = time.time()
     folder = Path(tempfile.mkdtemp(prefix="pytest-processes-"))
     (folder / "claims").mkdir()
-    args = _without_processes(config.invocation_params.args)
-    procs, outs = [], []
+    procs: list[subprocess.Popen] = []
+    outs: list[Any] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for k in range(n):
             out = open(folder / f"output-{k}.txt", "w+")  # noqa: SIM115 - read back below
             outs.append(out)
-            # (`--option=value`: before the conftest that defines an option is loaded, pytest would
-            # take a separate value for a path, and look for the rootdir there)
-            cmd = [sys.executable, "-m", "pytest", *args, f"--shard-dir={folder}", f"--shard-index={k}",
-                   f"--basetemp={folder / f'tmp-{k}'}", "-p", "no:cacheprovider"]  # fmt: skip
+            # Ours first, the command line's after (its `--` would make ours paths). `--option=value`:
+            # before the conftest that defines an option is loaded, pytest would take a separate
+            # value for a path, and look for the rootdir there.
+            ours = [f"--shard-dir={folder}", f"--shard-index={k}", f"--basetemp={folder / f'tmp-{k}'}",
+                    "-p", "no:cacheprovider"]  # fmt: skip
+            cmd = [sys.executable, "-m", "pytest", *ours, *_without_processes(config.invocation_params.args)]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          cwd=config.invocation_params.dir))  # fmt: skip
+                                          cwd=config.invocation_params.dir, start_new_session=True))  # fmt: skip
         print(f"tests in {n} processes at once (tests/parallel.py): their outputs follow as each ends", flush=True)
-        shown: set[int] = set()
-        said = time.monotonic()
-        while len(shown) < n:
-            time.sleep(0.5)
-            for k, proc in enumerate(procs):
-                if k not in shown and proc.poll() is not None:
-                    shown.add(k)
-                    outs[k].seek(0)
-                    print(f"\n==== process {k + 1} of {n} (exit code {proc.returncode}) ====", flush=True)
-                    sys.stdout.write(outs[k].read())
-                    sys.stdout.flush()
-            if time.monotonic() - said > 60 and len(shown) < n:
-                said = time.monotonic()
-                done = sum(_size(folder / f"done-{k}") for k in range(n))
-                print(f"... {done} tests done after {(time.time() - started) / 60:.1f} min", flush=True)
-    except BaseException:
-        for proc in procs:
-            proc.kill()
-        raise
+        _follow(procs, outs, folder, started)
+    except KeyboardInterrupt:
+        _stop(procs)
+        _show(procs, outs, set())
+        print(f"\n==== interrupted: the {n} processes were stopped ====", flush=True)
+        return 2  # pytest's ExitCode.INTERRUPTED
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for out in outs:
             out.close()
+        if any(p.poll() is None for p in procs):  # (an error of this function's own)
+            _stop(procs)
     counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
     seconds: dict[str, float] = {}
     missing = []
@@ -207,15 +206,61 @@ def run(config, write_slowest: Callable[[dict[str, float], float, int, int], Non
     total = time.time() - started
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     print(f"\n==== all {n} processes: {summary or 'nothing ran'} in {total:.1f}s ({total / 60:.1f} min) ====")
-    codes = [p.returncode for p in procs]
+    codes = [3 if p.returncode < 0 else p.returncode for p in procs]  # a signal: an internal error
     code = next((c for c in codes if c not in (0, 5)), 0 if any(c == 0 for c in codes) else codes[0])
     if missing:
-        print(f"process(es) {missing} left no results: see their output above")
+        print(f"process(es) {missing} left no results (the test files they claimed did not all run): see above")
         code = code or 3
     if code == 0 and write_slowest is not None:
         write_slowest(seconds, total, counts["passed"], n)
     shutil.rmtree(folder, ignore_errors=True)
     return code
+
+
+GRACE_S = 20.0  # after an interrupt, how long the processes get to tear their fixtures down
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _follow(procs: list[subprocess.Popen], outs: list[Any], folder: Path, started: float) -> None:
+    """Wait for every process, printing each one's output as it ends and a progress line a minute."""
+    shown: set[int] = set()
+    said = time.monotonic()
+    while len(shown) < len(procs):
+        time.sleep(0.5)
+        _show(procs, outs, shown)
+        if time.monotonic() - said > 60 and len(shown) < len(procs):
+            said = time.monotonic()
+            done = sum(_size(folder / f"done-{k}") for k in range(len(procs)))
+            print(f"... {done} tests done after {(time.time() - started) / 60:.1f} min", flush=True)
+
+
+def _show(procs: list[subprocess.Popen], outs: list[Any], shown: set[int]) -> None:
+    for k, proc in enumerate(procs):
+        if k not in shown and proc.poll() is not None:
+            shown.add(k)
+            outs[k].seek(0)
+            print(f"\n==== process {k + 1} of {len(procs)} (exit code {proc.returncode}) ====", flush=True)
+            sys.stdout.write(outs[k].read())
+            sys.stdout.flush()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Interrupt each process as Ctrl-C would (its session: what its tests started too), and
+    SIGKILL what is left after GRACE_S."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _without_processes(args) -> list[str]:
@@ -277,5 +322,7 @@ def made_once(config, name: str, make: Callable[[], Any]) -> Any:
         if done.exists():
             return pickle.loads(done.read_bytes())
         result = make()
-        done.write_bytes(pickle.dumps(result))
+        partial = done.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(result))
+        os.replace(partial, done)  # whole or not there, even if this process dies writing it
         return result

@@ -147,3 +147,70 @@ def test_a_bad_count_of_processes_is_one_line_and_a_usage_error(bad):
     assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
     assert f"--processes {bad}: give a count of processes (1 or more) or 'auto'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _small_suite(folder: Path, files: dict[str, str]) -> Path:
+    """A suite of its own under the suite's conftest, found from its configuration's testpaths."""
+    folder.mkdir()
+    (folder / "conftest.py").write_text("from tests.conftest import *  # noqa: F403\n")
+    (folder / "pytest.ini").write_text("[pytest]\ntestpaths = .\nmarkers =\n  unit\n  alone\n")
+    for name, code in files.items():
+        (folder / name).write_text("import os, time\nimport pytest\n\npytestmark = pytest.mark.unit\n" + code)
+    return folder
+
+
+@pytest.mark.cli
+def test_sigterm_to_the_first_process_interrupts_all_and_their_fixtures_end(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    mark = tmp_path / "marks"
+    mark.mkdir()
+    long = (
+        "\n\n@pytest.fixture\ndef held():\n    yield\n"
+        "    open(os.path.join(os.environ['MARKS'], 'teardown-' + str(os.getpid())), 'w').close()\n"
+        "\n\ndef test_long(held):\n"
+        "    open(os.path.join(os.environ['MARKS'], 'started-' + str(os.getpid())), 'w').close()\n"
+        "    time.sleep(120)\n"
+    )
+    # three files: a process claims the file after its current one as that one's last test starts
+    suite = _small_suite(tmp_path / "suite", {"test_a.py": long, "test_b.py": long, "test_c.py": long})
+    env = {**os.environ, "MARKS": str(mark), "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--processes", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=suite,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(mark.glob("started-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    started = sorted(p.name.split("-")[1] for p in mark.glob("started-*"))
+    if len(started) != 2:
+        proc.kill()
+        raise AssertionError(f"started in {started}: {proc.communicate()[0]}")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "==== interrupted: the 2 processes were stopped ====" in out, out
+    assert sorted(p.name.split("-")[1] for p in mark.glob("teardown-*")) == started, out  # fixtures ended
+    assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")], "a process outlived the run"
+
+
+@pytest.mark.cli
+def test_collect_only_lists_once_without_starting_processes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    suite = _small_suite(tmp_path / "suite", {"test_a.py": "\n\ndef test_one():\n    pass\n"})
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "--processes", "2"],
+        capture_output=True, text=True, env=env, cwd=suite, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("test_a.py::test_one") == 1 and "processes at once" not in proc.stdout, proc.stdout

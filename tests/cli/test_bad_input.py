@@ -332,6 +332,8 @@ FLAGS_ELSEWHERE = [
     (["--model", "cnn", "--gpt-width", "64"], "--gpt-width applies to --model gpt only (this run has --model cnn)"),
     (["--model", "mlp", "--gpt-style", "llama"], "--gpt-style applies to --model gpt only (this run has --model mlp)"),
     (["--model", "cnn", "--gpt-heads", "2"], "--gpt-heads applies to --model gpt only (this run has --model cnn)"),
+    # not "--gpt-width 128 must be a multiple of --gpt-heads 3": a cnn has no heads to divide
+    (["--model", "cnn", "--gpt-heads", "3"], "--gpt-heads applies to --model gpt only (this run has --model cnn)"),
     (
         ["--model", "cnn", "--data", "digits", "--synthetic-shape", "1,8,8"],
         "--synthetic-shape applies to --data synthetic only (this run has --data digits)",

@@ -110,3 +110,15 @@ def test_a_new_dataset_is_one_catalogue_entry():
         del data.CATALOGUE["zeros"]
     with pytest.raises(UsageError, match="--data"):
         data.load("zeros")
+
+
+@pytest.mark.unit
+def test_a_registered_dataset_may_read_every_setting_a_built_in_one_would_refuse():
+    # docs/extending.md's own dataset reads --seq-len from its Request: ddpkit cannot know which
+    # settings a registered dataset reads, so only its built-in ones are held to the rules.
+    for setting, refused in (("seq_len", "--data text"), ("num_classes", "--data synthetic")):
+        with pytest.raises(UsageError, match=f"applies to {refused} only"):
+            data.check_applies("digits", "cnn", False, [setting])
+        data.check_applies("my-own-set", "cnn", False, [setting])  # a name register() added
+    with pytest.raises(UsageError, match="applies to --model gpt only"):
+        data.check_applies("my-own-set", "cnn", False, ["gpt_width"])  # the model's flags still are

@@ -330,12 +330,16 @@ def check_applies(name: str, model: str, language: bool, given: Iterable[str], v
     on a language model, --synthetic-shape, --synthetic-size and --num-classes on --data
     synthetic (--num-classes on a language model too, where it is the `vocabulary`), --seq-len
     on text. One line for every command that takes them; called once the model is known good,
-    so that a wrong --model is said first."""
+    so that a wrong --model is said first. A dataset added with `register` may read any of
+    these settings (its `Request`): its runs are not checked for them."""
     synthetic = ("synthetic_shape", "synthetic_size") + (() if vocabulary and language else ("num_classes",))
+    built_in = name in DATASETS
     for setting in given:
         flag = "--" + setting.replace("_", "-")
         if setting.startswith("gpt_") and not language:
             raise UsageError(f"{flag} applies to --model gpt only (this run has --model {model})")
+        if not built_in:
+            continue
         if setting in synthetic and name != "synthetic":
             raise UsageError(f"{flag} applies to --data synthetic only (this run has --data {name})")
         if setting == "seq_len" and name not in TEXT_DATASETS:

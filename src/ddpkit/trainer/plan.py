@@ -284,8 +284,9 @@ def check_settings(cfg: TrainConfig) -> None:
         raise UsageError("--activation-checkpointing-mode applies with --activation-checkpointing true only")
     if cfg.early_stop_patience is None and _is_set(cfg, "early_stop_min_delta"):
         raise UsageError("--early-stop-min-delta applies with --early-stop-patience only")
+    language = cfg.model in models.LANGUAGE_MODELS  # (another model's gpt flags: data.check_applies)
     shape = models.gpt_shape_error(cfg.gpt_width, cfg.gpt_heads, cfg.gpt_kv_heads, cfg.gpt_style, cfg.gpt_hidden)
-    if shape:
+    if shape and language:
         raise UsageError(shape)
 
 

@@ -73,7 +73,7 @@ class Settings:
         shape = models.gpt_shape_error(
             self.gpt_width, self.gpt_heads, self.gpt_kv_heads, self.gpt_style, self.gpt_hidden
         )
-        if shape:
+        if shape and self.language:  # (another model's gpt flags: data.check_applies)
             raise UsageError(shape)
         if self.start > self.max_batch:
             raise UsageError(f"--start {self.start} is larger than --max-batch {self.max_batch}")
