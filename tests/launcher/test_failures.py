@@ -297,3 +297,33 @@ def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path)
     assert ends[0].ended == min(os.path.getmtime(folder / "rank-0.exit"), os.path.getmtime(folder / "rank-0.stack"))
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert (cause.rank, cause.status, cause.outside) == (1, -signal.SIGKILL, False), cause
+
+
+@pytest.mark.unit
+def test_a_scripts_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    # torch writes the error file in place; the agent's SIGTERM (a peer had failed first) once
+    # stopped that write half-way, and the agent crashed parsing the empty file (JSONDecodeError,
+    # `ddpkit run` under --max-restarts). Written beside it and renamed: never seen half-written.
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    from ddpkit.launcher import script
+
+    final = tmp_path / "error.json"
+    monkeypatch.setenv(script.ERROR_FILE, str(final))
+    own = ErrorHandler.record_exception
+    seen_while_writing = []
+
+    def record_exception(self, err):
+        seen_while_writing.append(final.exists())
+        own(self, err)
+        seen_while_writing.append(final.exists())
+
+    monkeypatch.setattr(ErrorHandler, "record_exception", record_exception)
+    try:
+        raise ValueError("boom")
+    except ValueError as err:
+        script._record(err)
+    assert seen_while_writing == [False, False]  # the write went elsewhere
+    data = json.loads(final.read_text())
+    assert data["message"]["message"] == "ValueError: boom" and "boom" in data["message"]["extraInfo"]["py_callstack"]
+    assert list(tmp_path.iterdir()) == [final] and os.environ[script.ERROR_FILE] == str(final)

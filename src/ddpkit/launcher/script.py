@@ -70,12 +70,29 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where the agent reads a failed worker's error
+
+
 def _record(err: BaseException) -> None:
+    """`err` into the agent's error file, whole or not at all: torch writes it in place, and the
+    agent's SIGTERM (a peer failed first) could stop the write half-way, leaving a file the
+    agent then failed to parse (JSONDecodeError: the launcher itself crashed). Written beside
+    it, then renamed over it."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # only once the script failed
 
     handler = get_error_handler()
     handler.initialize()
-    handler.record_exception(err)
+    final = os.environ.get(ERROR_FILE)
+    if not final:
+        handler.record_exception(err)  # (no file: torch logs it)
+        return
+    partial = f"{final}.partial"
+    os.environ[ERROR_FILE] = partial
+    try:
+        handler.record_exception(err)
+        os.replace(partial, final)
+    finally:
+        os.environ[ERROR_FILE] = final
 
 
 if __name__ == "__main__":
