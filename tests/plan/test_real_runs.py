@@ -21,7 +21,9 @@ from ddpkit.plan.run import Spec
 from ddpkit.plan.trace import Layout
 from ddpkit.plan.verify import measured, predicted
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# alone (tests/parallel.py): a real run's peak depends on when gloo's threads let buffers go,
+# which another process's load moves (a whole run under --processes once measured tp 2 12% high)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.alone]
 
 
 def _gpt(precision):
