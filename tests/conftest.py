@@ -22,14 +22,21 @@ import termios
 
 import pytest
 
-from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job
-from tests import parallel
-
 # The suite's runs take their share of the cores whatever else the machine does (ddpkit would
 # otherwise give fewer threads to a run started while another test's processes are busy, and the
 # thread count changes the last bits that bit-identity tests compare). tests/core/test_threads.py
 # and tests/cli/test_threads.py run the choice by load itself.
 os.environ.setdefault("DDPKIT_THREADS", "share")
+# So two tests' runs may share a core (under --processes: tests/parallel.py), and a waiting OpenMP
+# thread of one must not spin through the other's time: GNU OpenMP's default spins 300,000 times
+# before it sleeps. Two small runs of 2 threads at once on 2 cores took 18 and 20 s where each
+# alone takes 3.5 (a dropout benchmark's and a `ddpkit train`'s); with 3,000 spins, 5 and 6 s, and
+# alone the same 3.5. Set before torch loads (the imports below load it): OpenMP reads it then,
+# and every process the tests start inherits it.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+
+from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job  # noqa: E402 (after the variables above)
+from tests import parallel  # noqa: E402
 
 KINDS = ("unit", "distributed", "cli")
 
