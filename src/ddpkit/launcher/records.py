@@ -356,10 +356,17 @@ class ExitWatch:
 
 
 def _end_frozen(pid: int) -> None:
-    """End a stopped worker as the agent would, and let it run to take the signal."""
+    """End a stopped worker as the agent would, and let it run to take the signal.
+
+    Continued first, then signalled: Linux hands a signal sent to a running process to its
+    main thread, whose Python frames hold still while faulthandler dumps them. Sent while it
+    was stopped, the SIGTERM waited, and whichever thread woke first took it (a gloo thread, say),
+    so faulthandler read the main thread's frames while that thread ran on: once in a whole run of
+    the suite under --processes, the worker crashed mid-dump (SIGSEGV; its stack file ended at
+    the first frame's file name)."""
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
         os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
 
 
 def signal_name(number: int) -> str:
