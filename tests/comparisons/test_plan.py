@@ -20,6 +20,11 @@ def test_plan_benchmark_calibrates_here_and_compares_predicted_with_measured(tmp
     r = run_bench(tmp_path, "plan", comparison=True)
     rows = {row["layout"]: row for row in r["rows"]}
     assert set(rows) == {"ddp 2 mb8", "fsdp 2 mb8", "tp 2 mb8"} and all(row["processes"] == 2 for row in r["rows"])
+    assert r["rounds"] == 1 and all(row["round"] == 1 and row["threads"] >= 1 for row in r["rows"])  # --quick
+    assert [(s["processes"], s["layout"], s["ratios"]) for s in r["summary"]] == [
+        (row["processes"], row["layout"], [row["ratio"]]) for row in r["rows"]
+    ]
+    assert all(s["rounds_within_goal"] == int(rows[s["layout"]]["within_goal"]) for s in r["summary"])
     for row in r["rows"]:
         assert positive_stats(row["measured_s"])
         assert row["predicted_s"] == pytest.approx(row["predicted_compute_s"] + row["predicted_comm_s"])

@@ -114,7 +114,7 @@ def measure(nproc: int) -> Calibration:
         alpha,
         link,
         memory,
-        {"collectives": found["collectives"]},
+        {"collectives": found["collectives"], "threads": found["threads"]},
     )
     return _fitted(calibration)
 
@@ -161,7 +161,9 @@ def _fitted(calibration: Calibration) -> Calibration:
 
     busy, comm, seconds = parts(0)  # ddp
     efficiency = min(1.0, max(0.001, busy / max(seconds - comm, 1e-9)))
-    overhead, runs = {}, [{"layout": cases[0][1].label, "measured_s": seconds, "compute_s": busy, "comm_s": comm}]
+    threads = real[0]["threads"]
+    overhead = {}
+    runs = [{"layout": cases[0][1].label, "measured_s": seconds, "compute_s": busy, "comm_s": comm, "threads": threads}]
     for i in range(1, len(cases)):
         busy, comm, seconds = parts(i)
         layout, work = cases[i][1], traced[i].work
@@ -169,7 +171,15 @@ def _fitted(calibration: Calibration) -> Calibration:
         kind = "tp" if layout.spec.size("tp") > 1 else "fsdp"
         # seconds = (busy + calls x overhead) / efficiency + comm
         overhead[kind] = max(0.0, ((seconds - comm) * efficiency - busy) / max(1, work.distributed_calls))
-        runs.append({"layout": layout.label, "measured_s": seconds, "compute_s": busy, "comm_s": comm})
+        runs.append(
+            {
+                "layout": layout.label,
+                "measured_s": seconds,
+                "compute_s": busy,
+                "comm_s": comm,
+                "threads": real[i]["threads"],
+            }
+        )
     samples = {**calibration.samples, "reference_runs": runs}
     return replace(calibration, efficiency=efficiency, per_dtensor_op_s=overhead, samples=samples)
 
@@ -263,6 +273,7 @@ def _worker(nproc: int) -> dict[str, Any]:
             "per_op_s": per_op,
             "attention_flops_per_s": attention,
             "collectives": collectives,
+            "threads": torch.get_num_threads(),  # each process's, as ddpkit.core.threads chose it
         }
 
 

@@ -138,6 +138,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
             "peak": sum(memory.values()),
             "step_s": statistics.median(seconds),
             "steps_s": seconds,
+            "threads": torch.get_num_threads(),  # each process's (ddpkit.core.threads chose it)
         }
 
 
