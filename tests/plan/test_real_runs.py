@@ -2,12 +2,14 @@
 traced on fake tensors, against the same tracker's peak over a real step of ddpkit's Runtime on
 1, 2 and 4 gloo processes, for gpt and a CNN. One job per process count runs all its cases.
 
-Within 1% here, tensor parallel with activation checkpointing within 2% (8% before the trace
-warmed DTensor's caches up), except gpt bf16 on tensor parallel over 4: 0.1% here every time,
-6% in one CI run, and gpt fp32 fsdp over 2: 0.06% alone, 1.6% in one whole run, where a 66,048-byte
-collective buffer (the size of the root unit's parameters) was alive at the real peak. Each is
-asserted at a bound of its own so that a change is seen; their causes are not found yet
-(docs/plan.md).
+Every case within the goal's 5% of the real peak. And within a bound of its own, so that a
+change is seen, leaving out the collective buffers that the real run holds at its peak and the
+trace does not: whether gloo's thread still holds one then is a matter of timing (gpt fp32 fsdp
+over 2 once held a 66,048-byte buffer, the size of the root unit's parameters, and came out
+1.6% off; gpt bf16 hsdp 2x2 once 33,024 bytes, 1.8% off, in a run of the suite one test at a
+time). Within 1% here, tensor parallel with activation checkpointing within 2% (8% before the
+trace warmed DTensor's caches up), except gpt bf16 on tensor parallel over 4: 0.1% here every
+time, 6% in one CI run; their causes are not found yet (docs/plan.md).
 
 The CNN under fsdp and hsdp peaks in the reduce-scatter of its large linear unit, where gloo
 (which has no reduce-scatter of its own) all-reduces a whole copy of the unit's gradients: the
@@ -24,6 +26,7 @@ from ddpkit.plan.verify import measured, predicted
 # alone (tests/parallel.py): a real run's peak depends on when gloo's threads let buffers go,
 # which another process's load moves (a whole run under --processes once measured tp 2 12% high)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.alone]
+GOAL = 0.05  # issue 30's goal 1: the predicted peak within 5% of the real one
 
 
 def _gpt(precision):
@@ -71,6 +74,11 @@ def test_predicted_peak_memory_matches_a_real_run(nproc):
     for (spec, layout, bound), g, r in zip(CASES[nproc], guessed, real):
         name = f"{spec.model} {spec.precision} {layout.label}"
         assert r["layout"] == layout.label
-        assert abs(g.peak / r["peak"] - 1) <= bound, (name, g.memory, r["memory"])
+        # the issue's goal, on the whole peak (or the case's own bound, where that is wider)
+        assert abs(g.peak / r["peak"] - 1) <= max(GOAL, bound), (name, g.memory, r["memory"])
+        # each case's own bound, on the peak without the collective buffers the trace has not:
+        # whether gloo's thread still holds one at the real peak is a matter of timing
+        untimed = r["peak"] - max(0.0, r["memory"]["communication"] - g.memory["communication"])
+        assert abs(g.peak / untimed - 1) <= bound, (name, g.memory, r["memory"])
         # what does not depend on the moment of the peak: the optimizer's state
         assert g.memory["optimizer"] == pytest.approx(r["memory"]["optimizer"], rel=0.01), name
