@@ -19,6 +19,7 @@ how many rounds met the goal.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from ddpkit.bench.common import stats
@@ -109,8 +110,6 @@ def _row(round_: int, nproc: int, case: Any, t: Any, r: dict[str, Any], cluster:
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each layout's ratios over the rounds (in order), their median, and the rounds within the goal."""
-    import statistics
-
     ratios: dict[tuple[int, str], list[float]] = {}
     for row in rows:
         ratios.setdefault((row["processes"], row["layout"]), []).append(row["ratio"])
@@ -146,12 +145,11 @@ def plot(record: dict[str, Any], path: str) -> None:
         top.annotate(f"{s['median_ratio']:.2f}", (i, max(s["ratios"])), ha="center", va="bottom", fontsize=8)
     top.set_ylabel("predicted / measured")
     top.set_title(
-        f"ddpkit plan on this CPU: {result.get('rounds', 1)} rounds, each calibrated afresh "
-        "(dots: rounds; number: median)",
+        f"ddpkit plan on this CPU: {result['rounds']} rounds, each calibrated afresh (dots: rounds; number: median)",
         fontsize=10,
     )
     top.legend(fontsize=8, loc="upper left")
-    last = [r for r in rows if r.get("round", 1) == max(r.get("round", 1) for r in rows)]
+    last = [r for r in rows if r["round"] == result["rounds"]]
     measured = [r["measured_s"]["median"] * 1e3 for r in last]
     err = [
         [m - r["measured_s"]["q1"] * 1e3 for m, r in zip(measured, last)],

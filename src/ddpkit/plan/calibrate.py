@@ -159,27 +159,21 @@ def _fitted(calibration: Calibration) -> Calibration:
         p = predict(t, layout, plain, plain.peak_flops("fp32"), spec.global_batch, None, 1.0)
         return p.compute_s, p.exposed_comm_s, real[i]["step_s"]
 
-    busy, comm, seconds = parts(0)  # ddp
+    found = [parts(i) for i in range(len(cases))]
+    busy, comm, seconds = found[0]  # ddp
     efficiency = min(1.0, max(0.001, busy / max(seconds - comm, 1e-9)))
-    threads = real[0]["threads"]
     overhead = {}
-    runs = [{"layout": cases[0][1].label, "measured_s": seconds, "compute_s": busy, "comm_s": comm, "threads": threads}]
     for i in range(1, len(cases)):
-        busy, comm, seconds = parts(i)
+        busy, comm, seconds = found[i]
         layout, work = cases[i][1], traced[i].work
         assert work is not None
         kind = "tp" if layout.spec.size("tp") > 1 else "fsdp"
         # seconds = (busy + calls x overhead) / efficiency + comm
         overhead[kind] = max(0.0, ((seconds - comm) * efficiency - busy) / max(1, work.distributed_calls))
-        runs.append(
-            {
-                "layout": layout.label,
-                "measured_s": seconds,
-                "compute_s": busy,
-                "comm_s": comm,
-                "threads": real[i]["threads"],
-            }
-        )
+    runs = [
+        {"layout": case[1].label, "measured_s": seconds, "compute_s": busy, "comm_s": comm, "threads": r["threads"]}
+        for case, (busy, comm, seconds), r in zip(cases, found, real)
+    ]
     samples = {**calibration.samples, "reference_runs": runs}
     return replace(calibration, efficiency=efficiency, per_dtensor_op_s=overhead, samples=samples)
 
