@@ -224,6 +224,37 @@ def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
 
 
+def store_per_attempt(notes: str) -> dict:
+    """Whether the workers' store listens before this worker has done anything, and a process
+    group formed through it, in each attempt; rank 1 dies once after the group of attempt 0
+    formed (its keys are then in the store that attempt used). Each attempt's facts go to a
+    file in `notes`: the first attempt returns nothing."""
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        socket.create_connection((addr, port), timeout=1.0).close()
+        listening = True
+    except OSError:
+        listening = False
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    facts = {"port": port, "listening": listening, "sum": total.item()}
+    with open(os.path.join(notes, f"rank{rank}-attempt{attempt}.txt"), "w") as f:
+        f.write(repr(facts))
+    if attempt == "0":
+        if rank == 1:
+            os._exit(3)
+        time.sleep(60)  # stopped by the agent when rank 1 dies
+    dist.destroy_process_group()
+    return facts
+
+
 def invariant_steps(
     steps: int,
     global_batch: int,

@@ -4,6 +4,7 @@ programs read from stdin."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import subprocess
@@ -26,6 +27,20 @@ def test_launcher_sets_rank_env_and_thread_share():
     assert {out[r]["WORLD_SIZE"] for r in (0, 1)} == {"2"}
     assert {out[r]["MASTER_ADDR"] for r in (0, 1)} == {"127.0.0.1"}  # loopback only on one machine
     assert {out[r]["OMP_NUM_THREADS"] for r in (0, 1)} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
+
+
+def test_the_workers_store_is_bound_before_they_start_and_new_for_each_attempt(tmp_path):
+    # The store is bound by the agent before any worker starts: nothing can take its port in
+    # between (a port picked, let go, and bound later by rank 0 could be, by another launch on
+    # the machine: "address already in use"). Each attempt gets a new one: attempt 1's process
+    # group does not read attempt 0's peer addresses (pytorch/pytorch#135712).
+    out = ddpkit.launch(workers.store_per_attempt, str(tmp_path), nproc=2, max_restarts=1)
+    notes = {p.stem: ast.literal_eval(p.read_text()) for p in tmp_path.glob("rank*-attempt*.txt")}
+    assert set(notes) == {"rank0-attempt0", "rank1-attempt0", "rank0-attempt1", "rank1-attempt1"}
+    assert all(facts["listening"] and facts["sum"] == 2.0 for facts in notes.values())
+    first, second = notes["rank0-attempt0"]["port"], notes["rank0-attempt1"]["port"]
+    assert notes["rank1-attempt0"]["port"] == first and notes["rank1-attempt1"]["port"] == second != first
+    assert out == {0: notes["rank0-attempt1"], 1: notes["rank1-attempt1"]}
 
 
 def test_launch_leaves_the_callers_environment_as_it_was():

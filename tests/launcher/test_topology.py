@@ -215,6 +215,41 @@ def test_ddpkit_train_under_torchrun(tmp_path):
     assert proc.stdout.count("done:") == 1
 
 
+RESTARTED_RUNTIME = """
+import os, torch, ddpkit
+rt = ddpkit.Runtime()
+total = torch.ones(1)
+torch.distributed.all_reduce(total)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+rt.print(f"attempt {attempt} port {os.environ['MASTER_PORT']} sum {total.item()}")
+if attempt == "0":
+    if rt.rank == 1:
+        os._exit(3)
+    import time
+    time.sleep(60)  # stopped by torchrun when rank 1 dies
+rt.close()
+"""
+
+
+@pytest.mark.cli
+def test_a_runtime_restarted_by_torchrun_does_not_read_the_last_attempts_keys(tmp_path):
+    # torchrun (torch 2.13) keeps one store for every attempt of a launch: a restarted group
+    # that met under the same keys would dial the last attempt's peers (pytorch/pytorch#135712).
+    # On one node ddpkit meets under keys of each attempt's own.
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED_RUNTIME)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1", str(script)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *argv], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line.split() for line in proc.stdout.splitlines() if line.startswith("attempt")]
+    assert [(words[1], words[5]) for words in said] == [("0", "2.0"), ("1", "2.0")]
+    assert said[0][3] == said[1][3]  # the same store: torchrun's, shared by both attempts
+
+
 @pytest.mark.unit
 def test_cpu_processes_are_bounded_by_the_cores():
     from ddpkit.core import device

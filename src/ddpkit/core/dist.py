@@ -163,14 +163,9 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     global _groups_made
     _groups_made += 1
-    kwargs: dict[str, Any] = {}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # No agent has gathered the job: its processes meet here, in a wait that says what it
-        # waits for and that Ctrl-C and SIGTERM end (torch's own waits in C++ until the timeout).
-        kwargs["store"] = rendezvous(env, timeout_s)
-    elif _groups_made > 1:  # torch's own client of the agent's store, made by hand to prefix it
-        timeout = timedelta(seconds=timeout_s)
-        kwargs["store"] = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout)
+    # The processes meet here, in a wait that says what it waits for and that Ctrl-C and
+    # SIGTERM end (torch's own waits in C++ until the timeout).
+    kwargs: dict[str, Any] = {"store": rendezvous(env, timeout_s)}
     if _groups_made > 1:
         # A group made again in this process (a second Runtime after the first closed its own):
         # the store still holds the last group's addresses under the names torch gives them, so
@@ -219,7 +214,9 @@ _rendezvous_count = 0  # this process's meetings: each has a key of its own in a
 
 def rendezvous(env: DistEnv, timeout_s: float) -> Any:
     """The store through which `env`'s processes meet, once all `env.world_size` have joined
-    it: rank 0 hosts it at MASTER_ADDR:MASTER_PORT, the others connect to it.
+    it. An elastic agent's workers (TORCHELASTIC_USE_AGENT_STORE=True: ddpkit's launcher, and
+    torchrun's default) all connect to the store their agent hosts at MASTER_ADDR:MASTER_PORT
+    (`agent_attempt`); otherwise rank 0 hosts it there and the others connect to it.
 
     The wait is a loop of short calls, so a signal handler runs within a fraction of a second:
     Ctrl-C and SIGTERM end it (torch's own rendezvous waits in C++ for the whole timeout, signals
@@ -231,6 +228,14 @@ def rendezvous(env: DistEnv, timeout_s: float) -> Any:
     _rendezvous_count += 1
     clock = _WaitClock(env, timeout_s)
     key = f"ddpkit/joined/{_rendezvous_count}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        clock.store = "the agent's store"
+        store = _connect(env, clock)
+        attempt = agent_attempt()
+        if attempt is not None:
+            store = tdist.PrefixStore(f"ddpkit/attempt-{attempt}", store)
+        _join(store, key, env, clock)
+        return store
     if env.rank == 0:
         try:
             store = tdist.TCPStore(
@@ -255,6 +260,19 @@ def rendezvous(env: DistEnv, timeout_s: float) -> Any:
             clock.tick(f"rank 0's store at {clock.where} to answer")
 
 
+def agent_attempt() -> str | None:
+    """The attempt this worker belongs to, when its keys need one in the agent's store: under
+    torchrun on one node. torch 2.13's agent keeps one store for all the attempts of a launch,
+    so a restarted worker would read the last attempt's keys (gloo dials peer addresses that
+    closed with the old workers: pytorch/pytorch#135712); one agent counts the attempts for
+    all its workers (under ddpkit's launcher, whose agent hosts a new store each round,
+    `launcher.store`, the prefix changes nothing). None with several nodes, whose agents count
+    their restarts each on its own (the issue's cause)."""
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _join(store: Any, key: str, env: DistEnv, clock: _WaitClock) -> None:
     """Count this process into `key` and wait until the whole job has."""
     joined = store.add(key, 1)
@@ -264,28 +282,28 @@ def _join(store: Any, key: str, env: DistEnv, clock: _WaitClock) -> None:
 
 
 def _connect(env: DistEnv, clock: _WaitClock) -> Any:
-    """A client of rank 0's store. torch's client retries a refused connection in C++ for the
+    """A client of the job's store (rank 0's, or the agent's). torch's client retries a refused connection in C++ for the
     whole timeout, logging each try, and waits for a handshake that a program other than the
     store never sends: a plain connection finds out when something listens, and the client is
     made in a thread of its own (the call lets go of the GIL) while this one waits."""
     while True:
         while not _accepts(env.master_addr, env.master_port):
-            clock.tick(f"rank 0's store at {clock.where} to answer")
+            clock.tick(f"{clock.store} at {clock.where} to answer")
         made: dict[str, Any] = {}
         thread = threading.Thread(
             target=_client, args=(env, clock.timeout_s, made), name="ddpkit-store-client", daemon=True
         )
         thread.start()
         while thread.is_alive():  # left behind if it never returns: a daemon, it does not hold the exit
-            clock.tick(f"an answer from {clock.where}, which accepts connections but may not be rank 0's store")
+            clock.tick(f"an answer from {clock.where}, which accepts connections but may not be {clock.store}")
             thread.join(0.0)
         if "store" in made:
             return made["store"]
-        clock.tick(f"rank 0's store at {clock.where} to answer")  # refused after all: it may be going
+        clock.tick(f"{clock.store} at {clock.where} to answer")  # refused after all: it may be going
 
 
 def _client(env: DistEnv, timeout_s: float, made: dict[str, Any]) -> None:
-    """Connect to rank 0's store: `made['store']`, or `made['error']`."""
+    """Connect to the job's store: `made['store']`, or `made['error']`."""
     try:
         made["store"] = tdist.TCPStore(
             env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
@@ -309,6 +327,7 @@ class _WaitClock:
 
     def __init__(self, env: DistEnv, timeout_s: float):
         self.timeout_s, self.where = timeout_s, f"{env.master_addr}:{env.master_port}"
+        self.store = "rank 0's store"  # whose store the job meets at
         self.who = f"rank {env.rank} of {env.world_size}"
         self.launched = "TORCHELASTIC_RUN_ID" in os.environ  # a launcher's worker: its peers were all started
         if self.launched:

@@ -36,6 +36,7 @@ from ..core import device as devices
 from ..core.signals import set_handler
 from ..errors import Interrupted, UsageError
 from . import records
+from . import store as workers_store
 from .failures import as_worker_failed
 from .topology import Nodes, Topology, local
 from .workers import WORKER_IMPORTS, choose_start_method, entrypoint, gc_frozen, main_hidden, preloaded
@@ -202,13 +203,14 @@ def _launch_config(topo: Topology, logs: str, output: str, start_method: str, sh
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    workers_store.register()
     low, high = topo.nodes.range()
     return LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=logs, **_streams(output, topo.nproc, show_ranks)),
         min_nodes=low,
         max_nodes=high,
         nproc_per_node=topo.nproc,
-        rdzv_backend="c10d",
+        rdzv_backend=workers_store.BACKEND,
         max_restarts=topo.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
         start_method=start_method,  # workers given as a function; a script is always a new process
@@ -222,13 +224,12 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
     """This process, and the environment the workers inherit, while the agent runs them.
 
     Each process gets its share of the cores instead of all of them (oversubscription makes
-    CPU DDP several times slower); a value the user set is kept. A store shared between
-    rendezvous and workers keeps the previous attempt's keys, so restarted workers can read
-    stale peer addresses (pytorch/pytorch#135712): each attempt's workers get a store of their
-    own. The workers keep their records in `logs` (see `records`)."""
+    CPU DDP several times slower); a value the user set is kept. torch's c10d rendezvous
+    hosts no store for the workers: the launch's rendezvous (`store`) gives each round's
+    workers a fresh one, bound before they start (pytorch/pytorch#135712). The workers keep their records in `logs` (see `records`)."""
     with (
         _threads(n),
-        _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+        _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", force=True),
         _env(records.LAUNCH_DIR, logs, force=True),
         _signal_handlers_kept(),
         records.ExitWatch(logs).watching(),
