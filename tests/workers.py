@@ -225,26 +225,29 @@ def env_facts() -> dict:
 
 
 def store_per_attempt(notes: str) -> dict:
-    """Whether the workers' store listens before this worker has done anything, and a process
-    group formed through it, in each attempt; rank 1 dies once after the group of attempt 0
-    formed (its keys are then in the store that attempt used). Each attempt's facts go to a
-    file in `notes`: the first attempt returns nothing."""
+    """Whether the workers' port is held from other programs before this worker has done
+    anything (a plain bind, without SO_REUSEADDR, is refused), and a process group formed
+    through it, in each attempt; rank 1 dies once after the group of attempt 0 formed. Each
+    attempt's facts go to a file in `notes`: the first attempt returns nothing."""
     import socket
     import time
 
     import torch.distributed as dist
 
     rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    port = int(os.environ["MASTER_PORT"])
+    probe = socket.socket()
     try:
-        socket.create_connection((addr, port), timeout=1.0).close()
-        listening = True
+        probe.bind(("127.0.0.1", port))
+        held = False
     except OSError:
-        listening = False
+        held = True
+    finally:
+        probe.close()
     dist.init_process_group("gloo")
     total = torch.ones(1)
     dist.all_reduce(total)
-    facts = {"port": port, "listening": listening, "sum": total.item()}
+    facts = {"port": port, "held": held, "sum": total.item()}
     with open(os.path.join(notes, f"rank{rank}-attempt{attempt}.txt"), "w") as f:
         f.write(repr(facts))
     if attempt == "0":

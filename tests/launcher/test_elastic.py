@@ -29,15 +29,17 @@ def test_launcher_sets_rank_env_and_thread_share():
     assert {out[r]["OMP_NUM_THREADS"] for r in (0, 1)} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
 
 
-def test_the_workers_store_is_bound_before_they_start_and_new_for_each_attempt(tmp_path):
-    # The store is bound by the agent before any worker starts: nothing can take its port in
-    # between (a port picked, let go, and bound later by rank 0 could be, by another launch on
-    # the machine: "address already in use"). Each attempt gets a new one: attempt 1's process
-    # group does not read attempt 0's peer addresses (pytorch/pytorch#135712).
+def test_the_workers_port_is_held_before_they_start_and_new_for_each_attempt(tmp_path):
+    # The agent holds the port of the workers' store from before they start: nothing else can
+    # take it before rank 0 binds it (a port picked, let go, and bound later by rank 0 could be
+    # taken by another launch on the machine: "address already in use"). Rank 0 looks before it
+    # binds the port itself. Each attempt gets a store of its own: attempt 1's process group
+    # does not read attempt 0's peer addresses (pytorch/pytorch#135712).
     out = ddpkit.launch(workers.store_per_attempt, str(tmp_path), nproc=2, max_restarts=1)
     notes = {p.stem: ast.literal_eval(p.read_text()) for p in tmp_path.glob("rank*-attempt*.txt")}
     assert set(notes) == {"rank0-attempt0", "rank1-attempt0", "rank0-attempt1", "rank1-attempt1"}
-    assert all(facts["listening"] and facts["sum"] == 2.0 for facts in notes.values())
+    assert notes["rank0-attempt0"]["held"] and notes["rank0-attempt1"]["held"]
+    assert all(facts["sum"] == 2.0 for facts in notes.values())
     first, second = notes["rank0-attempt0"]["port"], notes["rank0-attempt1"]["port"]
     assert notes["rank1-attempt0"]["port"] == first and notes["rank1-attempt1"]["port"] == second != first
     assert out == {0: notes["rank0-attempt1"], 1: notes["rank1-attempt1"]}

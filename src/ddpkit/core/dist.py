@@ -214,9 +214,10 @@ _rendezvous_count = 0  # this process's meetings: each has a key of its own in a
 
 def rendezvous(env: DistEnv, timeout_s: float) -> Any:
     """The store through which `env`'s processes meet, once all `env.world_size` have joined
-    it. An elastic agent's workers (TORCHELASTIC_USE_AGENT_STORE=True: ddpkit's launcher, and
-    torchrun's default) all connect to the store their agent hosts at MASTER_ADDR:MASTER_PORT
-    (`agent_attempt`); otherwise rank 0 hosts it there and the others connect to it.
+    it. The workers of an agent that shares its store (TORCHELASTIC_USE_AGENT_STORE=True:
+    torchrun's default) all connect to the store it hosts at MASTER_ADDR:MASTER_PORT
+    (`agent_attempt`); otherwise (ddpkit's launcher, srun, processes started by hand) rank 0
+    hosts it there and the others connect to it.
 
     The wait is a loop of short calls, so a signal handler runs within a fraction of a second:
     Ctrl-C and SIGTERM end it (torch's own rendezvous waits in C++ for the whole timeout, signals
@@ -265,9 +266,8 @@ def agent_attempt() -> str | None:
     torchrun on one node. torch 2.13's agent keeps one store for all the attempts of a launch,
     so a restarted worker would read the last attempt's keys (gloo dials peer addresses that
     closed with the old workers: pytorch/pytorch#135712); one agent counts the attempts for
-    all its workers (under ddpkit's launcher, whose agent hosts a new store each round,
-    `launcher.store`, the prefix changes nothing). None with several nodes, whose agents count
-    their restarts each on its own (the issue's cause)."""
+    all its workers. None with several nodes, whose agents count their restarts each on its
+    own (the issue's cause). (ddpkit's launcher shares no store: `launcher.store`.)"""
     if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

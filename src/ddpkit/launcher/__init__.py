@@ -3,7 +3,7 @@ several, and a failure reported by the rank that caused it.
 
 - `topology`: where the processes run (device type, count, nodes), resolved before any starts;
 - `elastic`: `launch` (a Python function on N workers) and `run_script` (`ddpkit run`);
-- `store`: the rendezvous, torch's c10d plus a fresh store for each round's workers;
+- `store`: the rendezvous, torch's c10d plus the workers' port held each round;
 - `workers`: fork or spawn, and what a forked worker undoes;
 - `records`: what each worker leaves behind (pid, stack dump, exit status);
 - `failures`: the root cause among the ranks that failed, and why a restart happened;

@@ -224,9 +224,9 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
     """This process, and the environment the workers inherit, while the agent runs them.
 
     Each process gets its share of the cores instead of all of them (oversubscription makes
-    CPU DDP several times slower); a value the user set is kept. torch's c10d rendezvous
-    hosts no store for the workers: the launch's rendezvous (`store`) gives each round's
-    workers a fresh one, bound before they start (pytorch/pytorch#135712). The workers keep their records in `logs` (see `records`)."""
+    CPU DDP several times slower); a value the user set is kept. Each attempt's rank 0 hosts
+    a store of its own (torch's shared store keeps the last attempt's keys:
+    pytorch/pytorch#135712), on a port the launch's rendezvous holds for it (`store`). The workers keep their records in `logs` (see `records`)."""
     with (
         _threads(n),
         _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", force=True),

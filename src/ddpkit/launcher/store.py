@@ -1,29 +1,35 @@
-"""The workers' store: a new one for each round of the rendezvous, hosted by the agent.
+"""The port of the workers' store: reserved by the agent for each round of the rendezvous.
 
-The workers of a job meet through a TCPStore at MASTER_ADDR:MASTER_PORT (torch's `env://`, and
-ddpkit's own groups). torch's agent offers two ways to give them one, and in torch 2.13 each is
+The workers of a job meet through a TCPStore at MASTER_ADDR:MASTER_PORT (ddpkit's `dist.init`,
+or torch's `env://`). torch's agent offers two ways to give them one, and in torch 2.13 each is
 wrong in its own way:
 
 - shared (torch's default): the agent hosts one store for the whole launch, kept from one
   attempt to the next, so restarted workers read the last attempt's keys: gloo dials peer
   addresses that closed with the old workers (pytorch/pytorch#135712; checked on 2.13 with a
-  plain torchrun script whose rank 1 fails once under --max-restarts 1);
-- not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): the agent binds port 0 for a free port,
-  closes it, and tells the workers, and rank 0 binds it later. Another program (another
-  launch on the machine) can take the port in between, and the job fails with "address
-  already in use".
+  plain torchrun script whose rank 1 fails once under --max-restarts 1). And a store served by
+  the agent's own process answers its workers from a thread while that process forks the next
+  ones: a child forked while that thread held glibc's resolver lock (each new connection looks
+  its peer's name up) waits for the lock forever (seen: a forked worker stuck in
+  `getnameinfo` as it connected);
+- not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): rank 0 hosts a new store each attempt, on
+  a port the agent found free by binding port 0 and closing it. Another program (another
+  launch on the machine, or any outgoing connection's local port) can take the port before
+  rank 0 binds it: "address already in use".
 
-This rendezvous does what torch's maintainers chose in that issue's discussion: torch's c10d
-rendezvous gathers the nodes as always (with sharing off, so it hosts no store of its own),
-and then the node of rank 0 binds a fresh TCPStore on a port the OS picks and holds it while
-that round's workers run, and publishes the port under the round's own keys for the other
-nodes. Nothing is picked and let go, and no round sees an earlier round's keys. The workers
-see TORCHELASTIC_USE_AGENT_STORE=True and connect to it as clients.
+This rendezvous keeps the second way and closes its gap: torch's c10d rendezvous gathers the
+nodes as always, then the node of rank 0 binds a socket on a port the OS picks, with
+SO_REUSEADDR and without listening, and holds it until the next round. While it is bound, the
+OS gives the port to no other socket that binds port 0 and to no outgoing connection, and
+rank 0's TCPStore, which binds with SO_REUSEADDR too, binds it beside the held socket. The
+round's own keys tell the other nodes the port.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import socket
 from typing import Any
 
 BACKEND = "ddpkit-c10d"  # the name `LaunchConfig.rdzv_backend` gives to this rendezvous
@@ -41,6 +47,25 @@ def register() -> None:
 
     rendezvous_handler_registry.register(BACKEND, _create)
     _registered = True
+
+
+def reserve_port() -> socket.socket:
+    """A socket bound to a port the OS picks, on every address (IPv6 and IPv4 where the machine
+    has IPv6, else IPv4), with SO_REUSEADDR, not listening: its port is held from other
+    programs, and a server that binds with SO_REUSEADDR can still bind it."""
+    for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        sock = None
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((anywhere, 0))
+            return sock
+        except OSError:
+            if sock is not None:
+                sock.close()
+            if family == socket.AF_INET:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _create(params: Any) -> Any:
@@ -64,33 +89,38 @@ def _create(params: Any) -> Any:
 def _handler_class() -> type:
     # Made on first use: torch's elastic rendezvous loads in the launching process only when it
     # launches (see elastic.py).
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
-    class WorkersStoreRendezvous(RendezvousHandler):
-        """torch's c10d rendezvous, plus a fresh workers' store each round (see the module)."""
+    class ReservedPortRendezvous(RendezvousHandler):
+        """torch's c10d rendezvous, with the workers' port held each round (see the module)."""
 
         def __init__(self, c10d: Any):
             self._c10d = c10d
-            self._store: Any = None  # this round's workers' store, when this node hosts it
+            self._held: socket.socket | None = None  # this round's port, when this node has rank 0
 
         @property
         def use_agent_store(self) -> bool:
-            return True
+            return False  # rank 0 hosts each attempt's store: no keys of an earlier attempt
 
         def next_rendezvous(self) -> Any:
             info = self._c10d.next_rendezvous()
-            self._store = None  # the last round's: its workers have stopped
+            self._release()  # the last round's: its workers have stopped
             # The address of rank 0's node as the c10d rendezvous resolved it for every node.
             addr = info.bootstrap_store_info.master_addr
             if info.rank == 0:
-                self._store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-                info.store.set(PORT_KEY, str(self._store.port))
+                self._held = reserve_port()
+                info.store.set(PORT_KEY, str(self._held.getsockname()[1]))
             port = int(info.store.get(PORT_KEY))
             return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(addr, port))
 
+        def _release(self) -> None:
+            if self._held is not None:
+                with contextlib.suppress(OSError):
+                    self._held.close()
+                self._held = None
+
         def shutdown(self) -> bool:
-            self._store = None
+            self._release()
             return self._c10d.shutdown()
 
         def get_backend(self) -> str:
@@ -108,4 +138,4 @@ def _handler_class() -> type:
         def get_run_id(self) -> str:
             return self._c10d.get_run_id()
 
-    return WorkersStoreRendezvous
+    return ReservedPortRendezvous
