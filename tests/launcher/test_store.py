@@ -1,0 +1,35 @@
+"""`store`: the port of the workers' store, held by the launcher from the round's start until
+rank 0's store binds it (the launches themselves: tests/launcher/test_elastic.py)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ddpkit.launcher.store import reserve_port
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_held_port_is_refused_to_other_programs_and_taken_by_the_store():
+    held = reserve_port()
+    port = held.getsockname()[1]
+    try:
+        other = socket.socket()
+        with pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", port))  # a program that did not hold it
+        other.close()
+        assert refused.value.errno == errno.EADDRINUSE
+        for libuv in (True, False):  # both of torch's store servers bind beside the held socket
+            timeout = timedelta(seconds=10)
+            server = dist.TCPStore("127.0.0.1", port, 1, True, timeout, wait_for_workers=False, use_libuv=libuv)
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+            server.set("key", "value")
+            assert client.get("key") == b"value"
+            del client, server
+    finally:
+        held.close()
