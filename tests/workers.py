@@ -250,6 +250,7 @@ def store_per_attempt(notes: str) -> dict:
     facts = {"port": port, "held": held, "sum": total.item()}
     with open(os.path.join(notes, f"rank{rank}-attempt{attempt}.txt"), "w") as f:
         f.write(repr(facts))
+    dist.barrier()  # every rank's facts written before rank 1 dies
     if attempt == "0":
         if rank == 1:
             os._exit(3)

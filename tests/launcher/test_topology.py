@@ -222,6 +222,7 @@ total = torch.ones(1)
 torch.distributed.all_reduce(total)
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 rt.print(f"attempt {attempt} port {os.environ['MASTER_PORT']} sum {total.item()}")
+rt.barrier()  # rank 0 has printed before rank 1 dies
 if attempt == "0":
     if rt.rank == 1:
         os._exit(3)

@@ -267,7 +267,9 @@ def agent_attempt() -> str | None:
     so a restarted worker would read the last attempt's keys (gloo dials peer addresses that
     closed with the old workers: pytorch/pytorch#135712); one agent counts the attempts for
     all its workers. None with several nodes, whose agents count their restarts each on its
-    own (the issue's cause). (ddpkit's launcher shares no store: `launcher.store`.)"""
+    own (the issue's cause). (The count does not move when an elastic job's membership
+    changes without a failure: a job of `--nnodes 1:2` back on one node would meet under the
+    keys of its last attempt on one node. ddpkit's launcher shares no store: `launcher.store`.)"""
     if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -229,7 +229,7 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
     pytorch/pytorch#135712), on a port the launch's rendezvous holds for it (`store`). The workers keep their records in `logs` (see `records`)."""
     with (
         _threads(n),
-        _env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", force=True),
+        _env(workers_store.UNSHARED, "1", force=True),
         _env(records.LAUNCH_DIR, logs, force=True),
         _signal_handlers_kept(),
         records.ExitWatch(logs).watching(),

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import socket
 from typing import Any
 
 BACKEND = "ddpkit-c10d"  # the name `LaunchConfig.rdzv_backend` gives to this rendezvous
+UNSHARED = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": torch's c10d hosts no store for the workers
 PORT_KEY = "ddpkit/workers-store-port"  # in the round's store (torch prefixes it by run id and round)
 _registered = False
 
@@ -51,13 +53,17 @@ def register() -> None:
 
 def reserve_port() -> socket.socket:
     """A socket bound to a port the OS picks, on every address (IPv6 and IPv4 where the machine
-    has IPv6, else IPv4), with SO_REUSEADDR, not listening: its port is held from other
-    programs, and a server that binds with SO_REUSEADDR can still bind it."""
+    has IPv6, dual-stack whatever net.ipv6.bindv6only says, as torch's store servers bind;
+    else IPv4), with SO_REUSEADDR, not listening: its port is held from other programs' binds
+    of port 0 and outgoing connections, and a server that binds with SO_REUSEADDR (rank 0's
+    TCPStore) can still bind it."""
     for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         sock = None
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
             sock.bind((anywhere, 0))
             return sock
         except OSError:
@@ -103,6 +109,9 @@ def _handler_class() -> type:
             return False  # rank 0 hosts each attempt's store: no keys of an earlier attempt
 
         def next_rendezvous(self) -> Any:
+            if os.environ.get(UNSHARED) != "1":  # (set by elastic._launching)
+                # torch's c10d would serve a store of its own from the agent, which forks
+                raise RuntimeError(f"the {BACKEND} rendezvous needs {UNSHARED}=1")
             info = self._c10d.next_rendezvous()
             self._release()  # the last round's: its workers have stopped
             # The address of rank 0's node as the c10d rendezvous resolved it for every node.
