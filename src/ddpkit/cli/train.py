@@ -21,11 +21,11 @@ def main(argv: Sequence[str]) -> int:
 
     timeline = Timeline()  # from this process's start: the interpreter's start counts
     with _curves_helper(argv):
-        with gc_paused():  # imports and parsing make only objects that stay
+        with gc_paused():  # parsing and imports make only objects that stay
+            cfg = parse(argv)  # --help and a bad flag end here, before torch loads
             from ..trainer import train
 
             timeline.mark("imports_done")
-            cfg = parse(argv)
         train(cfg, timeline)
     return 0
 

@@ -22,8 +22,8 @@ _froze = False  # gc_paused froze objects in this process (see froze_objects)
 # The moments of `ddpkit train`, in the order they happen, and what the phase that ends at
 # each one did (results.json's "timeline" holds the ones a run reached).
 MOMENTS: dict[str, str] = {
-    "imports_done": "interpreter start, `import torch` and ddpkit's modules",
-    "checks_done": "flags parsed, every setting checked, the plan made",
+    "imports_done": "interpreter start, the flags parsed, `import torch` and ddpkit's modules",
+    "checks_done": "every setting checked, the plan made",
     "workers_started": "the launcher's agent, its rendezvous and the workers' start (fork), torch's compiler imported meanwhile",
     "process_group_ready": "the process group (gloo/NCCL) joined, the runtime made",
     "data_loaded": "the dataset read and split",
