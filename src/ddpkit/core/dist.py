@@ -284,9 +284,9 @@ def _join(store: Any, key: str, env: DistEnv, clock: _WaitClock) -> None:
 
 
 def _connect(env: DistEnv, clock: _WaitClock) -> Any:
-    """A client of the job's store (rank 0's, or the agent's). torch's client retries a refused connection in C++ for the
-    whole timeout, logging each try, and waits for a handshake that a program other than the
-    store never sends: a plain connection finds out when something listens, and the client is
+    """A client of the job's store (rank 0's, or the agent's). torch's client retries a
+    refused connection in C++ for the whole timeout, logging each try, and waits for a
+    handshake that a program other than the store never sends: a plain connection finds out when something listens, and the client is
     made in a thread of its own (the call lets go of the GIL) while this one waits."""
     while True:
         while not _accepts(env.master_addr, env.master_port):

@@ -226,7 +226,8 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
     Each process gets its share of the cores instead of all of them (oversubscription makes
     CPU DDP several times slower); a value the user set is kept. Each attempt's rank 0 hosts
     a store of its own (torch's shared store keeps the last attempt's keys:
-    pytorch/pytorch#135712), on a port the launch's rendezvous holds for it (`store`). The workers keep their records in `logs` (see `records`)."""
+    pytorch/pytorch#135712), on a port the launch's rendezvous holds for it (`store`). The
+    workers keep their records in `logs` (see `records`)."""
     with (
         _threads(n),
         _env(workers_store.UNSHARED, "1", force=True),
