@@ -33,3 +33,23 @@ def test_a_held_port_is_refused_to_other_programs_and_taken_by_the_store():
             del client, server
     finally:
         held.close()
+
+
+def test_without_ipv6_the_port_is_held_on_ipv4(monkeypatch):
+    plain = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return plain(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    held = reserve_port()
+    try:
+        assert held.family == socket.AF_INET
+        other = plain()
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", held.getsockname()[1]))
+        other.close()
+    finally:
+        held.close()

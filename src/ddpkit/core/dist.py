@@ -229,8 +229,7 @@ def rendezvous(env: DistEnv, timeout_s: float) -> Any:
     _rendezvous_count += 1
     clock = _WaitClock(env, timeout_s)
     key = f"ddpkit/joined/{_rendezvous_count}"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        clock.store = "the agent's store"
+    if clock.agent_store:
         store = _connect(env, clock)
         attempt = agent_attempt()
         if attempt is not None:
@@ -329,7 +328,9 @@ class _WaitClock:
 
     def __init__(self, env: DistEnv, timeout_s: float):
         self.timeout_s, self.where = timeout_s, f"{env.master_addr}:{env.master_port}"
-        self.store = "rank 0's store"  # whose store the job meets at
+        # whose store the job meets at: torchrun's agent shares its own with its workers
+        self.agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.store = "the agent's store" if self.agent_store else "rank 0's store"
         self.who = f"rank {env.rank} of {env.world_size}"
         self.launched = "TORCHELASTIC_RUN_ID" in os.environ  # a launcher's worker: its peers were all started
         if self.launched:

@@ -27,7 +27,6 @@ round's own keys tell the other nodes the port.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import socket
@@ -57,21 +56,22 @@ def reserve_port() -> socket.socket:
     else IPv4), with SO_REUSEADDR, not listening: its port is held from other programs' binds
     of port 0 and outgoing connections, and a server that binds with SO_REUSEADDR (rank 0's
     TCPStore) can still bind it."""
-    for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        sock = None
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 on this machine
+        pass
+    else:
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
-            sock.bind((anywhere, 0))
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+            sock.bind(("::", 0))
             return sock
-        except OSError:
-            if sock is not None:
-                sock.close()
-            if family == socket.AF_INET:
-                raise
-    raise AssertionError("unreachable")
+        except OSError:  # IPv6 switched off
+            sock.close()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", 0))
+    return sock
 
 
 def _create(params: Any) -> Any:
@@ -124,8 +124,7 @@ def _handler_class() -> type:
 
         def _release(self) -> None:
             if self._held is not None:
-                with contextlib.suppress(OSError):
-                    self._held.close()
+                self._held.close()
                 self._held = None
 
         def shutdown(self) -> bool:
