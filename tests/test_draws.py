@@ -316,3 +316,57 @@ def test_inplace_dropout_drops_in_place_and_channels_last_stays_channels_last(so
     assert inplace(x) is x and torch.equal(x, expected)
     image = torch.ones(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
     assert drop(image).is_contiguous(memory_format=torch.channels_last)
+
+
+class Both(nn.Module):
+    """A module's dropout and the functional form, one after the other (the functional form
+    named: under torch.compile its caller is a frame of the compiler's after a graph break)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return ddpkit.dropout(self.drop(x * self.w), 0.5, site="after")
+
+
+@pytest.fixture
+def compiler_left_as_found():
+    """torch's compiler as it was: its caches and counters are the process's, and the workers
+    later tests fork from this process count their graphs from them."""
+    from torch._dynamo.utils import counters
+
+    saved = {name: dict(counts) for name, counts in counters.items()}
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+    for name, counts in saved.items():
+        counters[name].update(counts)
+
+
+@pytest.mark.parametrize("compiled", ["by the Runtime", "by the user after setup"])
+@pytest.mark.usefixtures("compiler_left_as_found")
+def test_a_compiled_forward_draws_the_eager_forwards_masks_step_after_step(compiled):
+    # The draw stays out of compiled graphs (its keys are Python numbers: a graph would bake
+    # one step's in), and what keeps it out is made at the first draw, not at import (importing
+    # torch's compiler takes a second): in a traced graph, for a model compiled after setup.
+    data = torch.utils.data.TensorDataset(torch.ones(24, 32))
+    seen = {}
+    for way in ("eager", compiled):
+        options = {"backend": "eager"} if way == "by the Runtime" else False
+        with ddpkit.Runtime(device="cpu", seed=2, compile=options) as rt:
+            model = Both()
+            model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+            if way == "by the user after setup":
+                model = torch.compile(model, backend="eager")
+            outs = []
+            for (x,) in rt.loader(data, batch_size=8, shuffle=False):
+                out = model(x)
+                rt.backward(out.sum())
+                rt.step(opt)
+                outs.append(out.detach())
+            seen[way] = torch.stack(outs)
+    masks = seen["eager"] != 0
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])  # a mask per step
+    assert torch.equal(seen[compiled], seen["eager"])

@@ -170,7 +170,10 @@ def _call_number(src: Source, site: str) -> int:
     return counts[0] - 1
 
 
-@torch.compiler.disable  # the keys live in Python: a compiled graph would bake one step's in
+# Kept out of compiled graphs (the keys live in Python: a graph would bake one step's in) by
+# torch's own lazy form of torch.compiler.disable, as torch.optim's methods are: torch's compiler
+# (a second to import) loads at the first draw, not when this module is imported.
+@torch._disable_dynamo
 def _draw(
     src: Source, x: torch.Tensor, p: float, site: str, channels: bool, batch_dim: int | None, inplace: bool = False
 ) -> torch.Tensor:
