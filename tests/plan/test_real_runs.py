@@ -7,7 +7,7 @@ change is seen, leaving out the collective buffers that the real run holds at it
 trace does not: whether gloo's thread still holds one then is a matter of timing (gpt fp32 fsdp
 over 2 once held a 66,048-byte buffer, the size of the root unit's parameters, and came out
 1.6% off; gpt bf16 hsdp 2x2 once 33,024 bytes, 1.8% off, in a run of the suite one test at a
-time). Within 1% here, tensor parallel with activation checkpointing within 2% (8% before the
+time). Within 1% here, tensor parallel with activation checkpointing within 3% (8% before the
 trace warmed DTensor's caches up), except gpt bf16 on tensor parallel over 4: 0.1% here every
 time, 6% in one CI run; their causes are not found yet (docs/plan.md).
 
