@@ -45,6 +45,40 @@ def test_the_workers_port_is_held_before_they_start_and_new_for_each_attempt(tmp
     assert out == {0: notes["rank0-attempt1"], 1: notes["rank1-attempt1"]}
 
 
+def test_an_interrupted_launch_lets_the_workers_port_go(tmp_path):
+    # After a signal torch leaves its rendezvous open (for the other nodes) and skips its
+    # shutdown: the port held for the workers' store must still be let go as the launch ends,
+    # not when the handler holding it is collected (here the caller keeps the error, whose
+    # traceback holds torch's frames and so the handler, and collection is switched off).
+    notes = str(tmp_path)
+    proc = run_python(f"""
+        import gc, os, signal, socket, time
+        import ddpkit
+        from ddpkit.errors import Interrupted
+
+        def work(notes):
+            if os.environ["RANK"] == "0":
+                with open(os.path.join(notes, "port"), "w") as f:
+                    f.write(os.environ["MASTER_PORT"])
+                os.kill(os.getppid(), signal.SIGINT)  # Ctrl-C, to the launching process
+            time.sleep(60)  # until the agent stops it
+
+        gc.disable()
+        try:
+            ddpkit.launch(work, {notes!r}, nproc=2, device="cpu")
+        except Interrupted as err:
+            kept = err
+            print("interrupted")
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", int(open(os.path.join({notes!r}, "port")).read())))
+            print("free")
+        except OSError:
+            print("held")
+    """)
+    assert proc.stdout.split() == ["interrupted", "free"], proc.stdout + proc.stderr[-2000:]
+
+
 def test_launch_leaves_the_callers_environment_as_it_was():
     import logging
 

@@ -175,6 +175,7 @@ def _elastic(
         stop_strays()
         raise
     finally:
+        workers_store.release_all()  # after a signal too, where torch leaves the rendezvous open
         if not log_dir:
             shutil.rmtree(logs, ignore_errors=True)
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import weakref
 from typing import Any
 
 BACKEND = "ddpkit-c10d"  # the name `LaunchConfig.rdzv_backend` gives to this rendezvous
 UNSHARED = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": torch's c10d hosts no store for the workers
 PORT_KEY = "ddpkit/workers-store-port"  # in the round's store (torch prefixes it by run id and round)
 _registered = False
+_handlers: weakref.WeakSet = weakref.WeakSet()  # this process's, for `release_all`
 
 
 def register() -> None:
@@ -74,6 +76,15 @@ def reserve_port() -> socket.socket:
     return sock
 
 
+def release_all() -> None:
+    """Let go of the port every handler of this process holds, when a launch has ended however
+    it ended. torch shuts the rendezvous down after a launch that ended of itself, but not after
+    a signal (its agent keeps the rendezvous open for other nodes): the port was held until the
+    handler was garbage-collected."""
+    for handler in list(_handlers):
+        handler._release()
+
+
 def _create(params: Any) -> Any:
     """torch's c10d handler for the same parameters, wrapped."""
     # (loaded already: torch's registry calls this)
@@ -103,6 +114,7 @@ def _handler_class() -> type:
         def __init__(self, c10d: Any):
             self._c10d = c10d
             self._held: socket.socket | None = None  # this round's port, when this node has rank 0
+            _handlers.add(self)
 
         @property
         def use_agent_store(self) -> bool:
