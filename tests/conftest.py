@@ -36,7 +36,7 @@ os.environ.setdefault("DDPKIT_THREADS", "share")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job  # noqa: E402 (after the variables above)
-from tests import parallel  # noqa: E402
+from tests import parallel, slowest  # noqa: E402
 
 KINDS = ("unit", "distributed", "cli")
 
@@ -45,7 +45,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--slowest-into",
         metavar="FILE",
-        help="after a whole run that passed, write its ten slowest tests into FILE's generated block "
+        help="after a whole run that passed, write its ten slowest tests, and the ten that used the most CPU, into "
+        "FILE's generated block "
         "(docs/testing.md; see tests/slowest.py). Defined here: name the tests folder, "
         "`python -m pytest tests --slowest-into docs/testing.md`",
     )
@@ -53,6 +54,7 @@ def pytest_addoption(parser):
 
 
 _SECONDS: dict[str, float] = {}  # each test's setup, call and teardown, for --slowest-into
+_CPU: dict[str, float] = {}  # each test's CPU time, with the processes it waited for (slowest.cpu_now)
 _PASSED: list[str] = []
 _STARTED: list[float] = []
 
@@ -72,15 +74,24 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    parallel.leave_results(config, reporter.stats if reporter else {}, _SECONDS)  # (one of several processes)
+    parallel.leave_results(config, reporter.stats if reporter else {}, _SECONDS, _CPU)  # (one of several processes)
     if exitstatus == 0 and not parallel.shared_folder(config):
         import time
 
-        _write_slowest(config, _SECONDS, time.time() - _STARTED[0], len(_PASSED), 0)
+        _write_slowest(config, _SECONDS, _CPU, time.time() - _STARTED[0], slowest.cpu_now(), len(_PASSED), 0)
 
 
-def _write_slowest(config, seconds: dict[str, float], total: float, passed: int, processes: int) -> None:
-    """--slowest-into FILE: after a whole run that passed, its ten slowest tests into FILE."""
+def _write_slowest(
+    config,
+    seconds: dict[str, float],
+    cpu: dict[str, float],
+    total: float,
+    cpu_total: float,
+    passed: int,
+    processes: int,
+) -> None:
+    """--slowest-into FILE: after a whole run that passed, its ten slowest tests and the ten that
+    used the most CPU into FILE."""
     path = config.getoption("--slowest-into")
     whole = not config.getoption("markexpr") and not config.getoption("keyword")
     whole = whole and all(os.path.abspath(a) in (ROOT, os.path.join(ROOT, "tests")) for a in config.args)
@@ -88,9 +99,7 @@ def _write_slowest(config, seconds: dict[str, float], total: float, passed: int,
         return  # (a part of the suite says nothing of the whole's slowest)
     import datetime
 
-    from tests import slowest
-
-    slowest.write_into(path, slowest.block(seconds, total, passed, datetime.date.today(), processes))
+    slowest.write_into(path, slowest.block(seconds, cpu, total, cpu_total, passed, datetime.date.today(), processes))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -111,7 +120,9 @@ def pytest_runtest_protocol(item, nextitem):
     if not parallel.claimed(item):
         return (yield)
     with parallel.turn(item.config, alone=item.get_closest_marker("alone") is not None):
+        before = slowest.cpu_now()
         result = yield
+        _CPU[item.nodeid] = slowest.cpu_now() - before
     parallel.note_done(item.config)
     return result
 

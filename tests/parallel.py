@@ -19,8 +19,9 @@ How they share the run (a folder of the run, `--shard-dir`):
   other test holds a shared turn, an `alone` test the only one: a readers-writer lock over two
   files (fcntl.flock, `gate` and `turn`), where a waiting `alone` test holds the gate, so later
   tests queue behind it instead of starving it;
-- each process leaves its outcomes and test times (`results-K.json`); the first process, which
-  started the others, prints their outputs and one summary, and writes `--slowest-into`.
+- each process leaves its outcomes, test times and tests' CPU times (`results-K.json`); the
+  first process, which started the others, prints their outputs and one summary (with the CPU
+  time the whole run used), and writes `--slowest-into`.
 
 Without `--processes` (or with one usable core) none of this does anything.
 """
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.slowest import cpu_now
 
 MAX_WORKERS = 4  # `--processes auto`: one per usable core, at most this many
 OUTCOMES = ("failed", "passed", "skipped", "xfailed", "xpassed", "error")
@@ -144,17 +147,17 @@ def note_done(config) -> None:
             f.write(".")
 
 
-def leave_results(config, stats: dict[str, list], seconds: dict[str, float]) -> None:
-    """This process's outcomes (pytest's terminal statistics, counted) and test times, for the
-    first process."""
+def leave_results(config, stats: dict[str, list], seconds: dict[str, float], cpu: dict[str, float]) -> None:
+    """This process's outcomes (pytest's terminal statistics, counted), test times and tests'
+    CPU times, for the first process."""
     folder = shared_folder(config)
     if folder is not None:
         counts = {key: len(stats.get(key, [])) for key in OUTCOMES}
         left = folder / f"results-{config.option.shard_index}.json"
-        left.write_text(json.dumps({"counts": counts, "seconds": seconds}))
+        left.write_text(json.dumps({"counts": counts, "seconds": seconds, "cpu": cpu}))
 
 
-def run(config, write_slowest: Callable[[dict[str, float], float, int, int], None] | None) -> int:
+def run(config, write_slowest: Callable[..., None] | None) -> int:
     """Run the session in `wanted(config)` processes: start them, show progress, then each one's
     output and one summary. Returns the exit code: the first failing process's (3 for one that
     died of a signal), else 0. Ctrl-C or SIGTERM here interrupts every process as Ctrl-C does
@@ -193,6 +196,7 @@ def run(config, write_slowest: Callable[[dict[str, float], float, int, int], Non
             _stop(procs)
     counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     missing = []
     for k in range(n):
         try:
@@ -203,16 +207,21 @@ def run(config, write_slowest: Callable[[dict[str, float], float, int, int], Non
         for key, value in left["counts"].items():
             counts[key] = counts.get(key, 0) + value
         seconds.update(left["seconds"])
+        cpu.update(left.get("cpu", {}))
     total = time.time() - started
+    cpu_total = cpu_now()  # this process's, and the processes' (waited for above) with all they waited for
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-    print(f"\n==== all {n} processes: {summary or 'nothing ran'} in {total:.1f}s ({total / 60:.1f} min) ====")
+    print(
+        f"\n==== all {n} processes: {summary or 'nothing ran'} in {total:.1f}s ({total / 60:.1f} min), "
+        f"{cpu_total / 60:.1f} min of CPU ===="
+    )
     codes = [3 if p.returncode < 0 else p.returncode for p in procs]  # a signal: an internal error
     code = next((c for c in codes if c not in (0, 5)), 0 if any(c == 0 for c in codes) else codes[0])
     if missing:
         print(f"process(es) {missing} left no results (the test files they claimed did not all run): see above")
         code = code or 3
     if code == 0 and write_slowest is not None:
-        write_slowest(seconds, total, counts["passed"], n)
+        write_slowest(seconds, cpu, total, cpu_total, counts["passed"], n)
     shutil.rmtree(folder, ignore_errors=True)
     return code
 
