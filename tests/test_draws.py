@@ -345,18 +345,27 @@ def compiler_left_as_found():
         counters[name].update(counts)
 
 
-@pytest.mark.parametrize("compiled", ["by the Runtime", "by the user after setup"])
+@pytest.mark.parametrize("compiled", ["by the Runtime", "by the user after setup", "a Sequential, by the Runtime"])
 @pytest.mark.usefixtures("compiler_left_as_found")
 def test_a_compiled_forward_draws_the_eager_forwards_masks_step_after_step(compiled):
     # The draw stays out of compiled graphs (its keys are Python numbers: a graph would bake
     # one step's in), and what keeps it out is made at the first draw, not at import (importing
     # torch's compiler takes a second): in a traced graph, for a model compiled after setup.
+    # An nn.Sequential's loop cannot resume after the draw's break: compiled whole it gave no
+    # graph at all, so the Runtime compiles the runs of children between its dropouts instead.
+    from ddpkit.strategy import compiled_graphs
+
     data = torch.utils.data.TensorDataset(torch.ones(24, 32))
-    seen = {}
+    seen, graphs = {}, {}
     for way in ("eager", compiled):
-        options = {"backend": "eager"} if way == "by the Runtime" else False
+        sequential = "Sequential" in way
+        options = {"backend": "eager"} if way.endswith("by the Runtime") else False
+        before = compiled_graphs()
         with ddpkit.Runtime(device="cpu", seed=2, compile=options) as rt:
-            model = Both()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5))
+            model = model if sequential or compiled == "a Sequential, by the Runtime" else Both()
+            names = [name for name, _ in model.named_parameters()]
             model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
             if way == "by the user after setup":
                 model = torch.compile(model, backend="eager")
@@ -367,6 +376,9 @@ def test_a_compiled_forward_draws_the_eager_forwards_masks_step_after_step(compi
                 rt.step(opt)
                 outs.append(out.detach())
             seen[way] = torch.stack(outs)
+            assert [name for name, _ in rt.unwrap(model).named_parameters()] == names  # no _orig_mod.
+        graphs[way] = compiled_graphs() - before
     masks = seen["eager"] != 0
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])  # a mask per step
     assert torch.equal(seen[compiled], seen["eager"])
+    assert graphs["eager"] == 0 and graphs[compiled] > 0

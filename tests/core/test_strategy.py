@@ -73,9 +73,10 @@ def test_fp16_compression_hook_trains_close_to_full_precision():
 
 def compiled_ddp_run(compile: bool | dict, folder: str) -> dict:
     """Two DDP steps of the default CNN (a bare nn.Sequential: the model that compiled nothing when
-    torch.compile went around DDP), 32 samples per rank and forward (a size at which torch 2.13's
-    inductor, left to its defaults, zeroed the convolutions' gradients), a checkpoint, and what
-    this worker's dynamo counted."""
+    torch.compile went around DDP) with a dropout before its last layer (whose draw, in the
+    Sequential's loop, left it all uncompiled when compiled whole), 32 samples per rank and
+    forward (a size at which torch 2.13's inductor, left to its defaults, zeroed the
+    convolutions' gradients), a checkpoint, and what this worker's dynamo counted."""
     from torch._dynamo.utils import counters
 
     from ddpkit import data
@@ -87,7 +88,8 @@ def compiled_ddp_run(compile: bool | dict, folder: str) -> dict:
     torch._dynamo.reset()
     counters.clear()
     with ddpkit.Runtime(device="cpu", seed=3, compile=compile) as rt:
-        model = small_cnn((1, 8, 8), 10)
+        layers = list(small_cnn((1, 8, 8), 10))
+        model = torch.nn.Sequential(*layers[:-1], torch.nn.Dropout(0.2), layers[-1])
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = rt.setup(model, opt)
         for x, y in rt.loader(data.synthetic((1, 8, 8), 128, 10, seed=2).train, batch_size=64):
@@ -111,7 +113,7 @@ def test_compile_under_ddp_produces_graphs_and_keeps_the_results(tmp_path, capfd
     eager = ddpkit.launch(compiled_ddp_run, False, str(tmp_path), nproc=2, device="cpu")
     assert all(r["graphs"] > 0 and r["under_ddp"] for r in compiled.values())
     assert all(r["graphs"] == 0 for r in eager.values())
-    assert compiled[0]["keys"] == eager[0]["keys"] == [f"{i}.{p}" for i in (0, 2, 7, 9) for p in ("weight", "bias")]
+    assert compiled[0]["keys"] == eager[0]["keys"] == [f"{i}.{p}" for i in (0, 2, 7, 10) for p in ("weight", "bias")]
     assert torch.equal(compiled[0]["weights"], compiled[1]["weights"])  # DDP kept the ranks in step
     assert torch.allclose(
         compiled[0]["weights"], eager[0]["weights"], atol=1e-5

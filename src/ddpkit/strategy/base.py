@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from ..core.draws import Dropout
 from ..core.precision import AutocastModule
 from ..errors import UsageError
 from .mesh import MeshSpec
@@ -247,7 +249,55 @@ def _compile(model: nn.Module, options: bool | dict) -> nn.Module:
     # torch.compile(model), an OptimizedModule, rather than model.compile(): the latter compiles
     # nn.Module's own call, a frame in dynamo's skip list, and so compiled nothing for a bare
     # nn.Sequential (measured with torch 2.13). The `_orig_mod.` it adds is what unwrap removes.
+    bare = model.module if isinstance(model, AutocastModule) else model
+    if _draws_in_its_loop(bare):
+        compile_between_draws(bare, options)
+        return model
     return torch.compile(model, **compile_options(options))
+
+
+def _draws_in_its_loop(model: nn.Module) -> bool:
+    """Whether `model` is an nn.Sequential (its forward a loop over its children) with ddpkit's
+    dropout among its children (drawing: p > 0). The draw breaks the compiled graph (it is kept out of graphs:
+    see core.draws), and dynamo does not resume a frame inside a loop: torch.compile of the
+    whole model compiled nothing at all (torch 2.13: Linear, ReLU, Dropout, Linear gave no
+    graph; a model with a forward of its own breaks where it draws and compiles the rest)."""
+    return type(model).forward is nn.Sequential.forward and any(isinstance(m, Dropout) and m.p > 0 for m in model)
+
+
+def compile_between_draws(model: nn.Sequential, options: bool | dict) -> None:
+    """torch.compile each run of `model`'s children between its dropout modules, in place: the
+    loop over the runs and the draws stay eager, each run is compiled whole. The model keeps its
+    class and parameter names, as under `fsdp.compile_forward`. Each run is a function of its
+    own (a code object of its own), so that dynamo's limit of recompilations per function (8)
+    is each run's, not shared by all."""
+    kwargs = compile_options(options)
+    steps: list[tuple[int, int, Any]] = []
+    start = 0
+    children = list(model)
+    for i, child in enumerate([*children, None]):
+        if child is None or isinstance(child, Dropout):
+            if i > start:
+                code = _chain.__code__.replace(co_name=f"run_{start}_{i}")
+                steps.append((start, i, torch.compile(types.FunctionType(code, _chain.__globals__), **kwargs)))
+            if child is not None:
+                steps.append((i, i + 1, None))
+            start = i + 1
+    model._ddpkit_runs = steps
+    model.forward = types.MethodType(_forward_between_draws, model)
+
+
+def _forward_between_draws(self: nn.Sequential, x: Any) -> Any:
+    children = list(self)
+    for start, end, run in self._ddpkit_runs:
+        x = run(tuple(children[start:end]), x) if run is not None else children[start](x)
+    return x
+
+
+def _chain(modules: tuple[nn.Module, ...], x: Any) -> Any:
+    for module in modules:
+        x = module(x)
+    return x
 
 
 def compile_options(options: bool | dict) -> dict[str, Any]:
