@@ -196,14 +196,15 @@ def _fit(timings: list[dict[str, Any]], n: int) -> tuple[float, float]:
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor([t["seconds"] for t in timings], dtype=torch.float64)
     weight = 1.0 / b.clamp_min(1e-12)
-    alpha, inverse = torch.linalg.lstsq(a * weight[:, None], (b * weight)[:, None]).solution.flatten().tolist()
+    a, b = a * weight[:, None], b * weight  # each timing's error relative to it
+    alpha, inverse = torch.linalg.lstsq(a, b[:, None]).solution.flatten().tolist()
     if inverse <= 0 or alpha <= 0:
         smallest = min(t["bytes"] for t in timings)
         alpha = statistics.median(
-            t["seconds"] / row[0] for t, row in zip(timings, rows) if t["bytes"] == smallest and row[0] > 0
+            t["seconds"] / steps for t, (steps, _) in zip(timings, rows) if t["bytes"] == smallest
         )
-        rest = (b - a[:, 0] * alpha) * weight
-        inverse = float(rest @ (a[:, 1] * weight) / ((a[:, 1] * weight) @ (a[:, 1] * weight)))
+        rest = b - a[:, 0] * alpha
+        inverse = float(rest @ a[:, 1] / (a[:, 1] @ a[:, 1]))
     return alpha, 1.0 / max(inverse, 1e-15)
 
 

@@ -258,10 +258,11 @@ def _compile(model: nn.Module, options: bool | dict) -> nn.Module:
 
 def _draws_in_its_loop(model: nn.Module) -> bool:
     """Whether `model` is an nn.Sequential (its forward a loop over its children) with ddpkit's
-    dropout among its children (drawing: p > 0). The draw breaks the compiled graph (it is kept out of graphs:
-    see core.draws), and dynamo does not resume a frame inside a loop: torch.compile of the
-    whole model compiled nothing at all (torch 2.13: Linear, ReLU, Dropout, Linear gave no
-    graph; a model with a forward of its own breaks where it draws and compiles the rest)."""
+    dropout among its children, drawing (p > 0). The draw breaks the compiled graph (it is
+    kept out of graphs: see core.draws), and dynamo does not resume a frame inside a loop:
+    torch.compile of the whole model compiled nothing at all (torch 2.13: Linear, ReLU,
+    Dropout, Linear gave no graph; a model with a forward of its own breaks where it draws and
+    compiles the rest)."""
     return type(model).forward is nn.Sequential.forward and any(isinstance(m, Dropout) and m.p > 0 for m in model)
 
 
@@ -272,25 +273,25 @@ def compile_between_draws(model: nn.Sequential, options: bool | dict) -> None:
     own (a code object of its own), so that dynamo's limit of recompilations per function (8)
     is each run's, not shared by all."""
     kwargs = compile_options(options)
-    steps: list[tuple[int, int, Any]] = []
-    start = 0
-    children = list(model)
-    for i, child in enumerate([*children, None]):
-        if child is None or isinstance(child, Dropout):
-            if i > start:
-                code = _chain.__code__.replace(co_name=f"run_{start}_{i}")
-                steps.append((start, i, torch.compile(types.FunctionType(code, _chain.__globals__), **kwargs)))
-            if child is not None:
-                steps.append((i, i + 1, None))
-            start = i + 1
-    model._ddpkit_runs = steps
+    runs: list[tuple[Any, tuple[nn.Module, ...]]] = []  # (compiled chain, or None for a dropout; its modules)
+    run: list[nn.Module] = []
+    for child in [*model, None]:
+        if child is not None and not isinstance(child, Dropout):
+            run.append(child)
+            continue
+        if run:
+            code = _chain.__code__.replace(co_name=f"run_{len(runs)}")
+            runs.append((torch.compile(types.FunctionType(code, _chain.__globals__), **kwargs), tuple(run)))
+            run = []
+        if child is not None:
+            runs.append((None, (child,)))
+    model._ddpkit_runs = runs
     model.forward = types.MethodType(_forward_between_draws, model)
 
 
 def _forward_between_draws(self: nn.Sequential, x: Any) -> Any:
-    children = list(self)
-    for start, end, run in self._ddpkit_runs:
-        x = run(tuple(children[start:end]), x) if run is not None else children[start](x)
+    for chain, modules in self._ddpkit_runs:
+        x = chain(modules, x) if chain is not None else modules[0](x)
     return x
 
 
