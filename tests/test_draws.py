@@ -345,26 +345,31 @@ def compiler_left_as_found():
         counters[name].update(counts)
 
 
-@pytest.mark.parametrize("compiled", ["by the Runtime", "by the user after setup", "a Sequential, by the Runtime"])
+@pytest.mark.parametrize(
+    "compiled", ["by the Runtime", "by the user after setup", "a Sequential, by the Runtime", "nested Sequentials"]
+)
 @pytest.mark.usefixtures("compiler_left_as_found")
 def test_a_compiled_forward_draws_the_eager_forwards_masks_step_after_step(compiled):
     # The draw stays out of compiled graphs (its keys are Python numbers: a graph would bake
     # one step's in), and what keeps it out is made at the first draw, not at import (importing
     # torch's compiler takes a second): in a traced graph, for a model compiled after setup.
     # An nn.Sequential's loop cannot resume after the draw's break: compiled whole it gave no
-    # graph at all, so the Runtime compiles the runs of children between its dropouts instead.
+    # graph at all, so the Runtime compiles the runs of children between its dropouts instead;
+    # a Sequential with a dropout of its own inside one, the same way in its turn.
     from ddpkit.strategy import compiled_graphs
 
     data = torch.utils.data.TensorDataset(torch.ones(24, 32))
     seen, graphs = {}, {}
     for way in ("eager", compiled):
-        sequential = "Sequential" in way
-        options = {"backend": "eager"} if way.endswith("by the Runtime") else False
+        options = {"backend": "eager"} if way.endswith("by the Runtime") or way == "nested Sequentials" else False
         before = compiled_graphs()
         with ddpkit.Runtime(device="cpu", seed=2, compile=options) as rt:
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5))
-            model = model if sequential or compiled == "a Sequential, by the Runtime" else Both()
+            if compiled == "nested Sequentials":
+                inner = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.ReLU(), nn.Dropout(0.5)), nn.Linear(32, 32))
+                model = nn.Sequential(nn.Sequential(nn.Linear(32, 32), inner), nn.Linear(32, 32), nn.Dropout(0.5))
+            model = model if "Sequential" in compiled else Both()
             names = [name for name, _ in model.named_parameters()]
             model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
             if way == "by the user after setup":

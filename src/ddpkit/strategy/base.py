@@ -263,22 +263,32 @@ def _draws_in_its_loop(model: nn.Module) -> bool:
     torch.compile of the whole model compiled nothing at all (torch 2.13: Linear, ReLU,
     Dropout, Linear gave no graph; a model with a forward of its own breaks where it draws and
     compiles the rest)."""
-    return type(model).forward is nn.Sequential.forward and any(isinstance(m, Dropout) and m.p > 0 for m in model)
+    return type(model).forward is nn.Sequential.forward and any(_breaks(child) for child in model)
+
+
+def _breaks(child: nn.Module) -> bool:
+    """Whether calling `child` breaks the compiled graph where an nn.Sequential's loop cannot
+    resume: ddpkit's dropout drawing, or an nn.Sequential that draws in its own loop (nested:
+    it gave no graph either, until it was compiled run by run itself)."""
+    return (isinstance(child, Dropout) and child.p > 0) or _draws_in_its_loop(child)
 
 
 def compile_between_draws(model: nn.Sequential, options: bool | dict) -> None:
     """torch.compile each run of `model`'s children between its dropout modules, in place: the
-    loop over the runs and the draws stay eager, each run is compiled whole. The model keeps its
-    class and parameter names, as under `fsdp.compile_forward`. Each run is a function of its
-    own (a code object of its own), so that dynamo's limit of recompilations per function (8)
-    is each run's, not shared by all."""
+    loop over the runs and the draws stay eager, each run is compiled whole. A child that is an
+    nn.Sequential drawing in its own loop is a boundary too, compiled run by run itself. The
+    model keeps its class and parameter names, as under `fsdp.compile_forward`. Each run is a
+    function of its own (a code object of its own), so that dynamo's limit of recompilations
+    per function (8) is each run's, not shared by all."""
     kwargs = compile_options(options)
-    runs: list[tuple[Any, tuple[nn.Module, ...]]] = []  # (compiled chain, or None for a dropout; its modules)
+    runs: list[tuple[Any, tuple[nn.Module, ...]]] = []  # (compiled chain, or None for a boundary; its modules)
     run: list[nn.Module] = []
     for child in [*model, None]:
-        if child is not None and not isinstance(child, Dropout):
+        if child is not None and not isinstance(child, Dropout) and not _draws_in_its_loop(child):
             run.append(child)
             continue
+        if child is not None and _draws_in_its_loop(child):
+            compile_between_draws(child, options)
         if run:
             code = _chain.__code__.replace(co_name=f"run_{len(runs)}")
             runs.append((torch.compile(types.FunctionType(code, _chain.__globals__), **kwargs), tuple(run)))
