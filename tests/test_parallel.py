@@ -90,6 +90,15 @@ def test_an_alone_test_waits_for_the_running_ones_and_later_ones_wait_for_it(tmp
     assert events.index("alone out") + 1 == events.index("late in")
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("cores,processes", [(1, 1), (2, 3), (3, 4), (16, parallel.MAX_WORKERS)])
+def test_auto_runs_one_process_per_core_and_one_more(monkeypatch, cores, processes):
+    from ddpkit.core import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: cores)
+    assert parallel.auto_workers() == processes
+
+
 @pytest.mark.cli
 def test_a_run_in_two_processes_runs_each_test_once_and_sums_them_up(tmp_path):
     # A small suite of its own, three files, one failing test and one `alone` test, under the
