@@ -31,7 +31,7 @@ def test_bench_startup_runs_the_same_job_under_ddpkit_and_torchrun(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(path.read_text())["result"]
-    assert set(r["contenders"]) == {"ddpkit", "torchrun"}
+    assert set(r["contenders"]) == {"ddpkit", "torchrun"}, (r["skipped"], r["retried"])
     assert set(r["skipped"]) == {"accelerate", "fabric"}  # not selected
     for c in r["contenders"].values():
         assert c["wall_seconds"]["n"] == 1 and c["wall_seconds"]["median"] > 0
@@ -135,3 +135,27 @@ def test_bench_startup_rounds_run_each_contender_before_each_other_as_often_as_a
         for a, b in permutations(names, 2):
             before = sum(o.index(a) < o.index(b) for o in orders)
             assert before == len(orders) // 2, (a, b)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("failures", [1, 2])
+def test_bench_startup_runs_a_failed_peer_once_more_and_skips_it_after_a_second_failure(monkeypatch, failures):
+    from benchmarks import startup
+
+    calls = []
+
+    def run_once(name, epochs, tmp):
+        calls.append(name)
+        if name == "torchrun" and calls.count("torchrun") <= failures:
+            raise RuntimeError(f"torchrun exited with 1 (failure {calls.count('torchrun')})")
+        return {"seconds": 1.0, "test_accuracy": 1.0}
+
+    monkeypatch.setattr(startup, "run_once", run_once)
+    skipped, retried = {}, {}
+    runs = startup._rounds(["ddpkit", "torchrun"], 1, 2, 0, skipped, retried)
+    assert retried == {"torchrun": ["torchrun exited with 1 (failure 1)"]}
+    if failures == 1:  # the second try ran, and every round after it
+        assert not skipped and len(runs["torchrun"]) == 2 and len(runs["ddpkit"]) == 2
+    else:
+        assert skipped == {"torchrun": "failed: torchrun exited with 1 (failure 2)"} and "torchrun" not in runs
+        assert len(runs["ddpkit"]) == 2
