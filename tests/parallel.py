@@ -1,7 +1,6 @@
 """The suite on several cores: `python -m pytest --processes auto` runs it in one pytest process
-per usable core and one more (at most MAX_WORKERS; see `auto_workers`), each taking whole test
-files as it comes to them, so a module's shared runs are made once and the processes end about
-together.
+per usable core (at most MAX_WORKERS; see `auto_workers`), each taking whole test files as it
+comes to them, so a module's shared runs are made once and the processes end about together.
 
 Why processes of our own and not pytest-xdist's workers: an xdist worker runs execnet's receiver
 thread, and ddpkit never forks its workers from a process with another thread (a process forked
@@ -48,7 +47,7 @@ import pytest
 
 from tests.slowest import cpu_now
 
-MAX_WORKERS = 4  # `--processes auto`: one per usable core and one more, at most this many
+MAX_WORKERS = 4  # `--processes auto`: one per usable core, at most this many
 OUTCOMES = ("failed", "passed", "skipped", "xfailed", "xpassed", "error")
 _CLAIMS = pytest.StashKey[dict]()  # this process's test files: path -> whether it runs them
 _INDEX = pytest.StashKey[dict]()  # id(item) -> its place in the session's items
@@ -56,22 +55,22 @@ _INDEX = pytest.StashKey[dict]()  # id(item) -> its place in the session's items
 
 def auto_workers() -> int:
     """The number of processes `--processes auto` runs: one per core this process may use (its
-    affinity, a cgroup's quota) and one more, at most MAX_WORKERS; one on one core. With one per
-    core, the cores were idle 15% of a whole run on 2 cores (tests waiting on a collective's
-    timeout, a signal, a process starting): a third process filled it, 12.1 minutes instead
-    of 13.2 for the same CPU time (22.3 and 22.4 minutes, 2026-12-06, docs/testing.md)."""
+    affinity, a cgroup's quota), at most MAX_WORKERS. One more than the cores ran a whole run on
+    2 cores in 12.1 and 12.5 minutes instead of 13.2, for the same CPU time (the cores sat idle
+    15% of a run), but the heavier load failed two tests in the next run (a hang test's 90-s
+    limit, and a trace's forked process crashing in garbage collection), and a third lost its
+    torchrun contender in another: not worth a CI that fails (docs/testing.md)."""
     from ddpkit.core.threads import usable_cores
 
-    cores = usable_cores()
-    return max(1, min(cores + 1 if cores > 1 else 1, MAX_WORKERS))
+    return max(1, min(usable_cores(), MAX_WORKERS))
 
 
 def add_options(parser) -> None:
     parser.addoption(
         "--processes",
         metavar="N",
-        help="run the test files in N pytest processes at once ('auto': one per usable core and one more, "
-        f"at most {MAX_WORKERS}); see tests/parallel.py",
+        help="run the test files in N pytest processes at once ('auto': one per usable core, at most "
+        f"{MAX_WORKERS}); see tests/parallel.py",
     )
     parser.addoption("--shard-dir", help="(set by --processes for the processes it starts)")
     parser.addoption("--shard-index", type=int, default=0, help="(set by --processes)")

@@ -91,8 +91,8 @@ def test_an_alone_test_waits_for_the_running_ones_and_later_ones_wait_for_it(tmp
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cores,processes", [(1, 1), (2, 3), (3, 4), (16, parallel.MAX_WORKERS)])
-def test_auto_runs_one_process_per_core_and_one_more(monkeypatch, cores, processes):
+@pytest.mark.parametrize("cores,processes", [(1, 1), (2, 2), (3, 3), (16, parallel.MAX_WORKERS)])
+def test_auto_runs_one_process_per_core(monkeypatch, cores, processes):
     from ddpkit.core import threads
 
     monkeypatch.setattr(threads, "usable_cores", lambda: cores)
