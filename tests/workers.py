@@ -373,15 +373,22 @@ def stall_on_rank(bad_rank: int, timeout_s: float) -> int:
         return rt.rank
 
 
-def freeze_on_rank(bad_rank: int, timeout_s: float, how: str = "SIGSTOP") -> int:
+def freeze_on_rank(bad_rank: int, timeout_s: float, how: str = "SIGSTOP", path: str | None = None) -> int:
     """`bad_rank` stops itself with `how` (SIGSTOP, as a debugger or an operator would, or
     SIGTSTP, Ctrl-Z's) and is never continued; the others wait in a barrier for at most
-    timeout_s."""
+    timeout_s, or, with a `path`, save a checkpoint there (rank 0 writes it, then waits for the
+    others in the wait that does not count a slow write)."""
     import signal
+
+    from ddpkit.core import dist
 
     with ddpkit.Runtime(device="cpu", timeout_s=timeout_s) as rt:
         rt.barrier()
-        if rt.rank == bad_rank:
+        if path is not None:
+            if rt.rank == bad_rank:  # it stops where it would wait for rank 0's write
+                dist.wait_for_main = lambda: _frozen_here(getattr(signal, how))
+            rt.save(path, model=toy_model())
+        elif rt.rank == bad_rank:
             _frozen_here(getattr(signal, how))
         rt.barrier()
         return rt.rank

@@ -128,6 +128,20 @@ def test_a_frozen_rank_is_blamed_as_hung_with_its_stack_at_the_timeout(capfd, ho
 
 
 @pytest.mark.distributed
+def test_a_rank_stopped_as_rank_0_writes_a_checkpoint_is_blamed_at_the_jobs_timeout(tmp_path):
+    # The others wait for rank 0's write with a long timeout (a slow write is no hang); rank 0,
+    # done, waits for them with the job's. A rank stopped just before that wait kept rank 0 in
+    # it for 30 minutes (a whole run's hang test once ran past its 90-s limit so).
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.freeze_on_rank, 1, 3.0, "SIGSTOP", str(tmp_path / "ck.pt"), nproc=2, device="cpu")
+    err = info.value
+    assert err.rank == 1 and "hung: it was stopped by SIGSTOP and never continued, until rank 0 gave up" in str(err)
+    assert "rank(s) 1 did not come to wait for rank 0's write within 3 s" in str(err), str(err)
+    assert time.monotonic() - t0 < 25
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_rank_sigtermed_from_outside_is_named_with_the_signal(capfd, restarts):
     # `kill PID` on one worker: before, the peer that lost its connection was blamed, or the

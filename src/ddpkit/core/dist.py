@@ -146,6 +146,7 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
 # still catch ranks that stop reaching collectives without failing every slow save.
 IO_TIMEOUT_S = 1800.0
 _io_group: Any = None
+_main_wait: timedelta | None = None  # rank 0's own wait there: the job's timeout (see wait_for_main)
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_collectives: bool = False) -> bool:
@@ -183,8 +184,9 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
             timeout=timedelta(seconds=timeout_s),
             **kwargs,
         )
-        global _io_group
+        global _io_group, _main_wait
         _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
+        _main_wait = timedelta(seconds=timeout_s)
     return True
 
 
@@ -378,8 +380,8 @@ def _cannot_host(env: DistEnv, err: BaseException) -> Exception:
 
 
 def teardown() -> None:
-    global _io_group, _background
-    _io_group = _background = None  # held, they would keep the old group's store alive
+    global _io_group, _background, _main_wait
+    _io_group = _background = _main_wait = None  # held, they would keep the old group's store alive
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -479,9 +481,36 @@ def barrier() -> None:
 
 def wait_for_main() -> None:
     """Barrier for the other ranks while rank 0 does slow work alone (writing files): uses the
-    long-timeout group when ddpkit made the process group, else the default one."""
-    if world_size() > 1:
+    long-timeout group when ddpkit made the process group, else the default one. Rank 0 comes
+    last, its work done, and joins only once every other rank has said it is there (in the
+    job's store), waiting for that as long as the job's timeout: a rank stopped by SIGSTOP just
+    before, as rank 0 wrote a checkpoint, kept rank 0 in the barrier for the long timeout's 30
+    minutes, unnamed. (Not with a timeout on the barrier itself: gloo cannot cancel a barrier
+    under way, and the group's end would wait for it.)"""
+    if world_size() <= 1:
+        return
+    if _io_group is None or _main_wait is None:
         tdist.barrier(group=_io_group)
+        return
+    global _main_waits
+    _main_waits += 1
+    store, prefix = tdist.distributed_c10d._get_default_store(), f"ddpkit/at-main-wait/{_groups_made}/{_main_waits}"
+    if not is_main():
+        store.set(f"{prefix}/{rank()}", "1")
+    else:
+        keys = [f"{prefix}/{r}" for r in range(1, world_size())]
+        try:
+            store.wait(keys, _main_wait)
+        except (RuntimeError, tdist.DistStoreError) as err:
+            missing = [r for r, key in enumerate(keys, start=1) if not store.check([key])]
+            raise RuntimeError(
+                f"rank(s) {', '.join(map(str, missing))} did not come to wait for rank 0's write within "
+                f"{_main_wait.total_seconds():g} s (the job's timeout)"
+            ) from err
+    tdist.barrier(group=_io_group)
+
+
+_main_waits = 0  # this process's calls of wait_for_main in its group: each one's keys in the store
 
 
 def group_size(group: Any = None) -> int:
