@@ -142,11 +142,12 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
 
 
 # Waiting while rank 0 writes a checkpoint or the final outputs is not a stalled peer: those
-# waits use a gloo group of their own with at least this timeout, so a short --timeout can
-# still catch ranks that stop reaching collectives without failing every slow save.
+# waits (wait_for_main) last at least this long, so a short --timeout can still catch ranks
+# that stop reaching collectives without failing every slow save.
 IO_TIMEOUT_S = 1800.0
-_io_group: Any = None
-_main_wait: timedelta | None = None  # rank 0's own wait there: the job's timeout (see wait_for_main)
+_io_wait = timedelta(seconds=IO_TIMEOUT_S)  # the others' wait for rank 0 (at least the job's timeout)
+_io_group: Any = None  # a gloo group of that timeout, for a wait of every rank (see wait_for_main)
+_main_wait: timedelta | None = None  # rank 0's own wait there: the job's timeout, where ddpkit made the group
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_collectives: bool = False) -> bool:
@@ -184,8 +185,9 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
             timeout=timedelta(seconds=timeout_s),
             **kwargs,
         )
-        global _io_group, _main_wait
-        _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
+        global _io_group, _io_wait, _main_wait
+        _io_wait = timedelta(seconds=max(timeout_s, IO_TIMEOUT_S))
+        _io_group = tdist.new_group(backend="gloo", timeout=_io_wait)
         _main_wait = timedelta(seconds=timeout_s)
     return True
 
@@ -479,35 +481,39 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def wait_for_main() -> None:
-    """Barrier for the other ranks while rank 0 does slow work alone (writing files): uses the
-    long-timeout group when ddpkit made the process group, else the default one. Rank 0 comes
-    last, its work done, and joins only once every other rank has said it is there (in the
-    job's store), waiting for that as long as the job's timeout: a rank stopped by SIGSTOP just
-    before, as rank 0 wrote a checkpoint, kept rank 0 in the barrier for the long timeout's 30
-    minutes, unnamed. (Not with a timeout on the barrier itself: gloo cannot cancel a barrier
-    under way, and the group's end would wait for it.)"""
+def wait_for_main(local: bool = False) -> None:
+    """The other ranks wait while rank 0 does slow work alone (writing files). Where ddpkit made
+    the process group they wait as long as IO_TIMEOUT_S (a slow write is no hang), and rank 0,
+    its work done, waits for them only as long as the job's timeout: it says so in the job's
+    store, and each of the others says it has gone on. A rank stopped or hung there is named
+    at the job's timeout. (A barrier in a gloo group of the long timeout did this before: a
+    rank stopped by SIGSTOP as rank 0 wrote a checkpoint kept rank 0 in it for 30 minutes, and
+    gloo cannot cancel a barrier under way.) `local`: each machine's local rank 0 did the work,
+    and every rank meets in that barrier (whose ranks all may wait on a slow machine). Without
+    ddpkit's group, a barrier in the default one."""
     if world_size() <= 1:
         return
-    if _io_group is None or _main_wait is None:
+    if local or _main_wait is None:
         tdist.barrier(group=_io_group)
         return
     global _main_waits
     _main_waits += 1
-    store, prefix = tdist.distributed_c10d._get_default_store(), f"ddpkit/at-main-wait/{_groups_made}/{_main_waits}"
+    store = tdist.distributed_c10d._get_default_store()
+    key = f"ddpkit/main-wait/{_groups_made}/{_main_waits}"
     if not is_main():
-        store.set(f"{prefix}/{rank()}", "1")
-    else:
-        keys = [f"{prefix}/{r}" for r in range(1, world_size())]
-        try:
-            store.wait(keys, _main_wait)
-        except (RuntimeError, tdist.DistStoreError) as err:
-            missing = [r for r, key in enumerate(keys, start=1) if not store.check([key])]
-            raise RuntimeError(
-                f"rank(s) {', '.join(map(str, missing))} did not come to wait for rank 0's write within "
-                f"{_main_wait.total_seconds():g} s (the job's timeout)"
-            ) from err
-    tdist.barrier(group=_io_group)
+        store.wait([f"{key}/done"], _io_wait)
+        store.set(f"{key}/gone-on/{rank()}", "1")
+        return
+    store.set(f"{key}/done", "1")
+    others = [f"{key}/gone-on/{r}" for r in range(1, world_size())]
+    try:
+        store.wait(others, _main_wait)  # they waited already: they go on at once unless stopped or hung
+    except (RuntimeError, tdist.DistStoreError) as err:
+        missing = [r for r, k in enumerate(others, start=1) if not store.check([k])]
+        raise RuntimeError(
+            f"rank(s) {', '.join(map(str, missing))} did not go on from the wait for rank 0's write within "
+            f"{_main_wait.total_seconds():g} s (the job's timeout)"
+        ) from err
 
 
 _main_waits = 0  # this process's calls of wait_for_main in its group: each one's keys in the store

@@ -68,17 +68,17 @@ class Collectives:
             with rt.main_first():
                 data = load_or_download(path)
 
-        The others wait in the long-timeout group used for checkpoint writes, so a slow
-        download does not trip `timeout_s`. If the block fails on rank 0, the others still run
-        it (rank 0's error is what the launch reports)."""
+        The others wait as long as for checkpoint writes, so a slow download does not trip
+        `timeout_s`. If the block fails on rank 0, the others still run it (rank 0's error is
+        what the launch reports)."""
         first = self.local_rank == 0 if local else self.is_main
         if not first:
-            dist.wait_for_main()
+            dist.wait_for_main(local)
         try:
             yield
         finally:
             if first:
-                dist.wait_for_main()
+                dist.wait_for_main(local)
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """Reduce a tensor (in place) or a Python number over the data ranks; op
