@@ -137,7 +137,7 @@ def test_a_rank_stopped_as_rank_0_writes_a_checkpoint_is_blamed_at_the_jobs_time
         ddpkit.launch(workers.freeze_on_rank, 1, 3.0, "SIGSTOP", str(tmp_path / "ck.pt"), nproc=2, device="cpu")
     err = info.value
     assert err.rank == 1 and "hung: it was stopped by SIGSTOP and never continued, until rank 0 gave up" in str(err)
-    assert "rank(s) 1 did not go on from the wait for rank 0's write within 3 s" in str(err), str(err)
+    assert "rank(s) 1 did not come to wait for rank 0's write within 3 s" in str(err), str(err)
     assert time.monotonic() - t0 < 25
 
 

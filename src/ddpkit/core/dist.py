@@ -482,38 +482,34 @@ def barrier() -> None:
 
 
 def wait_for_main(local: bool = False) -> None:
-    """The other ranks wait while rank 0 does slow work alone (writing files). Where ddpkit made
-    the process group they wait as long as IO_TIMEOUT_S (a slow write is no hang), and rank 0,
-    its work done, waits for them only as long as the job's timeout: it says so in the job's
-    store, and each of the others says it has gone on. A rank stopped or hung there is named
-    at the job's timeout. (A barrier in a gloo group of the long timeout did this before: a
-    rank stopped by SIGSTOP as rank 0 wrote a checkpoint kept rank 0 in it for 30 minutes, and
-    gloo cannot cancel a barrier under way.) `local`: each machine's local rank 0 did the work,
-    and every rank meets in that barrier (whose ranks all may wait on a slow machine). Without
-    ddpkit's group, a barrier in the default one."""
+    """Barrier for the other ranks while rank 0 does slow work alone (writing files): uses the
+    long-timeout group when ddpkit made the process group, else the default one. Rank 0 comes
+    last, its work done, and joins only once every other rank has said in the job's store that
+    it is there, waiting for that as long as the job's timeout: a rank stopped or hung before
+    the barrier is named then, where it kept rank 0 in the barrier for the long timeout's 30
+    minutes. (Not a timeout on the barrier itself: gloo cannot cancel a barrier under way, and
+    the group's end waits for it. Not the store for the whole wait: a rank waiting on the store
+    of a rank 0 that failed writing prints the store's C++ stack.) `local`: each machine's
+    local rank 0 did the work, and every rank meets in the barrier, with the long timeout."""
     if world_size() <= 1:
         return
-    if local or _main_wait is None:
-        tdist.barrier(group=_io_group)
-        return
-    global _main_waits
-    _main_waits += 1
-    store = tdist.distributed_c10d._get_default_store()
-    key = f"ddpkit/main-wait/{_groups_made}/{_main_waits}"
-    if not is_main():
-        store.wait([f"{key}/done"], _io_wait)
-        store.set(f"{key}/gone-on/{rank()}", "1")
-        return
-    store.set(f"{key}/done", "1")
-    others = [f"{key}/gone-on/{r}" for r in range(1, world_size())]
-    try:
-        store.wait(others, _main_wait)  # they waited already: they go on at once unless stopped or hung
-    except (RuntimeError, tdist.DistStoreError) as err:
-        missing = [r for r, k in enumerate(others, start=1) if not store.check([k])]
-        raise RuntimeError(
-            f"rank(s) {', '.join(map(str, missing))} did not go on from the wait for rank 0's write within "
-            f"{_main_wait.total_seconds():g} s (the job's timeout)"
-        ) from err
+    if not local and _main_wait is not None:
+        global _main_waits
+        _main_waits += 1
+        store, prefix = tdist.distributed_c10d._get_default_store(), f"ddpkit/at-main-wait/{_groups_made}/{_main_waits}"
+        if not is_main():
+            store.set(f"{prefix}/{rank()}", "1")
+        else:
+            keys = [f"{prefix}/{r}" for r in range(1, world_size())]
+            try:
+                store.wait(keys, _main_wait)  # they came before rank 0's work ended, unless stopped or hung
+            except (RuntimeError, tdist.DistStoreError) as err:
+                missing = [r for r, key in enumerate(keys, start=1) if not store.check([key])]
+                raise RuntimeError(
+                    f"rank(s) {', '.join(map(str, missing))} did not come to wait for rank 0's write within "
+                    f"{_main_wait.total_seconds():g} s (the job's timeout)"
+                ) from err
+    tdist.barrier(group=_io_group)
 
 
 _main_waits = 0  # this process's calls of wait_for_main in its group: each one's keys in the store
