@@ -279,14 +279,7 @@ def _rounds(
                 if name in skipped:
                     continue
                 try:
-                    try:
-                        one = run_once(name, epochs, tmp)
-                    except (RuntimeError, subprocess.TimeoutExpired) as err:
-                        if name == "ddpkit":
-                            raise
-                        retried.setdefault(name, []).append(str(err))
-                        print(f"  startup: {name} failed, run once more: {err}", file=sys.stderr, flush=True)
-                        one = run_once(name, epochs, tmp)
+                    one = _run_retrying(name, epochs, tmp, retried)
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     if name == "ddpkit":
                         raise
@@ -303,6 +296,18 @@ def _rounds(
                     flush=True,
                 )
     return runs
+
+
+def _run_retrying(name: str, epochs: int, tmp: str, retried: dict[str, list[str]]) -> dict[str, Any]:
+    """`run_once`, and for a baseline that fails, once more (its failure kept in `retried`)."""
+    try:
+        return run_once(name, epochs, tmp)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        if name == "ddpkit":
+            raise
+        retried.setdefault(name, []).append(str(err))
+        print(f"  startup: {name} failed, run once more: {err}", file=sys.stderr, flush=True)
+        return run_once(name, epochs, tmp)
 
 
 def round_order(names: list[str], r: int) -> list[str]:

@@ -345,6 +345,15 @@ def compiler_left_as_found():
         counters[name].update(counts)
 
 
+def _compiled_model(compiled: str) -> nn.Module:
+    if compiled == "nested Sequentials":
+        inner = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.ReLU(), nn.Dropout(0.5)), nn.Linear(32, 32))
+        return nn.Sequential(nn.Sequential(nn.Linear(32, 32), inner), nn.Linear(32, 32), nn.Dropout(0.5))
+    if compiled == "a Sequential, by the Runtime":
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5))
+    return Both()
+
+
 @pytest.mark.parametrize(
     "compiled", ["by the Runtime", "by the user after setup", "a Sequential, by the Runtime", "nested Sequentials"]
 )
@@ -361,15 +370,11 @@ def test_a_compiled_forward_draws_the_eager_forwards_masks_step_after_step(compi
     data = torch.utils.data.TensorDataset(torch.ones(24, 32))
     seen, graphs = {}, {}
     for way in ("eager", compiled):
-        options = {"backend": "eager"} if way.endswith("by the Runtime") or way == "nested Sequentials" else False
+        options = False if way in ("eager", "by the user after setup") else {"backend": "eager"}
         before = compiled_graphs()
         with ddpkit.Runtime(device="cpu", seed=2, compile=options) as rt:
             torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5))
-            if compiled == "nested Sequentials":
-                inner = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.ReLU(), nn.Dropout(0.5)), nn.Linear(32, 32))
-                model = nn.Sequential(nn.Sequential(nn.Linear(32, 32), inner), nn.Linear(32, 32), nn.Dropout(0.5))
-            model = model if "Sequential" in compiled else Both()
+            model = _compiled_model(compiled)
             names = [name for name, _ in model.named_parameters()]
             model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
             if way == "by the user after setup":

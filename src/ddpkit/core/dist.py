@@ -145,9 +145,9 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
 # waits (wait_for_main) last at least this long, so a short --timeout can still catch ranks
 # that stop reaching collectives without failing every slow save.
 IO_TIMEOUT_S = 1800.0
-_io_wait = timedelta(seconds=IO_TIMEOUT_S)  # the others' wait for rank 0 (at least the job's timeout)
-_io_group: Any = None  # a gloo group of that timeout, for a wait of every rank (see wait_for_main)
+_io_group: Any = None  # a gloo group of at least that timeout (see wait_for_main)
 _main_wait: timedelta | None = None  # rank 0's own wait there: the job's timeout, where ddpkit made the group
+_main_waits = 0  # this process's calls of wait_for_main in its group: each one's keys in the store
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_collectives: bool = False) -> bool:
@@ -185,9 +185,8 @@ def init(env: DistEnv, device: torch.device, timeout_s: float = 600.0, cpu_colle
             timeout=timedelta(seconds=timeout_s),
             **kwargs,
         )
-        global _io_group, _io_wait, _main_wait
-        _io_wait = timedelta(seconds=max(timeout_s, IO_TIMEOUT_S))
-        _io_group = tdist.new_group(backend="gloo", timeout=_io_wait)
+        global _io_group, _main_wait
+        _io_group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, IO_TIMEOUT_S)))
         _main_wait = timedelta(seconds=timeout_s)
     return True
 
@@ -496,7 +495,8 @@ def wait_for_main(local: bool = False) -> None:
     if not local and _main_wait is not None:
         global _main_waits
         _main_waits += 1
-        store, prefix = tdist.distributed_c10d._get_default_store(), f"ddpkit/at-main-wait/{_groups_made}/{_main_waits}"
+        store = tdist.distributed_c10d._get_default_store()
+        prefix = f"ddpkit/at-main-wait/{_groups_made}/{_main_waits}"
         if not is_main():
             store.set(f"{prefix}/{rank()}", "1")
         else:
@@ -510,9 +510,6 @@ def wait_for_main(local: bool = False) -> None:
                     f"{_main_wait.total_seconds():g} s (the job's timeout)"
                 ) from err
     tdist.barrier(group=_io_group)
-
-
-_main_waits = 0  # this process's calls of wait_for_main in its group: each one's keys in the store
 
 
 def group_size(group: Any = None) -> int:

@@ -284,10 +284,11 @@ def compile_between_draws(model: nn.Sequential, options: bool | dict) -> None:
     runs: list[tuple[Any, tuple[nn.Module, ...]]] = []  # (compiled chain, or None for a boundary; its modules)
     run: list[nn.Module] = []
     for child in [*model, None]:
-        if child is not None and not isinstance(child, Dropout) and not _draws_in_its_loop(child):
+        nested = child is not None and _draws_in_its_loop(child)
+        if child is not None and not isinstance(child, Dropout) and not nested:
             run.append(child)
             continue
-        if child is not None and _draws_in_its_loop(child):
+        if nested:
             compile_between_draws(child, options)
         if run:
             code = _chain.__code__.replace(co_name=f"run_{len(runs)}")
