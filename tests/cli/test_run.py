@@ -28,14 +28,6 @@ TORCHRUN_SCRIPT = """
     dist.destroy_process_group()
 """
 
-RUNTIME_SCRIPT = """
-    import torch, ddpkit
-    with ddpkit.Runtime(device="cpu", seed=0) as rt:
-        total = rt.all_reduce(float(rt.rank))
-        rt.print(f"world {rt.world_size} total {total:g}")
-"""
-
-
 @pytest.fixture
 def script(tmp_path):
     def write(text: str) -> str:
@@ -47,25 +39,12 @@ def script(tmp_path):
 
 
 @pytest.mark.cli
-def test_runs_a_torchrun_script_with_rank_prefixes(script):
-    proc = run_cli("run", "--nproc", "3", script(TORCHRUN_SCRIPT), "x", "--y")
+def test_runs_a_torchrun_script_from_torchruns_standalone_command_line_with_rank_prefixes(script):
+    # torchrun's own spelling (--standalone --nproc_per_node), each rank's line prefixed
+    proc = run_cli("run", "--standalone", "--nproc_per_node=3", script(TORCHRUN_SCRIPT), "x", "--y")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("[rank"))
     assert lines == [f"[rank{r}]: rank {r} of 3 sum 6 args ['x', '--y']" for r in range(3)]
-
-
-@pytest.mark.cli
-def test_rank0_only_output(script):
-    proc = run_cli("run", "--nproc", "2", "--rank0-only", script(TORCHRUN_SCRIPT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "[rank0]: rank 0 of 2 sum 3" in proc.stdout and "rank 1 of 2" not in proc.stdout
-
-
-@pytest.mark.cli
-def test_runs_a_ddpkit_runtime_script(script):
-    proc = run_cli("run", "--nproc", "2", script(RUNTIME_SCRIPT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("world 2 total 1") == 1  # rt.print: rank 0 only
 
 
 @pytest.fixture(scope="module")
@@ -245,14 +224,6 @@ PACKAGE_MODULE = """
 
 
 @pytest.mark.cli
-def test_torchrun_standalone_command_line(script):
-    proc = run_cli("run", "--standalone", "--nproc_per_node=2", script(TORCHRUN_SCRIPT), "--x", "1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("[rank"))
-    assert lines == [f"[rank{r}]: rank {r} of 2 sum 3 args ['--x', '1']" for r in range(2)]
-
-
-@pytest.mark.cli
 def test_torchrun_c10d_command_line_with_a_module(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
@@ -279,11 +250,11 @@ def test_no_python_log_dir_and_local_ranks_filter(tmp_path):
 
 
 @pytest.mark.cli
-def test_rank0_only_keeps_the_other_ranks_output_in_the_log_dir(script, tmp_path):
+def test_rank0_only_shows_rank_0_and_keeps_the_other_ranks_output_in_the_log_dir(script, tmp_path):
     logs = tmp_path / "logs"
     proc = run_cli("run", "--nproc", "2", "--rank0-only", "--log-dir", str(logs), script(TORCHRUN_SCRIPT))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rank 0 of 2" in proc.stdout and "rank 1 of 2" not in proc.stdout
+    assert "[rank0]: rank 0 of 2 sum 3" in proc.stdout and "rank 1 of 2" not in proc.stdout
     assert "rank 1 of 2 sum 3" in "".join(p.read_text() for p in logs.rglob("stdout.log"))
 
 
@@ -444,7 +415,8 @@ def test_a_stream_that_ends_sooner_on_one_rank_names_that_rank(script):
 
 
 @pytest.mark.cli
-def test_launch_inside_a_worker_runs_main_as_that_worker(script):
+def test_a_runtime_script_and_launch_inside_a_worker_run_as_that_worker(script):
+    # A script of ddpkit's own (rt.print: rank 0 only), whose launch() runs main in the worker itself
     proc = run_cli(
         "run",
         "--nproc",
@@ -453,8 +425,10 @@ def test_launch_inside_a_worker_runs_main_as_that_worker(script):
             import os, ddpkit
 
             def main(tag):
-                with ddpkit.Runtime(device="cpu") as rt:
+                with ddpkit.Runtime(device="cpu", seed=0) as rt:
                     print(f"{tag} rank {rt.rank} of {rt.world_size} in pid {os.getpid()}", flush=True)
+                    total = rt.all_reduce(float(rt.rank))
+                    rt.print(f"world {rt.world_size} total {total:g}")
                     return rt.rank
 
             if __name__ == "__main__":
@@ -462,6 +436,7 @@ def test_launch_inside_a_worker_runs_main_as_that_worker(script):
         """),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("world 2 total 1") == 1  # rt.print: rank 0 only
     inner = sorted(line for line in proc.stdout.splitlines() if "inner rank" in line)
     assert [line.split(" in pid")[0] for line in inner] == ["[rank0]: inner rank 0 of 2", "[rank1]: inner rank 1 of 2"]
     for rank in (0, 1):  # in the worker's own process, not in a second job
