@@ -28,6 +28,7 @@ TORCHRUN_SCRIPT = """
     dist.destroy_process_group()
 """
 
+
 @pytest.fixture
 def script(tmp_path):
     def write(text: str) -> str:
