@@ -100,7 +100,6 @@ def _write_slowest(
     import datetime
 
     slowest.write_into(path, slowest.block(seconds, cpu, total, cpu_total, passed, datetime.date.today(), processes))
-    slowest.write_file_seconds(seconds)  # the order --processes takes the files in (tests/parallel.py)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -140,7 +139,6 @@ def pytest_collection_modifyitems(config, items):
     problems += [f"{nodeid}: unit, yet marked distributed, cli or slow as well" for nodeid in mixed]
     if problems:
         raise pytest.UsageError("tests/conftest.py: unclassified tests:\n" + "\n".join(problems))
-    parallel.order(config, items)  # (under --processes: the longest files first)
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,6 @@ thread but their own: they fork as the one-at-a-time suite does.
 How they share the run (a folder of the run, `--shard-dir`):
 
 - each test file runs in the process that claims it first (`claims/`, an O_EXCL file each);
-  the files come in order of the seconds their tests took in the last run that wrote
-  `tests/file_seconds.json` (`--slowest-into` writes it), the longest first and files it does
-  not name before those: a long file taken last would leave the other processes waiting for
-  it (`order`);
 - `made_once`: a run that tests in several files read (the session's `two_process_run`, say) is
   made by the first process that asks for it; the others wait for it and read the same result
   (NAME.lock, NAME.pickle);
@@ -35,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import pickle
 import shutil
@@ -50,7 +45,6 @@ from typing import Any
 
 import pytest
 
-from tests import slowest
 from tests.slowest import cpu_now
 
 MAX_WORKERS = 4  # `--processes auto`: one per usable core, at most this many
@@ -86,21 +80,6 @@ def shared_folder(config) -> Path | None:
     """The folder the processes of a `--processes` run share; None in a run of one process."""
     folder = getattr(config.option, "shard_dir", None)
     return Path(folder) if folder else None
-
-
-def order(config, items: list) -> None:
-    """In a process of a `--processes` run, put the test files in the order the processes claim
-    them: the longest first by `slowest.FILE_SECONDS` (files it does not name before every other),
-    each file's tests in their own order. Every process orders alike: a file's tests are never
-    split. Outside such a run the order stays pytest's."""
-    if shared_folder(config) is None:
-        return
-    took = slowest.file_seconds_recorded()
-    items.sort(key=lambda item: -took.get(_file_of(item), math.inf))  # (a stable sort)
-
-
-def _file_of(item) -> str:
-    return item.nodeid.split("::", 1)[0]
 
 
 def wanted(config) -> int:

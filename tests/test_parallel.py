@@ -99,26 +99,6 @@ def test_auto_runs_one_process_per_core(monkeypatch, cores, processes):
     assert parallel.auto_workers() == processes
 
 
-@pytest.mark.unit
-def test_the_processes_take_the_longest_files_first_and_unrecorded_ones_before_them(tmp_path, monkeypatch):
-    from tests import slowest
-
-    # (the last run's seconds, as --slowest-into writes them)
-    monkeypatch.setattr(slowest, "FILE_SECONDS", str(tmp_path / "file_seconds.json"))
-    slowest.write_file_seconds({"t/a.py::x": 1.0, "t/b.py::y": 4.0, "t/b.py::z": 0.5, "t/c.py::w": 3.0})
-    assert slowest.file_seconds_recorded() == {"t/b.py": 4.5, "t/c.py": 3.0, "t/a.py": 1.0}
-    ids = ["t/a.py::x", "t/b.py::z", "t/b.py::y", "t/new.py::n", "t/c.py::w"]
-    items = [SimpleNamespace(nodeid=nodeid) for nodeid in ids]
-    parallel.order(_worker_config(tmp_path, "0"), items)
-    assert [item.nodeid for item in items] == ["t/new.py::n", "t/b.py::z", "t/b.py::y", "t/c.py::w", "t/a.py::x"]
-    alone = [SimpleNamespace(nodeid=nodeid) for nodeid in ids]  # one process: pytest's order
-    parallel.order(SimpleNamespace(option=SimpleNamespace(shard_dir=None)), alone)
-    assert [item.nodeid for item in alone] == ids
-    (tmp_path / "file_seconds.json").write_text("not json")  # none recorded: pytest's order
-    parallel.order(_worker_config(tmp_path, "0"), items := [SimpleNamespace(nodeid=nodeid) for nodeid in ids])
-    assert [item.nodeid for item in items] == ids
-
-
 @pytest.mark.cli
 def test_a_run_in_two_processes_runs_each_test_once_and_sums_them_up(tmp_path):
     # A small suite of its own, three files, one failing test and one `alone` test, under the
