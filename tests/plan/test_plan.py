@@ -120,6 +120,29 @@ def test_fsdp_trace_shards_states_and_counts_its_collectives():
     assert all(op.ranks == (0, 1, 2, 3) for op in fsdp.ops)
 
 
+def _collections_here():
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+@pytest.mark.distributed  # a fake world of 2 ranks, in processes of their own
+def test_a_forked_trace_process_collects_only_what_it_makes():
+    # The objects a trace process forked from this one inherited are frozen before anything else
+    # runs there: its garbage collections never walk them (one crashed in DTensor's code, forked
+    # from a pytest process with a long history). Spawned, it inherits nothing to freeze.
+    import gc
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    results = in_fake_worlds(2, [(_collections_here, ()), (_collections_here, ())])
+    assert gc.isenabled() and gc.get_freeze_count() == frozen  # this process's collections as they were
+    if choose_start_method("cpu") == "fork":
+        assert all(on and count > frozen for on, count in results)
+    else:
+        assert all(on and count == 0 for on, count in results)
+
+
 @pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
 def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     before = choose_start_method("cpu")

@@ -22,7 +22,8 @@ Where they fall short, the arithmetic is ddpkit's and the result says so (`compu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -137,12 +138,12 @@ def in_fake_worlds(
         min(len(calls), workers()),
         mp_context=multiprocessing.get_context(method),
         initializer=_join_fake_world,
-        initargs=(world_size,),
+        initargs=(world_size, method == "fork" and gc.isenabled()),
     )
     done = False
     try:
-        with main_hidden() if method == "spawn" else contextlib.nullcontext():
-            futures = [pool.submit(_call, fn, args) for fn, args in calls]
+        with main_hidden() if method == "spawn" else _no_collection():
+            futures = [pool.submit(_call, fn, args) for fn, args in calls]  # (the pool's processes start here)
         for _ in as_completed(futures):
             if progress is not None:
                 progress.update()
@@ -189,13 +190,36 @@ def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         ) from None
 
 
-def _join_fake_world(world_size: int) -> None:
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection in this process while it forks the pool's processes, so that none
+    runs in a child before `_join_fake_world` has frozen what the child inherited."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _join_fake_world(world_size: int, collect: bool = False) -> None:
     """A pool process's fake world, for its life. Ctrl-C reaches the whole process group: here
-    it is ignored, and the planning process ends the pool; SIGTERM ends it quietly."""
+    it is ignored, and the planning process ends the pool; SIGTERM ends it quietly.
+
+    A forked one (`collect`: forked from a process that collects garbage) first freezes every
+    object it inherited, then collects again: its collections walk only what it makes itself.
+    A trace process forked from a process with a long history (a pytest process, after tests
+    that had run process groups and DTensors in it) crashed in a collection, inside DTensor's
+    sharding propagation (a segmentation fault), once under a heavier load of the suite and
+    once when its files ran in another order."""
     import signal
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if collect:  # (forked under `_no_collection`): the parent's objects stay out of sight
+        gc.freeze()
+        gc.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
