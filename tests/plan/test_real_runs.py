@@ -29,7 +29,7 @@ import pytest
 
 from ddpkit.plan.run import Spec
 from ddpkit.plan.trace import Layout
-from ddpkit.plan.verify import measured, predicted
+from ddpkit.plan.verify import measured_ranks, predicted
 
 # alone (tests/parallel.py): a real run's peak depends on when gloo's threads let buffers go,
 # which another process's load may move (tp 2's 13% under --processes came with and without it)
@@ -57,6 +57,9 @@ CASES = {
         (_gpt("fp32"), Layout("fsdp", "dp=2", False, 4), 0.02),
         (_gpt("fp32"), Layout("tp", "dp=1,tp=2", False, 8), 0.01),
         (_cnn("fp32"), Layout("fsdp", "dp=2", True, 2), 0.01),
+        # each stage against its rank (1f1b, four micro-batches of 2): stage 0 2.8% low (what
+        # its rank holds beyond the trace is not known yet), stage 1 0.4%
+        (_gpt("fp32"), Layout("pp", "pp=2", False, 2), 0.04),
     ],
     4: [
         (_gpt("bf16"), Layout("ddp", "dp=4", False, 2), 0.01),
@@ -91,9 +94,14 @@ def off(trace, real: float) -> float:
 def test_predicted_peak_memory_matches_a_real_run(nproc):
     cases = [(spec, layout) for spec, layout, _ in CASES[nproc]]
     guessed = predicted(cases, nproc)
-    real = measured(cases, nproc, timed_steps=1)
-    for (spec, layout, bound), g, r in zip(CASES[nproc], guessed, real):
-        name = f"{spec.model} {spec.precision} {layout.label}"
+    ranks = measured_ranks(cases, nproc, timed_steps=1)
+    compared = []  # (case, its trace, its real run): rank 0's; a pipeline's stages, each its rank's
+    for i, ((spec, layout, bound), g) in enumerate(zip(CASES[nproc], guessed)):
+        stages = g if isinstance(g, list) else [g]
+        compared += [((spec, layout, bound), t, ranks[s][i]) for s, t in enumerate(stages)]
+    assert sum(isinstance(g, list) for g in guessed) == sum(layout.strategy == "pp" for _, layout, _ in CASES[nproc])
+    for (spec, layout, bound), g, r in compared:
+        name = f"{spec.model} {spec.precision} {layout.label} {g.computed[-1] if layout.strategy == 'pp' else ''}"
         assert r["layout"] == layout.label
         # the issue's goal, on the whole peak (or the case's own bound, where that is wider)
         assert off(g, r["peak"]) <= max(GOAL, bound), (name, g.memory, r["memory"])

@@ -9,7 +9,8 @@ else `MemTracker`. DDP's gradient buckets are allocated by its C++ reducer, out 
 tracker's sight until their first all-reduce hands them through a torch operation; two steps
 are tracked, so that the second counts them throughout, and their bytes (DDP's own
 `bucket_sizes`) are reported as communication rather than as the temporaries the tracker took
-them for. A rank's figure is its own; the plan's is rank 0's, the one compared.
+them for. A rank's figure is its own; the plan's is rank 0's, the one compared (a pipeline's
+stages: each rank's, `measured_ranks`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ..core import checks
 from ..errors import UsageError
+from .pipeline import per_call_tracker, trace_stage
 from .run import Spec, _traced
 from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
 
@@ -43,23 +45,40 @@ class Job:
 def predicted(cases: list[Case], nproc: int, device: str = "cpu") -> list[Any]:
     """The plan's trace of each case on `nproc` ranks, with the optimizer torch picks on CPU
     (one tensor at a time), as the real runs here have it, and the process group `measured`
-    runs on `device` (gloo on the CPU, whose reduce-scatter copies its input: `GlooCopies`)."""
+    runs on `device` (gloo on the CPU, whose reduce-scatter copies its input: `GlooCopies`).
+    A pipeline's (a mesh of pp alone) is the list of its stages' traces, first stage first
+    (`pipeline.trace_stage`): stage s is rank s's."""
     backend = backend_for(device)
-    return in_fake_worlds(nproc, [(_traced_case, (spec, layout, nproc, backend)) for spec, layout in cases])
+    calls, counts = [], []
+    for spec, layout in cases:
+        stages = layout.spec.size("pp") if layout.strategy == "pp" else 0
+        calls += [(_traced_case, (spec, layout, nproc, backend, s)) for s in range(max(stages, 1))]
+        counts.append(stages)
+    traces = iter(in_fake_worlds(nproc, calls))
+    return [[next(traces) for _ in range(n)] if n else next(traces) for n in counts]
 
 
-def _traced_case(spec: Spec, layout: Layout, nproc: int, backend: str) -> Any:
+def _traced_case(spec: Spec, layout: Layout, nproc: int, backend: str, stage: int = 0) -> Any:
     share = spec.share(layout.spec.data_size)
     assert share is not None, layout
     step = Step(
         spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False, count=True, backend=backend
     )
+    if layout.strategy == "pp":
+        return trace_stage(step, layout, nproc, stage)
     return _traced(spec, step, layout, nproc)
 
 
 def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: int = 3) -> list[dict[str, Any]]:
     """Each case's real steps on `nproc` processes, one job for all: rank 0's tracked memory by
     role and peak (bytes), and the median seconds of `timed_steps` steps."""
+    return measured_ranks(cases, nproc, device, timed_steps)[0]
+
+
+def measured_ranks(
+    cases: list[Case], nproc: int, device: str = "cpu", timed_steps: int = 3
+) -> list[list[dict[str, Any]]]:
+    """`measured`, of every rank (rank r's cases at [r]): each stage of a pipeline is a rank."""
     from ..launcher import launch
 
     # Spawned, never forked: a forked worker inherits the launching process's torch state
@@ -67,7 +86,7 @@ def measured(cases: list[Case], nproc: int, device: str = "cpu", timed_steps: in
     # history (a whole test suite's) were 6% and 20% above the same runs in a fresh process.
     with mock.patch.dict(os.environ, {"DDPKIT_START_METHOD": "spawn"}):  # restored afterwards
         ranks = launch(_worker, Job(tuple(cases), timed_steps), nproc=nproc, device=device)
-    return ranks[0]
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def _worker(job: Job) -> list[dict[str, Any]]:
@@ -84,6 +103,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from ..runtime import Runtime
+    from ..strategy.pp import stage_of
 
     with Runtime(
         layout.strategy,
@@ -117,8 +137,8 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
         step()  # DDP rebuilds its buckets at the start of the second step: tracked steps see none made
         if hasattr(model, "unshard"):
             tracker = FSDPMemTracker(model, opt)
-        else:
-            tracker = MemTracker()
+        else:  # a pipeline's stage runs once per micro-batch: the tracker that takes that
+            tracker = MemTracker() if stage_of(model) is None else per_call_tracker()
             tracker.track_external(model, opt)
         with tracker:
             step()  # DDP's buckets come into view at their first all-reduce here...

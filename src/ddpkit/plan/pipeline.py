@@ -1,0 +1,129 @@
+"""Pipeline layouts (`--mesh pp=P`), traced stage by stage on fake tensors: what each stage's
+rank holds at its peak under torch's own schedule (1f1b or gpipe) over a step's micro-batches.
+
+Each stage is traced on its own, as rank 0 of a fake world: the model built on meta, cut by
+`strategy.pp.split` (the stages a run has), given fake storage, and run by torch's
+`PipelineStage` and `Schedule1F1B` / `ScheduleGPipe`, whose sends and receives the fake
+process group takes without values. So the activations the schedule keeps in flight (1f1b: up
+to P - s micro-batches on stage s; gpipe: all of them), the stage's parameters, gradients and
+optimizer state and the losses are torch's own, counted by `MemTracker`. Three things the fake
+group cannot give are given instead:
+
+- the shapes a stage receives and sends (`input_args`, `output_args`), from one forward of the
+  whole model on fake tensors, where a run's first step sends them; a stage's input and output
+  given as needing gradients, as the activations a run's stages exchange do (given without,
+  torch's stage held one tensor of the input fewer per micro-batch, and a real run so given
+  computed wrong gradients);
+- the schedule's first vote between the stages (whether the shapes are static), whose answer
+  arrives as a value: set to static, as given;
+- the buffers a stage receives into (one per micro-batch, made by the first step and kept)
+  are made before the tracked step, as in the real run it is checked against, and so are out
+  of the tracker's sight in both.
+
+Not among `ddpkit plan`'s layouts yet: `tests/plan/test_real_runs.py` checks each stage's peak
+against a real run's (`verify.measured_ranks`) on 2 processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.precision import AutocastModule, Precision
+from ..observe.collectives import Collectives
+from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply, loss, optimizer, roles
+
+# Imports inside functions: torch's fake tensors, pipelining and memory tracker load when a
+# trace runs.
+
+
+def trace_stage(step: Step, layout: Layout, world_size: int, index: int, schedule: str = "1f1b") -> Trace:
+    """Stage `index`'s step of `layout` (a mesh of `pp` alone), in a process of
+    `trace.in_fake_worlds`: see the module docstring."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ..strategy.pp import split
+
+    layout.spec.check_processes(world_size)
+    count, rows = layout.spec.size("pp"), layout.micro_batch
+    chunks = max(1, step.share // rows)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, on_meta = built(step.build, mode)
+    if layout.checkpointing:
+        checkpointing_apply(model, layout.checkpointing)
+    names = list(model._modules)
+    with mode:
+        if on_meta:
+            model.to_empty(device="cpu")
+        x, _ = step.batch(rows)
+        with torch.no_grad():  # what each child hands on: the shapes the stages send
+            sent, h = {}, x
+            for name, child in model.named_children():
+                h = sent[name] = child(h)
+        stage = split(model, index, count)
+        first = names.index(stage.kept[0])
+        given, out = (x if first == 0 else sent[names[first - 1]]), sent[stage.kept[-1]]
+        last = index == count - 1
+        run = (
+            model if step.precision == "fp32" else AutocastModule(model, Precision(step.precision, torch.device("cpu")))
+        )
+        pipe = PipelineStage(
+            run,
+            index,
+            count,
+            torch.device("cpu"),
+            input_args=(_like(given, index > 0),),
+            output_args=(_like(out, True),),
+        )
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        steps = cls(pipe, chunks, loss_fn=loss, scale_grads=False)
+        steps._warmup_p2p = _static  # type: ignore[method-assign]
+        opt = optimizer(step.optimizer, model, step.foreach)
+        _make_state(model, opt)
+
+        def one_step() -> None:
+            xs, ys = step.batch(rows * chunks)  # the step's batch, made in it (a run's loader reads it then)
+            steps.step(*((xs,) if index == 0 else ()), target=ys if last else None, return_outputs=False)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        one_step()  # the schedule's buffers made, as by a run's first step
+        tracker = per_call_tracker()
+        tracker.track_external(model, opt)
+        with tracker, Collectives() as collectives:
+            one_step()
+    memory = roles(tracker)
+    return Trace(memory, float(sum(memory.values())), collectives.ops, 0.0, [f"pp: stage {index} of {count}"])
+
+
+def per_call_tracker() -> Any:
+    """torch's `MemTracker`, for a module called once per micro-batch: it refuses a top-level
+    module's second forward in one tracked run ("multiple iterative calls"); this one forgets
+    the module's own figures then (the per-module ones, not the peak, which stays)."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # (loaded when a trace or a check runs)
+
+    class PerCall(MemTracker):
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            again = module in self.memory_tracking and not self._mod_tracker.is_bw
+            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.memory_tracking.pop(module)
+            super()._pre_fw_hook(module, inputs)
+
+    return PerCall()
+
+
+def _like(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    """An empty tensor of `t`'s shape and dtype; needing gradients where `grad` (and it can)."""
+    empty = torch.empty(t.shape, dtype=t.dtype)
+    return empty.requires_grad_() if grad and empty.is_floating_point() else empty
+
+
+def _static(stages: Any, has_backward: bool, p2p_done: bool) -> None:
+    """The schedule's first vote between the stages, answered: the shapes are static (given)."""
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
