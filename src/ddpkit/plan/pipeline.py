@@ -1,11 +1,12 @@
 """Pipeline layouts (`--mesh pp=P`), traced stage by stage on fake tensors: what each stage's
-rank holds at its peak under torch's own schedule (1f1b or gpipe) over a step's micro-batches.
+rank holds at its peak under torch's own 1f1b schedule (ddpkit's default) over a step's
+micro-batches.
 
 Each stage is traced on its own, as rank 0 of a fake world: the model built on meta, cut by
 `strategy.pp.split` (the stages a run has), given fake storage, and run by torch's
-`PipelineStage` and `Schedule1F1B` / `ScheduleGPipe`, whose sends and receives the fake
-process group takes without values. So the activations the schedule keeps in flight (1f1b: up
-to P - s micro-batches on stage s; gpipe: all of them), the stage's parameters, gradients and
+`PipelineStage` and `Schedule1F1B`, whose sends and receives the fake process group takes
+without values. So the activations the schedule keeps in flight (up to P - s micro-batches on
+stage s), the stage's parameters, gradients and
 optimizer state and the losses are torch's own, counted by `MemTracker`. Three things the fake
 group cannot give are given instead:
 
@@ -38,15 +39,17 @@ from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply,
 # trace runs.
 
 
-def trace_stage(step: Step, layout: Layout, world_size: int, index: int, schedule: str = "1f1b") -> Trace:
+def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trace:
     """Stage `index`'s step of `layout` (a mesh of `pp` alone), in a process of
     `trace.in_fake_worlds`: see the module docstring."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from ..strategy.pp import split
 
     layout.spec.check_processes(world_size)
+    if layout.spec.names != ("pp",):  # (pp x dp, pp x tp: their stages' DDP, FSDP2 and tp are not traced here)
+        raise ValueError(f"trace_stage: a mesh of pp alone, not {layout.mesh}")
     count, rows = layout.spec.size("pp"), layout.micro_batch
     chunks = max(1, step.share // rows)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -77,8 +80,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, schedul
             input_args=(_like(given, index > 0),),
             output_args=(_like(out, True),),
         )
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        steps = cls(pipe, chunks, loss_fn=loss, scale_grads=False)
+        steps = Schedule1F1B(pipe, chunks, loss_fn=loss, scale_grads=False)
         steps._warmup_p2p = _static  # type: ignore[method-assign]
         opt = optimizer(step.optimizer, model, step.foreach)
         _make_state(model, opt)
