@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from ddpkit.launcher.store import reserve_port
+
+from ..cli.helpers import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +56,33 @@ def test_without_ipv6_the_port_is_held_on_ipv4(monkeypatch):
         other.close()
     finally:
         held.close()
+
+
+def test_an_interrupt_as_the_heartbeat_starts_leaves_the_interrupt_and_a_closed_rendezvous(monkeypatch):
+    # Ctrl-C lands just after the rendezvous' heartbeat thread was started and before it ran
+    # (seen once in a whole run of the suite): the KeyboardInterrupt is what the launch raises,
+    # and the shutdown that follows it closes the rendezvous instead of failing on the thread.
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+    from ddpkit.launcher import store
+
+    store.register()
+    monkeypatch.setenv(store.UNSHARED, "1")
+    params = RendezvousParameters(store.BACKEND, f"127.0.0.1:{free_port()}", "interrupted", 1, 1)
+    handler = rendezvous_handler_registry.create_handler(params)
+    start = threading._start_new_thread  # type: ignore[attr-defined]
+
+    def started_then_interrupted(*args):
+        start(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading, "_start_new_thread", started_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handler.next_rendezvous()
+    monkeypatch.undo()
+    assert handler.shutdown() is True
+    assert handler.is_closed()
+    for thread in threading.enumerate():  # the heartbeat, told to stop, ends at once
+        if thread.name.startswith("RendezvousKeepAliveTimer"):
+            thread.join(timeout=10)
+            assert not thread.is_alive()

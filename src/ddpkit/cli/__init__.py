@@ -153,9 +153,26 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
         from ..core.dist import detect_env
 
         traceback.print_exc()
+        interrupt = _interrupt_behind(err)
+        if interrupt is not None:  # the interrupt's own cleanup failed: the interrupt is the cause
+            signum = getattr(interrupt, "signum", signal.SIGINT)
+            print(f"{prog}: interrupted; the cleanup after it failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return 128 + signum
         rank = detect_env().rank
         print(f"{prog}: rank {rank} on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+
+
+def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that was unwinding when `err` was raised, if one was."""
+    seen: set[int] = set()
+    cause = err.__context__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__
+    return None
 
 
 @contextlib.contextmanager
