@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..core.signals import set_handler
+from ..core.stack import on_fresh_stack
 from ..observe.timeline import froze_objects
 from . import records
 from .failures import restart_note
@@ -39,7 +40,8 @@ def entrypoint(payload: bytes, forked: bool = False, announce: bool = True) -> A
         print(f"ddpkit: {note}", file=sys.stderr, flush=True)
     fn, args, kwargs = pickle.loads(payload)
     try:
-        result = fn(*args, **kwargs)
+        # A forked worker starts at its parent's depth (see core/stack.py); a spawned one at the foot.
+        result = on_fresh_stack(fn, *args, **kwargs) if forked else fn(*args, **kwargs)
         records.mark_done()
         return result
     finally:

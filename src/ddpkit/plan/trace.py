@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.precision import AutocastModule, Precision
+from ..core.stack import on_fresh_stack
 from ..core.threads import usable_cores
 from ..errors import RunError, UsageError
 from ..observe.collectives import Collectives, Op, tensor_bytes
@@ -179,7 +180,7 @@ class TraceFailed(RunError):
 
 def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
     try:
-        return fn(*args)
+        return on_fresh_stack(fn, *args)  # a forked pool process starts at its parent's depth
     except UsageError:
         raise
     except BaseException as err:  # noqa: BLE001 - a model of one's own: whatever it raises (SystemExit too)
