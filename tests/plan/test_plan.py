@@ -14,7 +14,7 @@ from ddpkit.observe.collectives import Op
 from ddpkit.plan import Spec, cluster, output, plan
 from ddpkit.plan.predict import best, op_seconds, predict
 from ddpkit.plan.run import _micro_batches, _parts, command
-from ddpkit.plan.trace import Layout, Step, flops, in_fake_worlds, trace
+from ddpkit.plan.trace import Layout, Step, Trace, flops, in_fake_worlds, trace
 
 GPT = {"width": 64, "depth": 2, "heads": 4}
 
@@ -68,9 +68,39 @@ def test_train_command_reproduces_the_planned_job():
 
 
 @pytest.mark.unit
+def test_a_pipelines_step_is_a_stages_compute_with_its_bubble_and_its_sends():
+    # pp=4 over 8 micro-batches of 2: each stage idles for 3 micro-batches' time of the 8's, and
+    # its sends (a micro-batch's activations forward, their gradients back) cost in full
+    c = cluster("h100", 4, 1, efficiency=0.5)
+    sends = [Op("send", 10**6, (0, 1, 2, 3), 16)]
+    layout = Layout("pp", "pp=4", False, 2)
+    q = predict(Trace({"activations": 1.0}, 1.0, sends, 4e12), layout, c, 1e14, 16, 32, 1.0)
+    compute = 4e12 / (1e14 * 0.5) * (8 + 3) / 8
+    assert q.compute_s == pytest.approx(compute)
+    assert q.exposed_comm_s == pytest.approx(16 * op_seconds(sends[0], c)) and q.overlapped_comm_s == 0
+    assert q.step_s == pytest.approx(compute + q.exposed_comm_s)
+    assert "--strategy pp --mesh pp=4" in command(_spec(16), c, layout)
+    assert layout.label == "pp 4 mb2"
+
+
+@pytest.mark.unit
+def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_models():
+    from ddpkit.plan.predict import layouts
+    from ddpkit.plan.run import _stages
+
+    c4 = cluster("h100", 4, 1)
+    assert _stages(_spec()) == 4  # embedding, 2 blocks, head
+    assert ("pp", "pp=4") in {(q.strategy, q.mesh) for q in layouts(c4, _spec(4).share, 4, (False,), 4)}
+    assert "pp" not in {q.strategy for q in layouts(c4, _spec(4).share, 4, (False,), 3)}  # a child short
+    assert "pp" not in {q.strategy for q in layouts(c4, _spec(2).share, 4, (False,), 4)}  # 2 samples, 4 stages
+    assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
+    assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
+    assert _stages(replace(_spec(), options={**GPT, "depth": 100})) == 0  # traced at fewer blocks
+
+
+@pytest.mark.unit
 def test_on_a_tie_the_layout_without_checkpointing_is_recommended():
     from ddpkit.plan.predict import Prediction
-    from ddpkit.plan.trace import Trace
 
     def row(ac, peak):
         trace = Trace(dict.fromkeys(("activations",), 0.0), peak, [], 0.0)
@@ -150,7 +180,12 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     # nothing of the fake world is left here: jobs launched from this process start as before
     assert not torch.distributed.is_initialized() and choose_start_method("cpu") == before
     labels = {q.layout.label for q in p.predictions}
-    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4"}
+    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4", "pp 4 mb1"}
+    # the pipeline's every stage traced; its time from a middle stage, which sends each of the
+    # 4 micro-batches' activations forward and their gradients back
+    pp = next(q for q in p.predictions if q.layout.strategy == "pp")
+    assert pp.trace.computed[0].startswith("pp: every stage traced") and pp.trace.peak > 0
+    assert sum(op.calls for op in pp.trace.ops if op.kind == "send") == 2 * 4
     assert p.best is not None and p.best.fits
     assert "--nproc 4" in p.command(p.best)
     # the same traces on a GPU of almost no memory: none fits, and none is recommended
@@ -368,13 +403,30 @@ def test_cli_verify_that_cannot_fit_here_is_one_line_and_exit_2_after_the_plan(t
     out = tmp_path / "plan.json"
     proc = cli(
         "plan", "--gpt-width", "64", "--gpt-depth", "2", "--gpt-heads", "4", "--seq-len", "32", "--batch-size", "16",
-        "--gpus-per-node", "2", "--activation-checkpointing", "off", "--json", str(out),
+        "--gpus-per-node", "2", "--activation-checkpointing", "off", "--json", str(out), "--strategy", "ddp",
         "--verify", "--verify-nproc", "20000",
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     said = proc.stderr.strip().splitlines()
     assert len(said) == 1 and "--verify's run of ddp 20000" in said[0] and "in each of 20000 processes" in said[0], said
     assert "fastest that fits:" in proc.stdout and json.loads(out.read_text())["layouts"]
+
+
+@pytest.mark.distributed  # fake worlds of 2 ranks, in processes of their own
+def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_its_stages_cannot_fit():
+    from ddpkit.errors import UsageError
+    from ddpkit.plan.verify import compare, here
+
+    planned = Layout("pp", "pp=4", False, 2)
+    spec, layout = here(_spec(16), planned, 2)
+    assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2", 2, 16)
+    with pytest.raises(UsageError, match="--verify-nproc 9: pp 4 mb2 runs here as a pipeline"):
+        here(_spec(16), planned, 9)  # 8 micro-batches: not 9 stages
+    # a vocabulary and batch whose logits no machine here holds: the stage that holds most is
+    # refused before any process starts
+    big = Spec("gpt", (32,), 2**17, 2**16, "fp32", "adamw", dict(GPT), (False,))
+    with pytest.raises(UsageError, match=r"^--verify's run of pp 2 mb32768 needs about [\d,.]+ GiB"):
+        compare(here(big, Layout("pp", "pp=2", False, 2**15), 2), 2, "cpu")
 
 
 @pytest.mark.unit

@@ -191,7 +191,7 @@ def _parser() -> ArgumentParser:
         help="both (default: each layout with and without, in full), on, off, selective (attention's and every "
         "other product's outputs kept), or all three",
     )
-    p.add_argument("--strategy", help="plan only these, comma-separated: ddp, fsdp, hsdp, tp (default: all)")
+    p.add_argument("--strategy", help="plan only these, comma-separated: ddp, fsdp, hsdp, tp, pp (default: all)")
     p.add_argument(
         "--gpu",
         default="h100",

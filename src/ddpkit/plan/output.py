@@ -174,7 +174,8 @@ def verification(case: Any, nproc: int, device: str, guessed: Any, real: dict[st
     width = max(len(r[0]) for r in rows)
     lines = [
         f"verified here: {layout.label} of {spec.model}, global batch {spec.global_batch}, on {nproc} {device} "
-        f"process(es) (rank 0; the role of each tensor at the peak moment of each side)",
+        f"process(es) ({'the stage that holds most, on its rank' if layout.strategy == 'pp' else 'rank 0'}; "
+        "the role of each tensor at the peak moment of each side)",
         *("  " + r[0].ljust(width) + "  " + r[1].rjust(14) + "  " + r[2].rjust(13) for r in rows),
         f"  peak: predicted / measured = {guessed.peak / real['peak']:.3f}; a measured step took "
         f"{real['step_s'] * 1e3:.1f} ms here (the plan's step times are for the cluster, not this machine)",

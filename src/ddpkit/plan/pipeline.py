@@ -21,8 +21,9 @@ group cannot give are given instead:
   are made before the tracked step, as in the real run it is checked against, and so are out
   of the tracker's sight in both.
 
-Not among `ddpkit plan`'s layouts yet: `tests/plan/test_real_runs.py` checks each stage's peak
-against a real run's (`verify.measured_ranks`) on 2 processes.
+`ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
+`tests/plan/test_real_runs.py` checks each stage's peak against a real run's
+(`verify.measured_ranks`) on 2 processes.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ Time, stated in every plan:
 - overlap: the data-parallel collectives run beside the compute and cost only what exceeds it:
   DDP's all-reduce beside the backward (2/3 of the compute), FSDP2's all-gathers and
   reduce-scatters beside all of it; tensor-parallel collectives sit between a layer's
-  products and cost in full.
+  products and cost in full;
+- a pipeline (pp=P, 1f1b over m micro-batches): a stage's compute (the model's FLOPs over P:
+  stages assumed equal) times (m + P - 1) / m, the bubble while the pipeline fills and drains,
+  plus its sends (activations forward, gradients back; a send within a node at NVLink's
+  figures only where the whole pipeline is) in full.
 """
 
 from __future__ import annotations
@@ -37,14 +41,21 @@ RING: dict[str, Any] = {
 DATA_PARALLEL = ("dp", "replicate")
 
 
-STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # the layouts' strategies, as `ddpkit train --strategy` names them
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp")  # the layouts' strategies, as `ddpkit train --strategy` names them
 
 
-def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: tuple[bool | str, ...]) -> list[Layout]:
+def layouts(
+    cluster: Cluster,
+    share_of: Any,
+    heads: int | None,
+    checkpointing: tuple[bool | str, ...],
+    stages: int = 0,
+) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
-    fsdp+tp with tp within a node), each with and without activation checkpointing; the
-    micro-batch is chosen later. `share_of(data_ranks)` is a data rank's samples, None where
-    the global batch does not divide; `heads` limits tp to divisors (None: no tp plan)."""
+    fsdp+tp with tp within a node, a pipeline of a stage per GPU), each with and without
+    activation checkpointing; the micro-batch is chosen later. `share_of(data_ranks)` is a data
+    rank's samples, None where the global batch does not divide; `heads` limits tp to divisors
+    (None: no tp plan); `stages` is the most stages the model splits into (0: no pipeline)."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
     meshes = [("ddp", f"dp={world}"), ("fsdp", f"dp={world}")]
     if cluster.nodes > 1 and per_node > 1:
@@ -54,6 +65,8 @@ def layouts(cluster: Cluster, share_of: Any, heads: int | None, checkpointing: t
         if per_node % tp == 0 and heads % tp == 0 and share_of(world // tp):
             meshes.append(("tp", f"dp={world // tp},tp={tp}"))
         tp *= 2
+    if 1 < world <= stages and (share_of(1) or 0) >= world:  # 1f1b: a micro-batch per stage at least
+        meshes.append(("pp", f"pp={world}"))
     return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
 
 
@@ -139,6 +152,18 @@ def predict(
         compute = busy / cluster.efficiency
     else:
         compute = trace.flops / (peak * cluster.efficiency)
+    if layout.strategy == "pp":  # the stage of the rank traced (see run._traced_pipeline)
+        stages = layout.spec.size("pp")
+        chunks = -(-global_batch // layout.micro_batch)
+        # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
+        # last drains it, (stages - 1) micro-batches' time; the sends between stages in full
+        compute *= (chunks + stages - 1) / chunks
+        sends = sum(op_seconds(op, cluster) * op.calls for op in trace.ops)
+        step = compute + sends
+        tokens = global_batch * seq_len / step if seq_len else None
+        mfu = model_flops / (step * cluster.world_size * peak)
+        fits = trace.peak <= cluster.gpu.memory_gib * GIB
+        return Prediction(layout, trace, compute, 0.0, sends, step, global_batch / step, tokens, mfu, fits)
     dims = layout.spec.names
     dp_comm = tp_comm = 0.0
     for op in trace.ops:

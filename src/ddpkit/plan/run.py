@@ -97,13 +97,15 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
     if spec.language:
         h = spec.options.get("heads", models.GPT_HEADS)
         heads = math.gcd(h, spec.options.get("kv_heads") or h, spec.num_classes)
-    todo = layouts(cluster, spec.share, heads, spec.checkpointing)
+    todo = layouts(cluster, spec.share, heads, spec.checkpointing, _stages(spec))
     if spec.strategies and todo:
         todo = [layout for layout in todo if layout.strategy in spec.strategies]
         if not todo:
             raise UsageError(
                 f"--strategy {','.join(spec.strategies)}: no such layout runs here (hsdp needs several nodes "
-                "and GPUs per node; tp needs heads, and a global batch, that divide)"
+                "and GPUs per node; tp needs heads, and a global batch, that divide; pp a gpt of up to "
+                f"{EXTRAPOLATE_FROM} blocks with a child per GPU, up to {MAX_STAGES} GPUs, a micro-batch per GPU, "
+                "not fp16)"
             )
     if not todo:
         raise UsageError(
@@ -123,9 +125,23 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
 
 
 # The strategies' traces by cost, dearest first (`_parts`): tensor parallelism's take an untracked
-# step more (`trace._warm_up`) and DTensor's sharding of every operation; FSDP2's, of its
-# optimizer's step; DDP's are the bare model's.
-COSTLIEST_FIRST = ("tp", "hsdp", "fsdp", "ddp")
+# step more (`trace._warm_up`) and DTensor's sharding of every operation; a pipeline's, a trace
+# per stage; FSDP2's, of its optimizer's step; DDP's are the bare model's.
+COSTLIEST_FIRST = ("tp", "pp", "hsdp", "fsdp", "ddp")
+
+# A pipeline is planned with up to this many stages, for a gpt of up to EXTRAPOLATE_FROM blocks:
+# each stage is traced on its own (`pipeline.trace_stage`), after a forward of the whole model.
+MAX_STAGES = 8
+
+
+def _stages(spec: Spec) -> int:
+    """The most stages a pipeline of `spec`'s model is planned with (0: none): a gpt's children
+    (its embedding, blocks and head), up to MAX_STAGES; not in fp16, which a pipeline does not
+    run, nor for a gpt deeper than EXTRAPOLATE_FROM blocks, which is traced at fewer blocks and
+    extrapolated, where stages cannot be."""
+    if not spec.language or spec.precision == "fp16" or _depth(spec) > EXTRAPOLATE_FROM:
+        return 0
+    return min(MAX_STAGES, _depth(spec) + 2)
 
 
 def _parts(todo: list[Layout], workers: int) -> list[list[Layout]]:
@@ -193,6 +209,8 @@ def _traced_fits(spec: Spec, cluster: Cluster, part: list[Layout]) -> list[tuple
 def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
     share = spec.share(layout.spec.data_size)
     assert share is not None
+    if layout.strategy == "pp":
+        return _traced_pipeline(spec, cluster, layout, share)
     step = Step(
         spec.build,
         spec.batch,
@@ -219,15 +237,46 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
     return sized, traced
 
 
+def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -> tuple[Layout, Trace]:
+    """A pipeline's every stage traced (`pipeline.trace_stage`, torch's 1f1b over the step's
+    micro-batches), at the largest micro-batch that gives each stage one at least and fits on
+    every stage (the smallest if none does): the trace of the stage that holds most, the
+    others' peaks said beside it."""
+    from .pipeline import trace_stage
+
+    stages = layout.spec.size("pp")
+    step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, backend=backend_for(cluster.gpu.device))
+    memory = cluster.gpu.memory_gib * GIB
+    sizes = [m for m in _micro_batches(share) if share // m >= stages]
+    for micro in sizes:
+        sized = replace(layout, micro_batch=micro)
+        traces = [trace_stage(step, sized, cluster.world_size, index) for index in range(stages)]
+        if max(t.peak for t in traces) <= memory:
+            break
+    worst = max(traces, key=lambda t: t.peak)
+    peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
+    # the step's time is the slowest stage's: a middle stage sends both ways, the first and last one way
+    sends = max(range(stages), key=lambda s: sum(op.bytes * op.calls for op in traces[s].ops))
+    shown = replace(worst, ops=traces[sends].ops)
+    shown.computed = [
+        f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
+        f"pp: 1f1b over the step's micro-batches (ddpkit's default schedule); the sends of stage {sends}, "
+        "which sends most",
+    ]
+    return sized, shown
+
+
 def _predicted(spec: Spec, cluster: Cluster, fitted: tuple[Layout, Trace], per_sample: dict[bool, float]) -> Prediction:
     """A traced layout's prediction, with the FLOPs of its rank's share of the step."""
     layout, traced = fitted
     share = spec.share(layout.spec.data_size)
     assert share is not None
-    tp = layout.spec.size("tp")
-    traced.flops = per_sample[layout.checkpointing] * share / tp
+    tp, stages = layout.spec.size("tp"), layout.spec.size("pp")
+    traced.flops = per_sample[layout.checkpointing] * share / tp / stages
     if tp > 1:
         traced.computed.append("flops: a tensor-parallel rank's share is the whole model's over tp")
+    if stages > 1:
+        traced.computed.append("flops: a stage's share is the whole model's over pp (stages assumed equal)")
     seq = spec.in_shape[0] if spec.language else None
     model_flops = per_sample[False] * spec.global_batch
     peak = cluster.peak_flops(spec.precision, convolutions=not spec.language)

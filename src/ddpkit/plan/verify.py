@@ -189,6 +189,14 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         mesh = f"dp={nproc // tp},tp={tp}" if tp > 1 else f"dp={nproc}"
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
+    elif strategy == "pp":  # a stage per process here, over the same micro-batches
+        mesh = f"pp={nproc}"
+        chunks = (spec.share(1) or layout.micro_batch) // layout.micro_batch
+        if nproc < 2 or chunks < nproc:
+            raise UsageError(
+                f"--verify-nproc {nproc}: {layout.label} runs here as a pipeline of a stage per process, which "
+                f"needs 2 processes at least and no more than its {chunks} micro-batches"
+            )
     else:
         mesh = f"dp={nproc}"
     share = spec.share(layout.spec.data_size) or layout.micro_batch
@@ -210,6 +218,10 @@ def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
     traced peak alone does not fit in what this machine (or each GPU) has free is refused
     first: `UsageError`, one line, instead of an out-of-memory error in every worker."""
     guessed = predicted([case], nproc, device)[0]
+    if isinstance(guessed, list):  # a pipeline's stages: the one that holds most, beside its rank
+        stage = max(range(len(guessed)), key=lambda s: guessed[s].peak)
+        fits_here(guessed[stage].peak, nproc, device, f"--verify's run of {case[1].label}")
+        return guessed[stage], measured_ranks([case], nproc, device)[stage][0]
     fits_here(guessed.peak, nproc, device, f"--verify's run of {case[1].label}")
     return guessed, measured([case], nproc, device)[0]
 
