@@ -4,7 +4,6 @@ reader that left: 141), the wait for a thread still running."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
@@ -12,8 +11,6 @@ import textwrap
 import pytest
 
 import ddpkit
-from ddpkit.cli import run_command
-from ddpkit.errors import Interrupted
 from tests.cli.helpers import ok
 from tests.conftest import SRC, clean_env
 
@@ -137,31 +134,3 @@ def test_help_and_a_bad_flag_answer_without_loading_torch(argv):
     checked_after_torch = argv[-1] == "0"
     assert (torch, compiler) == (str(checked_after_torch), "False"), proc.stderr[-2000:]
     assert code == ("0" if "--help" in argv else "2"), proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupt_whose_cleanup_fails_is_still_an_interrupt(sig, capsys):
-    # A signal's unwinding runs cleanups (a rendezvous' shutdown, a pool's stop) that can fail
-    # for having been cut short: that failure is shown, and the exit is still the signal's.
-    def command(argv):
-        try:
-            raise Interrupted(sig)
-        finally:
-            raise RuntimeError("cannot join thread before it is started")
-
-    assert run_command("ddpkit train", command, []) == 128 + sig
-    err = capsys.readouterr().err
-    assert "RuntimeError: cannot join thread before it is started" in err  # its traceback
-    assert err.rstrip().splitlines()[-1].startswith("ddpkit train: interrupted; the cleanup after it failed")
-
-
-def test_a_failure_after_an_interrupt_was_handled_is_a_failure(capsys):
-    def command(argv):
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            pass
-        raise RuntimeError("a bug of its own")
-
-    assert run_command("ddpkit train", command, []) == 1
-    assert "failed: RuntimeError: a bug of its own" in capsys.readouterr().err

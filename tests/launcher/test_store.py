@@ -59,9 +59,10 @@ def test_without_ipv6_the_port_is_held_on_ipv4(monkeypatch):
 
 
 def test_an_interrupt_as_the_heartbeat_starts_leaves_the_interrupt_and_a_closed_rendezvous(monkeypatch):
-    # Ctrl-C lands just after the rendezvous' heartbeat thread was started and before it ran
-    # (seen once in a whole run of the suite): the KeyboardInterrupt is what the launch raises,
-    # and the shutdown that follows it closes the rendezvous instead of failing on the thread.
+    # Ctrl-C lands as the rendezvous starts its heartbeat thread, before the thread counts as
+    # started (seen once in a whole run of the suite): the KeyboardInterrupt is what the launch
+    # raises, and the shutdown that follows it closes the rendezvous instead of failing to join
+    # the thread.
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
     from ddpkit.launcher import store
@@ -70,19 +71,16 @@ def test_an_interrupt_as_the_heartbeat_starts_leaves_the_interrupt_and_a_closed_
     monkeypatch.setenv(store.UNSHARED, "1")
     params = RendezvousParameters(store.BACKEND, f"127.0.0.1:{free_port()}", "interrupted", 1, 1)
     handler = rendezvous_handler_registry.create_handler(params)
-    start = threading._start_new_thread  # type: ignore[attr-defined]
+    start = threading.Thread.start
 
-    def started_then_interrupted(*args):
-        start(*args)
-        raise KeyboardInterrupt
+    def interrupted(thread):
+        if thread.name.startswith("RendezvousKeepAliveTimer"):
+            raise KeyboardInterrupt  # the signal's exception, before the thread ran
+        start(thread)
 
-    monkeypatch.setattr(threading, "_start_new_thread", started_then_interrupted)
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
     with pytest.raises(KeyboardInterrupt):
         handler.next_rendezvous()
     monkeypatch.undo()
     assert handler.shutdown() is True
     assert handler.is_closed()
-    for thread in threading.enumerate():  # the heartbeat, told to stop, ends at once
-        if thread.name.startswith("RendezvousKeepAliveTimer"):
-            thread.join(timeout=10)
-            assert not thread.is_alive()

@@ -84,6 +84,16 @@ def test_a_pipelines_step_is_a_stages_compute_with_its_bubble_and_its_sends():
 
 
 @pytest.mark.unit
+def test_a_pipeline_tries_4_micro_batches_per_stage_first_then_fewer_rows():
+    from ddpkit.plan.run import _pipeline_micro_batches
+
+    assert _pipeline_micro_batches(64, 4) == [4, 2, 1]  # 16 micro-batches of 4 first
+    assert _pipeline_micro_batches(24, 2) == [2, 1]  # 12 of 2 (3 rows, 8 of them, is not a size tried)
+    assert _pipeline_micro_batches(8, 4) == [1]  # 8 rows: the most micro-batches there can be
+    assert _pipeline_micro_batches(4, 4) == [1]  # and never fewer than a stage each
+
+
+@pytest.mark.unit
 def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_models():
     from ddpkit.plan.predict import layouts
     from ddpkit.plan.run import _stages

@@ -164,14 +164,14 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
 
 
 def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C (or SIGTERM) that was unwinding when `err` was raised, if one was."""
+    """The Ctrl-C (or SIGTERM) that was unwinding when `err` was raised, if one was (not one
+    that code caught and replaced, `raise ... from None`)."""
     seen: set[int] = set()
-    cause = err.__context__
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__context__
+    while not err.__suppress_context__ and err.__context__ is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = err.__context__
+        if isinstance(err, KeyboardInterrupt):
+            return err
     return None
 
 

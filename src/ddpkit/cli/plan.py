@@ -48,6 +48,8 @@ def _verify(p: object, nproc: int | None) -> None:
     chosen = p.best or min(p.predictions, key=lambda q: q.trace.peak)
     cuda = torch.cuda.is_available()
     n = nproc or (devices.gpu_count() if cuda else 2)
+    if chosen.layout.strategy == "pp" and not nproc:  # a stage per process: no more than it has micro-batches
+        n = min(n, chosen.layout.spec.size("pp"))
     case = verify.here(p.spec, chosen.layout, n)
     guessed, real = verify.compare(case, n, "cuda" if cuda else "cpu")
     print()
@@ -217,7 +219,7 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--verify-nproc",
         type=int,
-        help="--verify: processes here (default: every GPU, or 2 on CPU); the global "
-        "batch is scaled to their data ranks",
+        help="--verify: processes here (default: every GPU, or 2 on CPU; a pipeline's stages at most: "
+        "it runs a stage per process); the global batch is scaled to their data ranks",
     )
     return p

@@ -10,7 +10,7 @@ forked process starts where its parent forked it: under pytest, a notebook or a 
 is deep in a chunk, and where its work's depth meets the chunk's end depends on where the
 parent was. Measured (CPython 3.11, `tests/test_mesh.py`'s 4-process job, forked from a pytest
 fixture): about 100,000 maps and unmaps per worker, 15 times the page faults of the same job
-launched from a script, and 40 s instead of 31 (docs/testing.md).
+launched from a script, and some 20% more CPU time for the test (docs/testing.md).
 
 `on_fresh_stack` calls the work through a frame too large for any chunk of 16 KiB: CPython then
 maps one chunk for it alone, of 64 KiB, in which the work starts with about 40 KiB to go before

@@ -23,7 +23,7 @@ group cannot give are given instead:
 
 `ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
-(`verify.measured_ranks`) on 2 processes.
+(`verify.measured_ranks`) on 2 and 4 processes.
 """
 
 from __future__ import annotations

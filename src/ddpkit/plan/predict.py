@@ -154,7 +154,7 @@ def predict(
         compute = trace.flops / (peak * cluster.efficiency)
     if layout.strategy == "pp":  # the stage of the rank traced (see run._traced_pipeline)
         stages = layout.spec.size("pp")
-        chunks = -(-global_batch // layout.micro_batch)
+        chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
         # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
         # last drains it, (stages - 1) micro-batches' time; the sends between stages in full
         compute *= (chunks + stages - 1) / chunks

@@ -239,19 +239,21 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
 
 def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -> tuple[Layout, Trace]:
     """A pipeline's every stage traced (`pipeline.trace_stage`, torch's 1f1b over the step's
-    micro-batches), at the largest micro-batch that gives each stage one at least and fits on
-    every stage (the smallest if none does): the trace of the stage that holds most, the
-    others' peaks said beside it."""
+    micro-batches), at the micro-batch `_pipeline_micro_batches` prefers that fits on every
+    stage (the smallest if none does): the trace of the stage that holds most, the others'
+    peaks said beside it."""
     from .pipeline import trace_stage
 
     stages = layout.spec.size("pp")
     step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, backend=backend_for(cluster.gpu.device))
     memory = cluster.gpu.memory_gib * GIB
-    sizes = [m for m in _micro_batches(share) if share // m >= stages]
+    sizes = _pipeline_micro_batches(share, stages)
+    sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
     for micro in sizes:
         sized = replace(layout, micro_batch=micro)
         traces = [trace_stage(step, sized, cluster.world_size, index) for index in range(stages)]
-        if max(t.peak for t in traces) <= memory:
+        states = max(t.peak - t.memory["activations"] - t.memory["temporary"] for t in traces)
+        if max(t.peak for t in traces) <= memory or states > memory:  # fits, or never will (_traced_fit)
             break
     worst = max(traces, key=lambda t: t.peak)
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
@@ -264,6 +266,22 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
         "which sends most",
     ]
     return sized, shown
+
+
+# Micro-batches per stage a pipeline is planned with, where the batch allows: GPipe's paper (Huang
+# et al., 2019, section 2.2) finds the bubble negligible from 4 per stage on. The plan's FLOPs
+# model would make fewer rows always faster (a smaller bubble), as a GPU's efficiency at small
+# micro-batches, which it does not model, would not.
+MICRO_BATCHES_PER_STAGE = 4
+
+
+def _pipeline_micro_batches(share: int, stages: int) -> list[int]:
+    """A pipeline's micro-batch sizes to try, in turn: the largest of `_micro_batches(share)`
+    that gives MICRO_BATCHES_PER_STAGE per stage (else the smallest, which gives the most), then
+    the smaller ones; never one that leaves a stage without a micro-batch."""
+    sizes = [m for m in _micro_batches(share) if share // m >= stages]
+    enough = [m for m in sizes if share // m >= MICRO_BATCHES_PER_STAGE * stages] or sizes[-1:]
+    return [m for m in sizes if m <= enough[0]]
 
 
 def _predicted(spec: Spec, cluster: Cluster, fitted: tuple[Layout, Trace], per_sample: dict[bool, float]) -> Prediction:
