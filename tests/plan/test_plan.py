@@ -425,9 +425,10 @@ def test_cli_verify_that_cannot_fit_here_is_one_line_and_exit_2_after_the_plan(t
 @pytest.mark.distributed  # fake worlds of 2 ranks, in processes of their own
 def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_its_stages_cannot_fit():
     from ddpkit.errors import UsageError
-    from ddpkit.plan.verify import compare, here
+    from ddpkit.plan.verify import compare, here, processes
 
     planned = Layout("pp", "pp=4", False, 2)
+    assert (processes(planned, 8), processes(planned, 2), processes(Layout("ddp", "dp=8", False, 2), 8)) == (4, 2, 8)
     spec, layout = here(_spec(16), planned, 2)
     assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2", 2, 16)
     with pytest.raises(UsageError, match="--verify-nproc 9: pp 4 mb2 runs here as a pipeline"):

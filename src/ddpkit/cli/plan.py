@@ -47,9 +47,7 @@ def _verify(p: object, nproc: int | None) -> None:
 
     chosen = p.best or min(p.predictions, key=lambda q: q.trace.peak)
     cuda = torch.cuda.is_available()
-    n = nproc or (devices.gpu_count() if cuda else 2)
-    if chosen.layout.strategy == "pp" and not nproc:  # a stage per process: no more than it has micro-batches
-        n = min(n, chosen.layout.spec.size("pp"))
+    n = nproc or verify.processes(chosen.layout, devices.gpu_count() if cuda else 2)
     case = verify.here(p.spec, chosen.layout, n)
     guessed, real = verify.compare(case, n, "cuda" if cuda else "cpu")
     print()

@@ -171,6 +171,12 @@ def _ddp_buckets(model: torch.nn.Module) -> float:
     return float(sum(int(s) for s in str(sizes).split(",") if s.strip()))
 
 
+def processes(layout: Layout, available: int) -> int:
+    """The processes `--verify` runs `layout` on by default, of the `available` GPUs (or 2 on
+    the CPU): all of them, but a pipeline's, a stage per process, no more than it planned."""
+    return min(available, layout.spec.size("pp")) if layout.strategy == "pp" else available
+
+
 def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     """`layout` of `spec` brought to `nproc` processes on this machine: the same strategy over
     them (hsdp as 2 replicas where nproc is even and at least 4, else fsdp; tp over at most
