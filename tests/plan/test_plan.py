@@ -431,8 +431,10 @@ def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_
     assert (processes(planned, 8), processes(planned, 2), processes(Layout("ddp", "dp=8", False, 2), 8)) == (4, 2, 8)
     spec, layout = here(_spec(16), planned, 2)
     assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2", 2, 16)
-    with pytest.raises(UsageError, match="--verify-nproc 9: pp 4 mb2 runs here as a pipeline"):
-        here(_spec(16), planned, 9)  # 8 micro-batches: not 9 stages
+    with pytest.raises(UsageError, match=r"--verify on 5 process\(es\): pp 4 mb2 runs here .* from 2 to 4"):
+        here(_spec(16), planned, 5)  # 8 micro-batches, but the model's 4 children: not 5 stages
+    with pytest.raises(UsageError, match=r"from 2 to 2 "):
+        here(_spec(4), planned, 1)  # one process is no pipeline
     # a vocabulary and batch whose logits no machine here holds: the stage that holds most is
     # refused before any process starts
     big = Spec("gpt", (32,), 2**17, 2**16, "fp32", "adamw", dict(GPT), (False,))

@@ -158,12 +158,19 @@ def predict(
         # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
         # last drains it, (stages - 1) micro-batches' time; the sends between stages in full
         compute *= (chunks + stages - 1) / chunks
-        sends = sum(op_seconds(op, cluster) * op.calls for op in trace.ops)
-        step = compute + sends
-        tokens = global_batch * seq_len / step if seq_len else None
-        mfu = model_flops / (step * cluster.world_size * peak)
-        fits = trace.peak <= cluster.gpu.memory_gib * GIB
-        return Prediction(layout, trace, compute, 0.0, sends, step, global_batch / step, tokens, mfu, fits)
+        dp_comm, exposed = 0.0, sum(op_seconds(op, cluster) * op.calls for op in trace.ops)
+    else:
+        dp_comm, exposed = _data_and_exposed(trace, layout, cluster, compute)
+    step = compute + exposed
+    tokens = global_batch * seq_len / step if seq_len else None
+    mfu = model_flops / (step * cluster.world_size * peak)
+    fits = trace.peak <= cluster.gpu.memory_gib * GIB
+    return Prediction(layout, trace, compute, dp_comm, exposed, step, global_batch / step, tokens, mfu, fits)
+
+
+def _data_and_exposed(trace: Trace, layout: Layout, cluster: Cluster, compute: float) -> tuple[float, float]:
+    """The seconds of a step's data-parallel collectives, and of the collectives the compute
+    does not hide (see the module docstring's overlap)."""
     dims = layout.spec.names
     dp_comm = tp_comm = 0.0
     for op in trace.ops:
@@ -175,14 +182,9 @@ def predict(
     # DDP's all-reduce can only start in the backward (about 2/3 of the compute); FSDP2's
     # all-gathers run ahead of the forward and the backward, its reduce-scatters in the backward
     window = compute * (2 / 3 if any(op.kind == "all_reduce" for op in trace.ops if not _is_tp(op, layout)) else 1)
-    if not gpu.overlap:
+    if not cluster.gpu.overlap:
         window = 0.0
-    exposed = tp_comm + max(0.0, dp_comm - window)
-    step = compute + exposed
-    tokens = global_batch * seq_len / step if seq_len else None
-    mfu = model_flops / (step * cluster.world_size * peak)
-    fits = trace.peak <= cluster.gpu.memory_gib * GIB
-    return Prediction(layout, trace, compute, dp_comm, exposed, step, global_batch / step, tokens, mfu, fits)
+    return dp_comm, tp_comm + max(0.0, dp_comm - window)
 
 
 def _is_tp(op: Op, layout: Layout) -> bool:

@@ -141,7 +141,13 @@ def _stages(spec: Spec) -> int:
     extrapolated, where stages cannot be."""
     if not spec.language or spec.precision == "fp16" or _depth(spec) > EXTRAPOLATE_FROM:
         return 0
-    return min(MAX_STAGES, _depth(spec) + 2)
+    return min(MAX_STAGES, children(spec))
+
+
+def children(spec: Spec) -> int:
+    """The children a pipeline splits `spec`'s model between (gpt: its embedding, its blocks
+    and its head; 0 for another model)."""
+    return _depth(spec) + 2 if spec.language else 0
 
 
 def _parts(todo: list[Layout], workers: int) -> list[list[Layout]]:

@@ -27,7 +27,7 @@ import torch
 from ..core import checks
 from ..errors import UsageError
 from .pipeline import per_call_tracker, trace_stage
-from .run import Spec, _traced
+from .run import Spec, _traced, children
 from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
 
 # Imports inside functions: the Runtime and the launcher load when a verification runs.
@@ -197,11 +197,11 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         mesh = f"replicate=2,dp={nproc // 2}"
     elif strategy == "pp":  # a stage per process here, over the same micro-batches
         mesh = f"pp={nproc}"
-        chunks = (spec.share(1) or layout.micro_batch) // layout.micro_batch
-        if nproc < 2 or chunks < nproc:
+        most = min(spec.global_batch // layout.micro_batch, children(spec))
+        if not 2 <= nproc <= most:
             raise UsageError(
-                f"--verify-nproc {nproc}: {layout.label} runs here as a pipeline of a stage per process, which "
-                f"needs 2 processes at least and no more than its {chunks} micro-batches"
+                f"--verify on {nproc} process(es): {layout.label} runs here as a pipeline of a stage per process, "
+                f"from 2 to {most} (its micro-batches and the model's children); give --verify-nproc"
             )
     else:
         mesh = f"dp={nproc}"
