@@ -21,8 +21,11 @@ from .parsing import ArgumentParser
 def main(
     argv: Sequence[str], registry: dict[str, str] | None = None, prog: str = "ddpkit bench", table: str = "bench-all"
 ) -> int:
-    from ..bench import BENCHES
-    from ..bench.runner import run_all, run_one
+    from ..observe.timeline import gc_paused
+
+    with gc_paused():  # torch's import makes objects that stay: no collection walks them
+        from ..bench import BENCHES
+        from ..bench.runner import run_all, run_one
 
     registry = BENCHES if registry is None else registry
     if not argv or argv[0] in ("-h", "--help"):

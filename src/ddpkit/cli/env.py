@@ -13,7 +13,10 @@ from .parsing import ArgumentParser
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
-    from ..observe.env import render, report
+    from ..observe.timeline import gc_paused
+
+    with gc_paused():  # torch's import makes objects that stay: no collection walks them
+        from ..observe.env import render, report
 
     r = report()
     print(json.dumps(r, indent=2) if args.json else render(r))

@@ -13,10 +13,13 @@ KNEE_PERCENT = 90  # tune.search.KNEE_FRACTION, for the help text without import
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..tune import find, resolve
+    from ..observe.timeline import gc_paused
 
     parser = _parser()
-    a = parser.parse_args(argv)
+    a = parser.parse_args(argv)  # --help and a bad flag end here, before torch loads
+    with gc_paused():  # torch's import makes objects that stay: no collection walks them
+        from ..tune import find, resolve
+
     settings, topology = resolve(a, given(parser, a))
     return find(settings, topology, a.json, a.plot)
 

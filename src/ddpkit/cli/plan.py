@@ -22,10 +22,13 @@ AC = {
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..plan import output, plan
+    from ..observe.timeline import gc_paused
 
     parser = _parser()
-    a = parser.parse_args(argv)
+    a = parser.parse_args(argv)  # --help and a flag that does not parse end here, before torch loads
+    with gc_paused():  # torch's import makes objects that stay: no collection walks them
+        from ..plan import output, plan
+
     spec, cluster = _resolve(a, given(parser, a))
     p = plan(spec, cluster, progress=a.progress)
     print(output.report(p))
