@@ -8,12 +8,12 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, clean_env, run_cli
+from tests.conftest import ROOT, run_cli
+from tests.docs.program_runner import run_all
 
 PAGES = [Path(ROOT) / "README.md", *sorted((Path(ROOT) / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -58,16 +58,57 @@ def test_every_block_parses_and_every_whole_one_names_nothing_undefined(tmp_path
     assert proc.returncode == 0, said
 
 
+@pytest.fixture(scope="module")
+def programs_run(tmp_path_factory) -> dict[str, dict]:
+    """Every program, each in a folder of its own, run by one runner (`program_runner`: each in
+    a process forked from one that imported torch once): {where: its outcome}."""
+    cases = []
+    for _, code in PROGRAMS:
+        folder = tmp_path_factory.mktemp("program")
+        (folder / "program.py").write_text(code)
+        cases.append({"path": str(folder / "program.py"), "cwd": str(folder)})
+    return dict(zip([where for where, _ in PROGRAMS], run_all(cases)))
+
+
 @pytest.mark.cli
 @pytest.mark.slow
-@pytest.mark.parametrize("where,code", PROGRAMS, ids=[w for w, _ in PROGRAMS])
-def test_every_program_runs_as_written(tmp_path, where, code):
-    path = tmp_path / "program.py"
-    path.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=240
-    )
-    assert proc.returncode == 0, f"{where}:\n{proc.stderr[-3000:]}"
+@pytest.mark.parametrize("where", [w for w, _ in PROGRAMS])
+def test_every_program_runs_as_written(programs_run, where):
+    result = programs_run[where]
+    assert result["code"] == 0, f"{where} (exit {result['code']}):\n{result['stderr'][-3000:]}"
+
+
+@pytest.mark.cli
+def test_the_runner_runs_a_program_as_the_interpreter_does(tmp_path):
+    # what `python program.py` does at its end: its own exit code, SystemExit's message, a
+    # thread it left running waited for, its atexit handlers run and its output flushed; and
+    # one that never ends is stopped
+    programs = {
+        "fails": "raise ValueError('boom')\n",
+        "exits 3": "import sys\nprint('out')\nsys.exit(3)\n",
+        "exits with a message": "import sys\nsys.exit('said why')\n",
+        "ends late": (
+            "import atexit, threading, time, sys\n"
+            "atexit.register(lambda: print('atexit ran'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+            "sys.stdout.write('no newline')\n"
+        ),
+        "never ends": "import time\ntime.sleep(60)\n",
+        "named main": "if __name__ == '__main__':\n    import sys\n    print(sys.argv[0].endswith('p.py'))\n",
+    }
+    cases = []
+    for name, code in programs.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "p.py").write_text(code)
+        cases.append({"path": str(folder / "p.py"), "cwd": str(folder)})
+    got = dict(zip(programs, run_all(cases, timeout=5)))
+    assert got["fails"]["code"] == 1 and "ValueError: boom" in got["fails"]["stderr"]
+    assert (got["exits 3"]["code"], got["exits 3"]["stdout"]) == (3, "out\n")
+    assert (got["exits with a message"]["code"], got["exits with a message"]["stderr"]) == (1, "said why\n")
+    assert got["ends late"]["code"] == 0 and got["ends late"]["stdout"] == "no newlinethread done\natexit ran\n"
+    assert got["never ends"]["code"] == "timeout"
+    assert got["named main"] == {**got["named main"], "code": 0, "stdout": "True\n"}
 
 
 @pytest.mark.cli
