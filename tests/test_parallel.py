@@ -6,6 +6,7 @@ in test_a_run_in_two_processes_runs_each_test_once."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -142,19 +143,40 @@ def test_a_run_in_two_processes_runs_each_test_once_and_sums_them_up(tmp_path):
     assert "==== all 2 processes: 1 failed, 7 passed in" in out, out
 
 
+def _asked(processes: str | None) -> SimpleNamespace:
+    """The config of a plain run given `--processes PROCESSES` (None: not given)."""
+    flags = dict.fromkeys(("help", "version", "collectonly", "showfixtures", "show_fixtures_per_test", "markers"))
+    return SimpleNamespace(option=SimpleNamespace(processes=processes, shard_dir=None, **flags))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", "", " 2", "+2"])
+def test_a_bad_count_of_processes_is_a_usage_error(bad):
+    with pytest.raises(
+        pytest.UsageError, match=rf"^--processes {re.escape(bad)}: give a count of processes \(1 or more\) or 'auto'$"
+    ):
+        parallel.wanted(_asked(bad))
+
+
+@pytest.mark.unit
+def test_a_count_of_processes_is_taken_as_given():
+    assert [parallel.wanted(_asked(n)) for n in (None, "1", "3")] == [0, 0, 3]  # 1: a plain run, in this process
+    assert parallel.wanted(_asked("auto")) == parallel.auto_workers()
+
+
 @pytest.mark.cli
-@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", ""])
-def test_a_bad_count_of_processes_is_one_line_and_a_usage_error(bad):
+def test_a_bad_count_of_processes_is_one_line_and_pytests_usage_error():
+    # (the values the check refuses: the unit test above; here, what pytest makes of its error)
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "tests/test_parallel.py", f"--processes={bad}"],
+        [sys.executable, "-m", "pytest", "-q", "tests/test_parallel.py", "--processes=two"],
         capture_output=True, text=True, cwd=root, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
-    assert f"--processes {bad}: give a count of processes (1 or more) or 'auto'" in proc.stderr, proc.stderr
+    assert "--processes two: give a count of processes (1 or more) or 'auto'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
