@@ -84,6 +84,27 @@ def test_a_pipelines_step_is_a_stages_compute_with_its_bubble_and_its_sends():
 
 
 @pytest.mark.unit
+def test_pipelines_beside_each_other_reduce_each_stages_gradients_beside_its_last_backward():
+    # pp=2,dp=2 over 4 micro-batches of 2 per pipeline: the bubble of one micro-batch, the sends
+    # in full, and the stage's DDP all-reduce beside its last micro-batch's backward (2/3 of a
+    # micro-batch's compute), what exceeds that exposed
+    c = cluster("h100", 4, 1, efficiency=0.5)
+    layout = Layout("pp", "pp=2,dp=2", False, 2)
+    sends, reduce = Op("send", 10**6, (0, 2), 8), Op("all_reduce", 10**10, (0, 1))
+    q = predict(Trace({"activations": 1.0}, 1.0, [sends, reduce], 4e12), layout, c, 1e14, 16, 32, 1.0)
+    busy = 4e12 / (1e14 * 0.5)
+    window = busy / 4 * 2 / 3
+    assert op_seconds(reduce, c) > window  # (the check below sees the max's both sides)
+    assert q.compute_s == pytest.approx(busy * (4 + 1) / 4)
+    assert q.overlapped_comm_s == pytest.approx(op_seconds(reduce, c))
+    assert q.exposed_comm_s == pytest.approx(8 * op_seconds(sends, c) + op_seconds(reduce, c) - window)
+    hidden = predict(Trace({}, 1.0, [sends, replace(reduce, bytes=10**6)], 4e12), layout, c, 1e14, 16, 32, 1.0)
+    assert hidden.exposed_comm_s == pytest.approx(8 * op_seconds(sends, c))  # all within the window
+    assert layout.label == "pp 2 x dp 2 mb2"
+    assert "--strategy pp --mesh pp=2,dp=2 --batch-size 16" in command(_spec(16), c, layout)
+
+
+@pytest.mark.unit
 def test_a_pipeline_tries_4_micro_batches_per_stage_first_then_fewer_rows():
     from ddpkit.plan.run import _pipeline_micro_batches
 
@@ -101,8 +122,19 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
     c4 = cluster("h100", 4, 1)
     assert _stages(_spec()) == 4  # embedding, 2 blocks, head
     assert ("pp", "pp=4") in {(q.strategy, q.mesh) for q in layouts(c4, _spec(4).share, 4, (False,), 4)}
-    assert "pp" not in {q.strategy for q in layouts(c4, _spec(4).share, 4, (False,), 3)}  # a child short
+    three = {q.mesh for q in layouts(c4, _spec(4).share, 4, (False,), 3) if q.strategy == "pp"}
+    assert three == {"pp=2,dp=2"}  # a child short of 4 stages: two pipelines of 2
     assert "pp" not in {q.strategy for q in layouts(c4, _spec(2).share, 4, (False,), 4)}  # 2 samples, 4 stages
+
+    # on 8 GPUs: pipelines of 2, 4 and 8 stages, one per data rank, where each has a micro-batch per stage
+    def pipelines(batch, stages):
+        planned = layouts(cluster("h100", 8, 1), _spec(batch).share, 4, (False,), stages)
+        return {q.mesh for q in planned if q.strategy == "pp"}
+
+    assert pipelines(16, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8"}
+    assert pipelines(16, 4) == {"pp=2,dp=4", "pp=4,dp=2"}  # 4 children: no stage for 4 more GPUs
+    assert pipelines(8, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8"}  # 2, 4 and 8 rows to the pipelines
+    assert pipelines(4, 8) == set()  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
     assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
     assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
     assert _stages(replace(_spec(), options={**GPT, "depth": 100})) == 0  # traced at fewer blocks
@@ -160,6 +192,32 @@ def test_fsdp_trace_shards_states_and_counts_its_collectives():
     assert all(op.ranks == (0, 1, 2, 3) for op in fsdp.ops)
 
 
+def _stage(layout, index, batch):
+    from ddpkit.plan.pipeline import trace_stage
+
+    spec = _spec(batch)
+    step = Step(spec.build, spec.batch, spec.share(layout.spec.data_size), "fp32", "adamw")
+    return trace_stage(step, layout, layout.spec.processes, index)
+
+
+@pytest.mark.distributed  # fake worlds of 2 and 4 ranks, in processes of their own
+def test_pipelines_beside_each_other_hold_each_stages_ddp_buckets_and_reduce_over_its_data_ranks():
+    # pp=2,dp=2: data rank 0's pipeline (ranks 0 and 2) on its half of the batch, each stage's
+    # gradients all-reduced over its own two ranks; beside it one pipeline of the same 4 rows
+    layout, alone = Layout("pp", "pp=2,dp=2", False, 2), Layout("pp", "pp=2", False, 2)
+    calls = [(_stage, (layout, s, 8)) for s in (0, 1)] + [(_stage, (alone, s, 4)) for s in (0, 1)]
+    first, last, *pipeline = in_fake_worlds(4, calls[:2]) + in_fake_worlds(2, calls[2:])
+    for index, (traced, one) in enumerate(zip((first, last), pipeline)):
+        reduces = [op for op in traced.ops if op.kind == "all_reduce"]
+        assert [op.ranks for op in reduces] == [((0, 1), (2, 3))[index]]
+        assert reduces[0].bytes == traced.memory["parameters"]  # fp32: the stage's gradients, as its parameters
+        assert traced.memory["communication"] == one.memory["communication"] + reduces[0].bytes  # DDP's buckets
+        for role in ("parameters", "gradients", "optimizer", "activations"):  # the rest as one pipeline's
+            assert traced.memory[role] == one.memory[role], role
+        assert {op.ranks for op in traced.ops if op.kind == "send"} == {(0, 2)}  # the pipeline's own group
+        assert [op.bytes for op in traced.ops if op.kind == "send"] == [op.bytes for op in one.ops if op.kind == "send"]
+
+
 def _collections_here():
     import gc
 
@@ -190,10 +248,10 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     # nothing of the fake world is left here: jobs launched from this process start as before
     assert not torch.distributed.is_initialized() and choose_start_method("cpu") == before
     labels = {q.layout.label for q in p.predictions}
-    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4", "pp 4 mb1"}
+    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4", "pp 4 mb1", "pp 2 x dp 2 mb1"}
     # the pipeline's every stage traced; its time from a middle stage, which sends each of the
     # 4 micro-batches' activations forward and their gradients back
-    pp = next(q for q in p.predictions if q.layout.strategy == "pp")
+    pp = next(q for q in p.predictions if q.layout.mesh == "pp=4")
     assert pp.trace.computed[0].startswith("pp: every stage traced") and pp.trace.peak > 0
     assert sum(op.calls for op in pp.trace.ops if op.kind == "send") == 2 * 4
     assert p.best is not None and p.best.fits
@@ -435,6 +493,15 @@ def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_
         here(_spec(16), planned, 5)  # 8 micro-batches, but the model's 4 children: not 5 stages
     with pytest.raises(UsageError, match=r"from 2 to 2 "):
         here(_spec(4), planned, 1)  # one process is no pipeline
+    # pipelines beside each other: as many as the processes hold whole, else one of a stage per process
+    beside = Layout("pp", "pp=2,dp=4", False, 2)
+    assert (processes(beside, 8), processes(beside, 4), processes(beside, 3)) == (8, 4, 2)
+    spec, layout = here(_spec(16), beside, 4)  # 4 rows to each pipeline planned, and here
+    assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2,dp=2", 2, 8)
+    spec, layout = here(_spec(16), beside, 2)
+    assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2", 2, 4)
+    with pytest.raises(UsageError, match=r"--verify on 3 process\(es\): pp 2 x dp 4 mb2 runs here .* from 2 to 2 "):
+        here(_spec(16), beside, 3)  # a pipeline's 4 rows, in micro-batches of 2: 2 stages at most
     # a vocabulary and batch whose logits no machine here holds: the stage that holds most is
     # refused before any process starts
     big = Spec("gpt", (32,), 2**17, 2**16, "fp32", "adamw", dict(GPT), (False,))

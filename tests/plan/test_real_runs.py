@@ -27,6 +27,7 @@ NCCL makes none).
 
 import pytest
 
+from ddpkit.plan.pipeline import stage_ranks
 from ddpkit.plan.run import Spec
 from ddpkit.plan.trace import Layout
 from ddpkit.plan.verify import measured_ranks, predicted
@@ -76,6 +77,8 @@ CASES = {
         (_cnn("bf16"), Layout("fsdp", "dp=4", False, 2), 0.01),
         # a stage per child (embed, block0, block1, head): 0.983, 0.998, 0.981, 0.992 (2026-12-06)
         (_gpt("bf16"), Layout("pp", "pp=4", False, 2), 0.04),
+        # two pipelines of two stages, each stage under DDP over its two data ranks (ranks 0 and 2)
+        (_gpt("fp32"), Layout("pp", "pp=2,dp=2", False, 2), 0.04),
     ],
 }
 
@@ -100,7 +103,7 @@ def test_predicted_peak_memory_matches_a_real_run(nproc):
     compared = []  # (case, its trace, its real run): rank 0's; a pipeline's stages, each its rank's
     for i, ((spec, layout, bound), g) in enumerate(zip(CASES[nproc], guessed)):
         stages = g if isinstance(g, list) else [g]
-        compared += [((spec, layout, bound), t, ranks[s][i]) for s, t in enumerate(stages)]
+        compared += [((spec, layout, bound), t, ranks[stage_ranks(layout, s)[0]][i]) for s, t in enumerate(stages)]
     assert sum(isinstance(g, list) for g in guessed) == sum(layout.strategy == "pp" for _, layout, _ in CASES[nproc])
     for (spec, layout, bound), g, r in compared:
         name = f"{spec.model} {spec.precision} {layout.label} {g.computed[-1] if layout.strategy == 'pp' else ''}"

@@ -220,7 +220,8 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--verify-nproc",
         type=int,
-        help="--verify: processes here (default: every GPU, or 2 on CPU; a pipeline's stages at most: "
-        "it runs a stage per process); the global batch is scaled to their data ranks",
+        help="--verify: processes here (default: every GPU, or 2 on CPU; a pipeline's stages at most, as it "
+        "runs a stage per process, or pipelines side by side where the processes hold them whole); the global "
+        "batch is scaled to their data ranks",
     )
     return p

@@ -1,6 +1,6 @@
-"""Pipeline layouts (`--mesh pp=P`), traced stage by stage on fake tensors: what each stage's
-rank holds at its peak under torch's own 1f1b schedule (ddpkit's default) over a step's
-micro-batches.
+"""Pipeline layouts (`--mesh pp=P`, and `pp=P,dp=D`: D pipelines, each stage under DDP over
+dp), traced stage by stage on fake tensors: what each stage's rank holds at its peak under
+torch's own 1f1b schedule (ddpkit's default) over a step's micro-batches.
 
 Each stage is traced on its own, as rank 0 of a fake world: the model built on meta, cut by
 `strategy.pp.split` (the stages a run has), given fake storage, and run by torch's
@@ -21,6 +21,11 @@ group cannot give are given instead:
   are made before the tracked step, as in the real run it is checked against, and so are out
   of the tracker's sight in both.
 
+With dp beside pp, the traced rank runs data rank 0's pipeline (its stages' ranks, a group of
+their own) on its share of the batch, and the stage's DDP is counted as a plan counts DDP's
+(`trace._result`): its gradient buckets, one more copy of the stage's gradients, and one
+all-reduce of them over the stage's data ranks per step.
+
 `ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
 (`verify.measured_ranks`) on 2 and 4 processes.
@@ -31,9 +36,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..core.precision import AutocastModule, Precision
-from ..observe.collectives import Collectives
+from ..observe.collectives import Collectives, Op, tensor_bytes
 from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply, loss, optimizer, roles
 
 # Imports inside functions: torch's fake tensors, pipelining and memory tracker load when a
@@ -48,10 +54,11 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trac
 
     from ..strategy.pp import split
 
-    layout.spec.check_processes(world_size)
-    if layout.spec.names != ("pp",):  # (pp x dp, pp x tp: their stages' DDP, FSDP2 and tp are not traced here)
-        raise ValueError(f"trace_stage: a mesh of pp alone, not {layout.mesh}")
-    count, rows = layout.spec.size("pp"), layout.micro_batch
+    spec = layout.spec
+    spec.check_processes(world_size)
+    if set(spec.names) - {"pp", "dp"}:  # (pp x tp, 3-D: their stages' tp and FSDP2 are not traced here)
+        raise ValueError(f"trace_stage: a mesh of pp, or pp and dp, not {layout.mesh}")
+    count, rows = spec.size("pp"), layout.micro_batch
     chunks = max(1, step.share // rows)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, on_meta = built(step.build, mode)
@@ -80,6 +87,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trac
             torch.device("cpu"),
             input_args=(_like(given, index > 0),),
             output_args=(_like(out, True),),
+            group=_pipeline_group(layout),
         )
         steps = Schedule1F1B(pipe, chunks, loss_fn=loss, scale_grads=False)
         steps._warmup_p2p = _static  # type: ignore[method-assign]
@@ -97,8 +105,27 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trac
         tracker.track_external(model, opt)
         with tracker, Collectives() as collectives:
             one_step()
-    memory = roles(tracker)
-    return Trace(memory, float(sum(memory.values())), collectives.ops, 0.0, [f"pp: stage {index} of {count}"])
+    memory, ops, computed = roles(tracker), collectives.ops, [f"pp: stage {index} of {count}"]
+    if spec.size("dp") > 1:  # pp x dp: the stage's DDP, as the trace counts DDP's (trace._result)
+        grads = tensor_bytes(p for p in model.parameters())  # (the stage's: split dropped the rest)
+        memory["communication"] += grads
+        ops = [*ops, Op("all_reduce", grads, stage_ranks(layout, index))]
+        computed.append("pp x dp: the stage's DDP over dp: its gradient buckets (one more copy) and one all-reduce")
+    return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
+
+
+def stage_ranks(layout: Layout, index: int) -> tuple[int, ...]:
+    """The global ranks that run stage `index` of `layout`'s pipelines: one per data rank."""
+    spec = layout.spec
+    return tuple(r for r in range(spec.processes) if spec.coordinates(r).get("pp", 0) == index)
+
+
+def _pipeline_group(layout: Layout) -> Any:
+    """The process group of the traced rank's pipeline (data rank 0's stages); None, the whole
+    world, where the mesh is pp alone."""
+    if layout.spec.size("dp") == 1:
+        return None
+    return dist.new_group([stage_ranks(layout, s)[0] for s in range(layout.spec.size("pp"))])
 
 
 def per_call_tracker() -> Any:

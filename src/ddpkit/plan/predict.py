@@ -15,7 +15,9 @@ Time, stated in every plan:
 - a pipeline (pp=P, 1f1b over m micro-batches): a stage's compute (the model's FLOPs over P:
   stages assumed equal) times (m + P - 1) / m, the bubble while the pipeline fills and drains,
   plus its sends (activations forward, gradients back; a send within a node at NVLink's
-  figures only where the whole pipeline is) in full.
+  figures only where the whole pipeline is) in full. With dp beside it (pp=P,dp=D), each
+  stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that micro-batch's
+  compute), and costs what exceeds it.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def layouts(
     stages: int = 0,
 ) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
-    fsdp+tp with tp within a node, a pipeline of a stage per GPU), each with and without
-    activation checkpointing; the micro-batch is chosen later. `share_of(data_ranks)` is a data
-    rank's samples, None where the global batch does not divide; `heads` limits tp to divisors
-    (None: no tp plan); `stages` is the most stages the model splits into (0: no pipeline)."""
+    fsdp+tp with tp within a node, pipelines of P stages for every P that divides the GPUs, one
+    per data rank, each stage under DDP over them), each with and without activation
+    checkpointing; the micro-batch is chosen later. `share_of(data_ranks)` is a data rank's
+    samples, None where the global batch does not divide; `heads` limits tp to divisors (None:
+    no tp plan); `stages` is the most stages the model splits into (0: no pipeline)."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
     meshes = [("ddp", f"dp={world}"), ("fsdp", f"dp={world}")]
     if cluster.nodes > 1 and per_node > 1:
@@ -65,8 +68,10 @@ def layouts(
         if per_node % tp == 0 and heads % tp == 0 and share_of(world // tp):
             meshes.append(("tp", f"dp={world // tp},tp={tp}"))
         tp *= 2
-    if 1 < world <= stages and (share_of(1) or 0) >= world:  # 1f1b: a micro-batch per stage at least
-        meshes.append(("pp", f"pp={world}"))
+    for pp in range(2, min(world, stages) + 1):  # pipelines of pp stages, one per data rank
+        data = world // pp
+        if world % pp == 0 and (share_of(data) or 0) >= pp:  # 1f1b: a micro-batch per stage at least
+            meshes.append(("pp", f"pp={pp}" if data == 1 else f"pp={pp},dp={data}"))
     return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
 
 
@@ -155,10 +160,15 @@ def predict(
     if layout.strategy == "pp":  # the stage of the rank traced (see run._traced_pipeline)
         stages = layout.spec.size("pp")
         chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
+        # the sends between stages in full; a stage's DDP all-reduce (pp x dp) beside its last
+        # micro-batch's backward, where torch's stage lets DDP reduce
+        sends = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind == "send")
+        dp_comm = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind != "send")
+        window = compute / chunks * 2 / 3 if cluster.gpu.overlap else 0.0
+        exposed = sends + max(0.0, dp_comm - window)
         # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
-        # last drains it, (stages - 1) micro-batches' time; the sends between stages in full
+        # last drains it, (stages - 1) micro-batches' time
         compute *= (chunks + stages - 1) / chunks
-        dp_comm, exposed = 0.0, sum(op_seconds(op, cluster) * op.calls for op in trace.ops)
     else:
         dp_comm, exposed = _data_and_exposed(trace, layout, cluster, compute)
     step = compute + exposed

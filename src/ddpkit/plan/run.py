@@ -16,7 +16,7 @@ from ..core import checks
 from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
-from .predict import STRATEGIES, Prediction, best, layouts, predict
+from .predict import STRATEGIES, Prediction, best, layouts, op_seconds, predict
 from .trace import Layout, Step, Trace, backend_for, built, flops, in_fake_worlds, trace, workers
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
@@ -263,13 +263,14 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
             break
     worst = max(traces, key=lambda t: t.peak)
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
-    # the step's time is the slowest stage's: a middle stage sends both ways, the first and last one way
-    sends = max(range(stages), key=lambda s: sum(op.bytes * op.calls for op in traces[s].ops))
+    # the step's time is the slowest stage's: a middle stage sends both ways, the first and last
+    # one way; under dp each all-reduces its own gradients
+    sends = max(range(stages), key=lambda s: sum(op_seconds(op, cluster) * op.calls for op in traces[s].ops))
     shown = replace(worst, ops=traces[sends].ops)
     shown.computed = [
         f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
-        f"pp: 1f1b over the step's micro-batches (ddpkit's default schedule); the sends of stage {sends}, "
-        "which sends most",
+        f"pp: 1f1b over the step's micro-batches (ddpkit's default schedule); the collectives of stage {sends}, "
+        "whose take longest",
     ]
     return sized, shown
 

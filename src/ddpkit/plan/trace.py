@@ -75,6 +75,8 @@ class Layout:
         spec = self.spec
         if self.strategy == "tp" and spec.data_size == 1:
             name = f"tp {spec.size('tp')}"  # nothing sharded by FSDP2 on one data rank
+        elif self.strategy == "pp" and len(spec.sizes) > 1:
+            name = " x ".join(f"{dim} {size}" for dim, size in spec.sizes)  # "pp 2 x dp 4": which is the pipeline
         else:
             kind = "fsdp+tp" if self.strategy == "tp" else self.strategy
             name = f"{kind} {'x'.join(str(size) for _, size in spec.sizes)}"

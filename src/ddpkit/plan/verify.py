@@ -26,7 +26,7 @@ import torch
 
 from ..core import checks
 from ..errors import UsageError
-from .pipeline import per_call_tracker, trace_stage
+from .pipeline import per_call_tracker, stage_ranks, trace_stage
 from .run import Spec, _traced, children
 from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
 
@@ -46,8 +46,8 @@ def predicted(cases: list[Case], nproc: int, device: str = "cpu") -> list[Any]:
     """The plan's trace of each case on `nproc` ranks, with the optimizer torch picks on CPU
     (one tensor at a time), as the real runs here have it, and the process group `measured`
     runs on `device` (gloo on the CPU, whose reduce-scatter copies its input: `GlooCopies`).
-    A pipeline's (a mesh of pp alone) is the list of its stages' traces, first stage first
-    (`pipeline.trace_stage`): stage s is rank s's."""
+    A pipeline's is the list of its stages' traces, first stage first (`pipeline.trace_stage`):
+    stage s is that of rank `pipeline.stage_ranks(layout, s)[0]`."""
     backend = backend_for(device)
     calls, counts = [], []
     for spec, layout in cases:
@@ -163,7 +163,13 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
 
 
 def _ddp_buckets(model: torch.nn.Module) -> float:
-    """The bytes of DDP's gradient buckets, as DDP reports them (0 for any other model)."""
+    """The bytes of DDP's gradient buckets, as DDP reports them: the model's, or under pp x dp
+    its stage's (0 for any other model)."""
+    from ..strategy.pp import stage_of  # (with the Runtime, where a verification runs)
+
+    stage = stage_of(model)
+    if stage is not None and stage.pipeline is not None and stage.pipeline.replicas is not None:
+        model = stage.pipeline.replicas
     logging = getattr(model, "_get_ddp_logging_data", None)
     if logging is None:
         return 0.0
@@ -173,15 +179,20 @@ def _ddp_buckets(model: torch.nn.Module) -> float:
 
 def processes(layout: Layout, available: int) -> int:
     """The processes `--verify` runs `layout` on by default, of the `available` GPUs (or 2 on
-    the CPU): all of them, but a pipeline's, a stage per process, no more than it planned."""
-    return min(available, layout.spec.size("pp")) if layout.strategy == "pp" else available
+    the CPU): all of them, but a pipeline's, a stage per process, no more than it planned (of
+    pipelines beside each other, as many as the processes hold whole)."""
+    if layout.strategy != "pp":
+        return available
+    stages = layout.spec.size("pp")
+    return available if layout.spec.data_size > 1 and available % stages == 0 else min(available, stages)
 
 
 def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     """`layout` of `spec` brought to `nproc` processes on this machine: the same strategy over
     them (hsdp as 2 replicas where nproc is even and at least 4, else fsdp; tp over at most
-    nproc ranks), the same micro-batch and micro-batches per step, so the global batch is
-    scaled to the data ranks here."""
+    nproc ranks; pipelines of as many stages where nproc holds two or more of them whole,
+    else one of a stage per process), the same micro-batch and micro-batches per step, so the
+    global batch is scaled to the data ranks here."""
     from ..strategy.mesh import MeshSpec
 
     strategy, tp = layout.strategy, layout.spec.size("tp")
@@ -195,10 +206,13 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         mesh = f"dp={nproc // tp},tp={tp}" if tp > 1 else f"dp={nproc}"
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
-    elif strategy == "pp":  # a stage per process here, over the same micro-batches
-        mesh = f"pp={nproc}"
-        most = min(spec.global_batch // layout.micro_batch, children(spec))
-        if not 2 <= nproc <= most:
+    elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
+        stages = layout.spec.size("pp")
+        several = layout.spec.data_size > 1 and nproc > stages and nproc % stages == 0
+        mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
+        share = spec.share(layout.spec.data_size) or layout.micro_batch  # each pipeline's micro-batches
+        most = min(share // layout.micro_batch, children(spec))
+        if not several and not 2 <= nproc <= most:
             raise UsageError(
                 f"--verify on {nproc} process(es): {layout.label} runs here as a pipeline of a stage per process, "
                 f"from 2 to {most} (its micro-batches and the model's children); give --verify-nproc"
@@ -227,7 +241,7 @@ def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
     if isinstance(guessed, list):  # a pipeline's stages: the one that holds most, beside its rank
         stage = max(range(len(guessed)), key=lambda s: guessed[s].peak)
         fits_here(guessed[stage].peak, nproc, device, f"--verify's run of {case[1].label}")
-        return guessed[stage], measured_ranks([case], nproc, device)[stage][0]
+        return guessed[stage], measured_ranks([case], nproc, device)[stage_ranks(case[1], stage)[0]][0]
     fits_here(guessed.peak, nproc, device, f"--verify's run of {case[1].label}")
     return guessed, measured([case], nproc, device)[0]
 
