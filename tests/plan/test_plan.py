@@ -105,6 +105,25 @@ def test_pipelines_beside_each_other_reduce_each_stages_gradients_beside_its_las
 
 
 @pytest.mark.unit
+def test_a_pipelines_time_is_its_slowest_stages_counted_flops_as_the_split_cuts_it():
+    from ddpkit.plan.run import stage_flops
+    from ddpkit.plan.trace import child_flops
+
+    # the split balances parameters, not FLOPs: a large embedding shares its stage with a block
+    sizes = {"embed": 100, "block0": 50, "block1": 50, "head": 100}
+    counted = {False: {"embed": 0.0, "block0": 10.0, "block1": 10.0, "head": 30.0}}
+    assert stage_flops((sizes, counted), False, 2) == [10.0, 40.0]
+    assert stage_flops((sizes, counted), False, 4) == [0.0, 10.0, 10.0, 30.0]
+    # gpt's children: the embedding counts no products, each block the same, the head its
+    # logits' (and what checkpointing recomputes is its block's)
+    spec = _spec()
+    plain, full = (child_flops(spec.build, spec.batch, ac) for ac in (False, True))
+    assert list(plain) == ["embed", "block0", "block1", "head"] and plain["embed"] == 0
+    assert plain["block0"] == plain["block1"] and sum(plain.values()) == flops(spec.build, spec.batch, False)
+    assert full["block0"] > plain["block0"] and full["head"] == plain["head"]
+
+
+@pytest.mark.unit
 def test_a_pipeline_tries_4_micro_batches_per_stage_first_then_fewer_rows():
     from ddpkit.plan.run import _pipeline_micro_batches
 
@@ -254,6 +273,9 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     pp = next(q for q in p.predictions if q.layout.mesh == "pp=4")
     assert pp.trace.computed[0].startswith("pp: every stage traced") and pp.trace.peak > 0
     assert sum(op.calls for op in pp.trace.ops if op.kind == "send") == 2 * 4
+    # its FLOPs: the slowest stage's, a block's (the embedding's stage counts none), on all 4 samples
+    blocks = flops(_spec().build, _spec().batch, False) - 3 * 2**20  # less the head's logits, 3 MFLOP a sample
+    assert pp.trace.flops == pytest.approx(4 * blocks / 2) and "slowest stage" in pp.trace.computed[-1]
     assert p.best is not None and p.best.fits
     assert "--nproc 4" in p.command(p.best)
     # the same traces on a GPU of almost no memory: none fits, and none is recommended

@@ -12,8 +12,8 @@ Time, stated in every plan:
   DDP's all-reduce beside the backward (2/3 of the compute), FSDP2's all-gathers and
   reduce-scatters beside all of it; tensor-parallel collectives sit between a layer's
   products and cost in full;
-- a pipeline (pp=P, 1f1b over m micro-batches): a stage's compute (the model's FLOPs over P:
-  stages assumed equal) times (m + P - 1) / m, the bubble while the pipeline fills and drains,
+- a pipeline (pp=P, 1f1b over m micro-batches): the slowest stage's compute (its children's
+  FLOPs, as the split cuts them) times (m + P - 1) / m, the bubble while the pipeline fills and drains,
   plus its sends (activations forward, gradients back; a send within a node at NVLink's
   figures only where the whole pipeline is) in full. With dp beside it (pp=P,dp=D), each
   stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that micro-batch's

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
 from .predict import STRATEGIES, Prediction, best, layouts, op_seconds, predict
-from .trace import Layout, Step, Trace, backend_for, built, flops, in_fake_worlds, trace, workers
+from .trace import Layout, Step, Trace, backend_for, built, child_flops, flops, in_fake_worlds, trace, workers
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
 
@@ -118,9 +118,9 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
     with bar:
         calls: list[tuple[Any, tuple[Any, ...]]] = [(_traced_fits, (spec, cluster, part)) for part in parts]
         calls.append((_size, (spec,)))  # the cheapest last: the processes end nearer together
-        *traced, (parameters, per_sample) = in_fake_worlds(cluster.world_size, calls, bar)
+        *traced, (parameters, per_sample, children) = in_fake_worlds(cluster.world_size, calls, bar)
     fitted = {layout: one for part, results in zip(parts, traced) for layout, one in zip(part, results)}
-    predictions = [_predicted(spec, cluster, fitted[layout], per_sample) for layout in todo]
+    predictions = [_predicted(spec, cluster, fitted[layout], per_sample, children) for layout in todo]
     return Plan(spec, cluster, parameters, predictions, time.perf_counter() - start)
 
 
@@ -170,11 +170,12 @@ def _parts(todo: list[Layout], workers: int) -> list[list[Layout]]:
     return sorted(chosen, key=lambda part: COSTLIEST_FIRST.index(part[0].strategy))
 
 
-def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
+def _size(spec: Spec) -> tuple[int, dict[bool, float], Children]:
     """The model's parameters (built on the meta device, or on fake tensors where it cannot
     be: nothing allocated, see `trace.built`) and its training FLOPs per sample, without and
     with activation checkpointing (a deep gpt's extrapolated from TRACED_DEPTHS blocks, as its
-    traces are)."""
+    traces are); and where it is planned as pipelines (`_stages`), each child's parameters and
+    FLOPs per sample, which its stages split."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     depth = _depth(spec)
@@ -193,7 +194,27 @@ def _size(spec: Spec) -> tuple[int, dict[bool, float]]:
             low, high = TRACED_DEPTHS[True]
             one, two = (flops(spec.builder(depth=d), spec.batch, ac) for d in (low, high))
             per_sample[ac] = one + (depth - low) * (two - one)
-    return parameters, per_sample
+    children: Children = ({}, {})
+    if _stages(spec):
+        model, _ = built(spec.build, mode)
+        sizes = {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
+        children = (sizes, {ac: child_flops(spec.build, spec.batch, ac) for ac in per_sample})
+    return parameters, per_sample, children
+
+
+# A pipelined model's children: their parameters (what `strategy.pp.split` balances the stages
+# by) and their FLOPs per sample by activation checkpointing, both by name in the model's order.
+Children = tuple[dict[str, int], dict[bool | str, dict[str, float]]]
+
+
+def stage_flops(children: Children, checkpointing: bool | str, stages: int) -> list[float]:
+    """The FLOPs per sample of each of `stages` stages, cut as `strategy.pp.split` cuts them."""
+    from ..strategy.pp import balanced_cuts
+
+    sizes, by_ac = children
+    names, counted = list(sizes), by_ac[checkpointing]
+    bounds = balanced_cuts([sizes[n] for n in names], stages)
+    return [sum(counted[n] for n in names[bounds[s] : bounds[s + 1]]) for s in range(stages)]
 
 
 def _parameters(build: Any, mode: Any) -> int:
@@ -291,17 +312,29 @@ def _pipeline_micro_batches(share: int, stages: int) -> list[int]:
     return [m for m in sizes if m <= enough[0]]
 
 
-def _predicted(spec: Spec, cluster: Cluster, fitted: tuple[Layout, Trace], per_sample: dict[bool, float]) -> Prediction:
-    """A traced layout's prediction, with the FLOPs of its rank's share of the step."""
+def _predicted(
+    spec: Spec,
+    cluster: Cluster,
+    fitted: tuple[Layout, Trace],
+    per_sample: dict[bool, float],
+    children: Children = ({}, {}),
+) -> Prediction:
+    """A traced layout's prediction, with the FLOPs of its rank's share of the step (a
+    pipeline's: its slowest stage's, from `children`)."""
     layout, traced = fitted
     share = spec.share(layout.spec.data_size)
     assert share is not None
     tp, stages = layout.spec.size("tp"), layout.spec.size("pp")
-    traced.flops = per_sample[layout.checkpointing] * share / tp / stages
+    traced.flops = per_sample[layout.checkpointing] * share / tp
     if tp > 1:
         traced.computed.append("flops: a tensor-parallel rank's share is the whole model's over tp")
     if stages > 1:
-        traced.computed.append("flops: a stage's share is the whole model's over pp (stages assumed equal)")
+        by_stage = stage_flops(children, layout.checkpointing, stages)
+        traced.flops = max(by_stage) * share
+        shares = ", ".join(f"{f / sum(by_stage):.0%}" for f in by_stage)
+        traced.computed.append(
+            f"flops: the slowest stage's, each stage's children's as counted (shares of the model's by stage: {shares})"
+        )
     seq = spec.in_shape[0] if spec.language else None
     model_flops = per_sample[False] * spec.global_batch
     peak = cluster.peak_flops(spec.precision, convolutions=not spec.language)

@@ -399,6 +399,21 @@ def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpoin
     """The FLOPs of one sample's forward and backward (with recomputation under activation
     checkpointing) on the whole model, counted on fake tensors. Kept apart from the traced
     step: FlopCounterMode around it changed what checkpointing keeps (torch 2.13)."""
+    return _counted(build, batch, checkpointing)[0]
+
+
+def child_flops(
+    build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool | str
+) -> dict[str, float]:
+    """`flops` by the model's children (a pipeline's units), in their order: what each one's
+    forward and backward of one sample counted (torch's counter gives each module what ran
+    inside it, its backward included)."""
+    return _counted(build, batch, checkpointing)[1]
+
+
+def _counted(
+    build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpointing: bool | str
+) -> tuple[float, dict[str, float]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -410,7 +425,10 @@ def flops(build: Callable[[], nn.Module], batch: Callable[[int], Any], checkpoin
         counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas())
         with counter:
             loss(model(x), y).backward()
-        return float(counter.get_total_flops())
+        counts = counter.get_flop_counts()
+        top = type(model).__name__
+        children = {name: float(sum(counts.get(f"{top}.{name}", {}).values())) for name in model._modules}
+        return float(counter.get_total_flops()), children
 
 
 def _result(tracker: Any, model: nn.Module, layout: Layout, ops: list[Op]) -> Trace:
