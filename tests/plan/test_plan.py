@@ -156,7 +156,8 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
     assert pipelines(4, 8) == set()  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
     assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
     assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
-    assert _stages(replace(_spec(), options={**GPT, "depth": 100})) == 0  # traced at fewer blocks
+    deep = replace(_spec(), options={**GPT, "depth": 100})
+    assert _stages(deep) == 0 and _stages(replace(deep, strategies=("pp",))) == 8  # a deep gpt's: asked for
 
 
 @pytest.mark.unit
@@ -384,6 +385,42 @@ def test_deep_gpt_extrapolated_from_three_and_four_blocks_matches_whole_traces()
         assert sum(op.calls for op in guessed.ops) == sum(op.calls for op in whole.ops)
         moved = [sum(op.bytes * op.calls for op in t.ops) for t in (guessed, whole)]
         assert moved[0] == pytest.approx(moved[1], rel=1e-3)
+
+
+def _stage_whole_and_extrapolated(layout, index):
+    from ddpkit.plan import run
+    from ddpkit.plan.pipeline import trace_stage
+
+    spec = Spec("gpt", (32,), 256, 4, "fp32", "adamw", {"width": 64, "depth": 9, "heads": 4})
+    step = Step(spec.build, spec.batch, 4 // layout.spec.data_size, "fp32", "adamw")  # two micro-batches
+    world = layout.spec.processes
+    return trace_stage(step, layout, world, index), run._traced_stage(spec, step, layout, world, index)
+
+
+@pytest.mark.distributed  # fake worlds of 2 and 4 ranks, in processes of their own
+def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_stage_traces():
+    # 9 blocks over 2 stages: the embedding and 4 blocks, then 5 blocks and the head (cut by
+    # parameters); each traced at 2 and 3 blocks (3 and 4 under checkpointing) and extrapolated
+    pp, checkpointed, beside = (
+        Layout("pp", "pp=2", False, 2),
+        Layout("pp", "pp=2", True, 2),
+        Layout("pp", "pp=2,dp=2", False, 1),
+    )
+    calls = [(_stage_whole_and_extrapolated, (layout, s)) for layout, s in ((pp, 0), (pp, 1), (checkpointed, 1))]
+    pairs = in_fake_worlds(2, calls) + in_fake_worlds(4, [(_stage_whole_and_extrapolated, (beside, 1))])
+    for whole, guessed in pairs:
+        assert guessed.peak == pytest.approx(whole.peak, rel=0.01)
+        assert min(guessed.memory.values()) >= 0
+        for role in ("parameters", "optimizer", "communication"):  # states: exact
+            assert guessed.memory[role] == pytest.approx(whole.memory[role], rel=1e-6), role
+        for kind in ("send", "all_reduce"):  # as many calls, moving as many bytes, in the same groups
+            moved = [
+                [(op.ranks, op.bytes * op.calls, op.calls) for op in t.ops if op.kind == kind] for t in (guessed, whole)
+            ]
+            assert {r for r, _, _ in moved[0]} == {r for r, _, _ in moved[1]}, kind
+            assert [sum(b for _, b, _ in m) for m in moved] == [sum(b for _, b, _ in moved[1])] * 2, kind
+            assert [sum(c for _, _, c in m) for m in moved] == [sum(c for _, _, c in moved[1])] * 2, kind
+        assert "extrapolated" in guessed.computed[-1]
 
 
 @pytest.mark.cli

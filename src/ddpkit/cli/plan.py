@@ -194,7 +194,11 @@ def _parser() -> ArgumentParser:
         help="both (default: each layout with and without, in full), on, off, selective (attention's and every "
         "other product's outputs kept), or all three",
     )
-    p.add_argument("--strategy", help="plan only these, comma-separated: ddp, fsdp, hsdp, tp, pp (default: all)")
+    p.add_argument(
+        "--strategy",
+        help="plan only these, comma-separated: ddp, fsdp, hsdp, tp, pp (default: all; pipelines of a gpt deeper "
+        "than 8 blocks only when pp is named: each stage is traced, which takes minutes on large clusters)",
+    )
     p.add_argument(
         "--gpu",
         default="h100",

@@ -46,9 +46,11 @@ from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply,
 # trace runs.
 
 
-def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trace:
-    """Stage `index`'s step of `layout` (a mesh of `pp` alone), in a process of
-    `trace.in_fake_worlds`: see the module docstring."""
+def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: tuple[str, ...] | None = None) -> Trace:
+    """Stage `index`'s step of `layout` (a mesh of pp, or pp and dp), in a process of
+    `trace.in_fake_worlds`: see the module docstring. The stage holds the children of the
+    step's model that `strategy.pp.split` gives it, or those named in `kept` (a stage of a
+    deeper model, with fewer blocks: `run._traced_stage`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -73,9 +75,14 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int) -> Trac
             sent, h = {}, x
             for name, child in model.named_children():
                 h = sent[name] = child(h)
-        stage = split(model, index, count)
-        first = names.index(stage.kept[0])
-        given, out = (x if first == 0 else sent[names[first - 1]]), sent[stage.kept[-1]]
+        if kept is None:
+            kept = split(model, index, count).kept
+        else:
+            for name in names:
+                if name not in kept:
+                    del model._modules[name]
+        first = names.index(kept[0])
+        given, out = (x if first == 0 else sent[names[first - 1]]), sent[kept[-1]]
         last = index == count - 1
         run = (
             model if step.precision == "fp32" else AutocastModule(model, Precision(step.precision, torch.device("cpu")))

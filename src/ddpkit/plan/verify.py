@@ -26,8 +26,8 @@ import torch
 
 from ..core import checks
 from ..errors import UsageError
-from .pipeline import per_call_tracker, stage_ranks, trace_stage
-from .run import Spec, _traced, children
+from .pipeline import per_call_tracker, stage_ranks
+from .run import Spec, _traced, _traced_stage, children
 from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
 
 # Imports inside functions: the Runtime and the launcher load when a verification runs.
@@ -65,7 +65,7 @@ def _traced_case(spec: Spec, layout: Layout, nproc: int, backend: str, stage: in
         spec.build, spec.batch, share, spec.precision, spec.optimizer, foreach=False, count=True, backend=backend
     )
     if layout.strategy == "pp":
-        return trace_stage(step, layout, nproc, stage)
+        return _traced_stage(spec, step, layout, nproc, stage)
     return _traced(spec, step, layout, nproc)
 
 
