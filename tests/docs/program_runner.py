@@ -17,6 +17,7 @@ never runs a torch operation itself, so no child inherits a thread pool of OpenM
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -30,6 +31,8 @@ from typing import Any
 
 from ddpkit.cli import end_program
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
 
 def run_program(path: str, cwd: str, timeout: float) -> dict[str, Any]:
     start = time.perf_counter()
@@ -37,12 +40,15 @@ def run_program(path: str, cwd: str, timeout: float) -> dict[str, Any]:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:  # the program's process
+        if pid == 0:  # the program's process, in a process group of its own (a timeout stops all of it)
             try:
+                os.setpgid(0, 0)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
                 os.chdir(cwd)
                 _run_as_main(path)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(70)  # (only if ending it failed)
         code = _wait(pid, timeout)
@@ -56,6 +62,12 @@ def run_program(path: str, cwd: str, timeout: float) -> dict[str, Any]:
 def _run_as_main(path: str) -> None:
     """`python PATH`, in this (forked) process, to its end: never returns."""
     sys.argv = [path]
+    for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:  # the runner's own
+        del sys.modules[name]
+    # the program's folder first on the path, as `python FILE` puts it, and not the repository's
+    sys.path[:] = [os.path.dirname(os.path.abspath(path))] + [
+        p for p in sys.path[1:] if os.path.abspath(p or ".") != ROOT
+    ]
     code = 0
     try:
         runpy.run_path(path, run_name="__main__")
@@ -68,8 +80,8 @@ def _run_as_main(path: str) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():  # the interpreter waits for them before its end
-        if thread is not threading.main_thread() and not thread.daemon:
+    while waited := [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]:
+        for thread in waited:  # the interpreter waits for them (and the threads they start) before its end
             thread.join()
     end_program(code)  # atexit handlers, buffered output, then os._exit
 
@@ -83,7 +95,7 @@ def _wait(pid: int, timeout: float) -> int | str:
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the program and what it started
             os.waitpid(pid, 0)
             return "timeout"
         time.sleep(0.02)
@@ -94,7 +106,7 @@ def run_all(programs: list[dict], timeout: float = 240) -> list[dict]:
     process, with the repository on its PYTHONPATH; their outcomes in order."""
     import subprocess
 
-    from tests.conftest import ROOT, clean_env
+    from tests.conftest import clean_env
 
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
@@ -116,6 +128,8 @@ def main() -> None:
     cases = json.load(sys.stdin)
     import torch  # noqa: F401  (what each program imports first: inherited by every fork)
     import torch._dynamo  # noqa: F401  (every optimizer imports it when it is made)
+
+    gc.freeze()  # what the children inherit: left out of their collections (and of copies on write)
 
     results = [run_program(c["path"], c["cwd"], c["timeout"]) for c in cases]
     sys.stdout.write(json.dumps(results))

@@ -94,21 +94,33 @@ def test_the_runner_runs_a_program_as_the_interpreter_does(tmp_path):
             "sys.stdout.write('no newline')\n"
         ),
         "never ends": "import time\ntime.sleep(60)\n",
-        "named main": "if __name__ == '__main__':\n    import sys\n    print(sys.argv[0].endswith('p.py'))\n",
+        "a thread starts a thread": (
+            "import threading, time\n"
+            "def inner():\n    time.sleep(0.3)\n    print('inner done')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.1), threading.Thread(target=inner).start())).start()\n"
+        ),
+        "named main": (
+            "import os, sys\nfrom helper import WHERE\n"  # a module beside it: its folder comes first on the path
+            "if __name__ == '__main__':\n"
+            "    print(sys.argv[0].endswith('p.py'), WHERE == os.path.dirname(os.path.abspath(sys.argv[0])))\n"
+            "    try:\n        import tests.docs\n    except ModuleNotFoundError:\n        print('no tests package')\n"
+        ),
     }
     cases = []
     for name, code in programs.items():
         folder = tmp_path / name.replace(" ", "_")
         folder.mkdir()
         (folder / "p.py").write_text(code)
-        cases.append({"path": str(folder / "p.py"), "cwd": str(folder)})
+        (folder / "helper.py").write_text("import os\nWHERE = os.path.dirname(os.path.abspath(__file__))\n")
+        cases.append({"path": str(folder / "p.py"), "cwd": str(tmp_path)})  # run from elsewhere
     got = dict(zip(programs, run_all(cases, timeout=5)))
     assert got["fails"]["code"] == 1 and "ValueError: boom" in got["fails"]["stderr"]
     assert (got["exits 3"]["code"], got["exits 3"]["stdout"]) == (3, "out\n")
     assert (got["exits with a message"]["code"], got["exits with a message"]["stderr"]) == (1, "said why\n")
     assert got["ends late"]["code"] == 0 and got["ends late"]["stdout"] == "no newlinethread done\natexit ran\n"
     assert got["never ends"]["code"] == "timeout"
-    assert got["named main"] == {**got["named main"], "code": 0, "stdout": "True\n"}
+    assert (got["a thread starts a thread"]["code"], got["a thread starts a thread"]["stdout"]) == (0, "inner done\n")
+    assert got["named main"] == {**got["named main"], "code": 0, "stdout": "True True\nno tests package\n"}
 
 
 @pytest.mark.cli

@@ -540,10 +540,20 @@ def gather_rows(tensor: torch.Tensor, group: Any = None) -> list[list[float]]:
     if n == 1:
         return [tensor.tolist()]
     out = tensor.new_empty(n * tensor.numel())
-    # (torch 2.13 renamed all_gather_into_tensor, which older releases have alone)
-    gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-    gather(out, tensor.contiguous(), group=group)
+    gather_into(out, tensor.contiguous(), group=group)
     return out.view(n, -1).tolist()
+
+
+# torch 2.13 renamed these two (all_gather_single, reduce_scatter_single) and warns on every call
+# by the old names, which older releases have alone
+def gather_into(out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Any:
+    """`out` filled with every rank's `tensor`, in rank order (torch's all-gather into one tensor)."""
+    return (getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor)(out, tensor, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Any:
+    """`out` holding this rank's part of the sum of every rank's `tensor` (torch's reduce-scatter)."""
+    return (getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor)(out, tensor, group=group)
 
 
 def all_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:

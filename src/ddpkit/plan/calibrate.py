@@ -232,6 +232,7 @@ def _worker(nproc: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from ..core.dist import gather_into, reduce_scatter_into
     from ..runtime import Runtime
     from .work import Counting
 
@@ -259,17 +260,14 @@ def _worker(nproc: int) -> dict[str, Any]:
         per_op = _timed(chain) / counted.ops.calls
         attention = _attention_rate(rt)
         collectives = []
-        # (torch 2.13 renamed these two, and warns on every call by the old names, which older releases have alone)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         for kind in KINDS if nproc > 1 else ():
             for numel in collective_numels(nproc):
                 sent = torch.ones(numel)
                 out = torch.empty(numel * nproc) if kind == "all_gather" else torch.empty(numel // nproc)
                 call = {
                     "all_reduce": lambda sent=sent: dist.all_reduce(sent),
-                    "all_gather": lambda sent=sent, out=out: gather(out, sent),
-                    "reduce_scatter": lambda sent=sent, out=out: scatter(out, sent),
+                    "all_gather": lambda sent=sent, out=out: gather_into(out, sent),
+                    "reduce_scatter": lambda sent=sent, out=out: reduce_scatter_into(out, sent),
                 }[kind]
                 rt.barrier()
                 reps = max(2, 2**14 // numel)  # as many on every rank

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.precision import AutocastModule, Precision
-from ..observe.collectives import Collectives, Op, tensor_bytes
-from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply, loss, optimizer, roles
+from ..observe.collectives import Collectives
+from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply, ddp_counted, loss, optimizer, roles
 
 # Imports inside functions: torch's fake tensors, pipelining and memory tracker load when a
 # trace runs.
@@ -58,7 +58,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
 
     spec = layout.spec
     spec.check_processes(world_size)
-    if set(spec.names) - {"pp", "dp"}:  # (pp x tp, 3-D: their stages' tp and FSDP2 are not traced here)
+    if "pp" not in spec.names or set(spec.names) - {"pp", "dp"}:  # (pp x tp, 3-D: their tp is not traced here)
         raise ValueError(f"trace_stage: a mesh of pp, or pp and dp, not {layout.mesh}")
     count, rows = spec.size("pp"), layout.micro_batch
     chunks = max(1, step.share // rows)
@@ -112,11 +112,9 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
         tracker.track_external(model, opt)
         with tracker, Collectives() as collectives:
             one_step()
-    memory, ops, computed = roles(tracker), collectives.ops, [f"pp: stage {index} of {count}"]
-    if spec.size("dp") > 1:  # pp x dp: the stage's DDP, as the trace counts DDP's (trace._result)
-        grads = tensor_bytes(p for p in model.parameters())  # (the stage's: split dropped the rest)
-        memory["communication"] += grads
-        ops = [*ops, Op("all_reduce", grads, stage_ranks(layout, index))]
+    memory, ops, computed = roles(tracker), list(collectives.ops), [f"pp: stage {index} of {count}"]
+    if spec.size("dp") > 1:  # pp x dp: the stage's DDP (the model holds the stage's children alone)
+        ddp_counted(memory, ops, model, stage_ranks(layout, index))
         computed.append("pp x dp: the stage's DDP over dp: its gradient buckets (one more copy) and one all-reduce")
     return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
 

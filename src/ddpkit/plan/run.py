@@ -129,8 +129,8 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
 # per stage; FSDP2's, of its optimizer's step; DDP's are the bare model's.
 COSTLIEST_FIRST = ("tp", "pp", "hsdp", "fsdp", "ddp")
 
-# A pipeline is planned with up to this many stages, for a gpt of up to EXTRAPOLATE_FROM blocks:
-# each stage is traced on its own (`pipeline.trace_stage`), after a forward of the whole model.
+# A pipeline is planned with up to this many stages: each stage is traced on its own
+# (`pipeline.trace_stage`; a deep gpt's at fewer blocks, `_traced_stage`).
 MAX_STAGES = 8
 
 
@@ -139,7 +139,7 @@ def _stages(spec: Spec) -> int:
     (its embedding, blocks and head), up to MAX_STAGES; not in fp16, which a pipeline does not
     run. A gpt deeper than EXTRAPOLATE_FROM blocks only where pipelines are asked for
     (`--strategy pp`): its every stage is traced twice, at fewer blocks (`_traced_stage`), and
-    a 512-rank plan of a 36-block gpt took 180 s with them, 20 s without."""
+    a 512-rank plan of a 36-block gpt took 180 s with them, 13 s without."""
     if not spec.language or spec.precision == "fp16":
         return 0
     if _depth(spec) > EXTRAPOLATE_FROM and "pp" not in spec.strategies:
@@ -208,33 +208,40 @@ Children = tuple[dict[str, int], dict[bool | str, dict[str, float]]]
 def _children(spec: Spec, mode: Any) -> Children:
     """`Children` of `spec`'s gpt, from a gpt of one block: every block is alike, the
     embedding's and the head's do not depend on the depth."""
-    one, blocks = spec.builder(depth=1), [f"block{i}" for i in range(_depth(spec))]
-    by_ac = {}
-    for ac in dict.fromkeys((False, *spec.checkpointing)):
-        counted = child_flops(one, spec.batch, ac)
-        by_ac[ac] = {"embed": counted["embed"], **dict.fromkeys(blocks, counted["block0"]), "head": counted["head"]}
-    return _child_sizes(spec, mode), by_ac
+    one = spec.builder(depth=1)
+    by_ac = {ac: _as_deep(spec, child_flops(one, spec.batch, ac)) for ac in dict.fromkeys((False, *spec.checkpointing))}
+    model, _ = built(one, mode)
+    return _as_deep(
+        spec, {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
+    ), by_ac
 
 
-def _child_sizes(spec: Spec, mode: Any) -> dict[str, int]:
-    """The parameters of each child of `spec`'s gpt, by name, from a gpt of one block."""
-    model, _ = built(spec.builder(depth=1), mode)
-    size = {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
-    blocks = [f"block{i}" for i in range(_depth(spec))]
-    return {"embed": size["embed"], **dict.fromkeys(blocks, size["block0"]), "head": size["head"]}
+def _as_deep(spec: Spec, one: dict[str, Any]) -> dict[str, Any]:
+    """A figure of each child of a gpt of one block (`one`), as `spec`'s gpt has its children:
+    its block's for every block."""
+    return {
+        "embed": one["embed"],
+        **dict.fromkeys((f"block{i}" for i in range(_depth(spec))), one["block0"]),
+        "head": one["head"],
+    }
 
 
-def _stage_children(spec: Spec, stages: int, index: int) -> tuple[bool, int, bool]:
-    """Stage `index` of `stages` of `spec`'s gpt as `strategy.pp.split` cuts it (by parameters):
+def stage_cuts(spec: Spec, stages: int) -> list[tuple[bool, int, bool]]:
+    """Each of `stages` stages of `spec`'s gpt as `strategy.pp.split` cuts it (by parameters):
     whether it holds the embedding, how many blocks, whether it holds the head."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..strategy.pp import balanced_cuts
 
-    sizes = list(_child_sizes(spec, FakeTensorMode(allow_non_fake_inputs=True)).values())
+    model, _ = built(spec.builder(depth=1), FakeTensorMode(allow_non_fake_inputs=True))
+    sizes = list(
+        _as_deep(spec, {n: sum(p.numel() for p in c.parameters()) for n, c in model.named_children()}).values()
+    )
     bounds = balanced_cuts(sizes, stages)
-    low, high = bounds[index], bounds[index + 1]
-    return low == 0, len(range(max(low, 1), min(high, len(sizes) - 1))), high == len(sizes)
+    return [
+        (low == 0, len(range(max(low, 1), min(high, len(sizes) - 1))), high == len(sizes))
+        for low, high in zip(bounds, bounds[1:])
+    ]
 
 
 def stage_flops(children: Children, checkpointing: bool | str, stages: int) -> list[float]:
@@ -304,9 +311,10 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
     memory = cluster.gpu.memory_gib * GIB
     sizes = _pipeline_micro_batches(share, stages)
     sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
+    cuts = stage_cuts(spec, stages) if _depth(spec) > EXTRAPOLATE_FROM else None
     for micro in sizes:
         sized = replace(layout, micro_batch=micro)
-        traces = [_traced_stage(spec, step, sized, cluster.world_size, index) for index in range(stages)]
+        traces = [_traced_stage(spec, step, sized, cluster.world_size, index, cuts) for index in range(stages)]
         states = max(t.peak - t.memory["activations"] - t.memory["temporary"] for t in traces)
         if max(t.peak for t in traces) <= memory or states > memory:  # fits, or never will (_traced_fit)
             break
@@ -320,21 +328,30 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
         f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
         f"pp: 1f1b over the step's micro-batches (ddpkit's default schedule); the collectives of stage {sends}, "
         "whose take longest",
+        *worst.computed[1:],  # (its own first line names its stage)
     ]
     return sized, shown
 
 
-def _traced_stage(spec: Spec, step: Step, layout: Layout, world_size: int, index: int) -> Trace:
+def _traced_stage(
+    spec: Spec,
+    step: Step,
+    layout: Layout,
+    world_size: int,
+    index: int,
+    cuts: list[tuple[bool, int, bool]] | None = None,
+) -> Trace:
     """`pipeline.trace_stage` of stage `index`; of a gpt deeper than EXTRAPOLATE_FROM blocks, a
     stage of the same place (the embedding, the head, as the split gives it them) with as many
     blocks where it holds up to TRACED_DEPTHS' larger count, else traced at TRACED_DEPTHS blocks
     and extrapolated to its own, as `_traced` extrapolates a whole model: every block adds the
-    same parameters, states and activations (and, beside dp, DDP's buckets and all-reduce)."""
+    same parameters, states and activations (and, beside dp, DDP's buckets and all-reduce).
+    `cuts`: `stage_cuts` of the layout's stages, where the caller has them."""
     from .pipeline import trace_stage
 
     if _depth(spec) <= EXTRAPOLATE_FROM:
         return trace_stage(step, layout, world_size, index)
-    embed, blocks, head = _stage_children(spec, layout.spec.size("pp"), index)
+    embed, blocks, head = (cuts or stage_cuts(spec, layout.spec.size("pp")))[index]
 
     def at(n: int) -> Trace:  # the stage with n blocks (a gpt has one at least: none kept where n is 0)
         kept = ("embed",) * embed + tuple(f"block{i}" for i in range(n)) + ("head",) * head

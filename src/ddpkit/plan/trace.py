@@ -432,14 +432,21 @@ def _counted(
 
 
 def _result(tracker: Any, model: nn.Module, layout: Layout, ops: list[Op]) -> Trace:
-    memory = roles(tracker)
+    memory, ops = roles(tracker), list(ops)
     computed = []
     if layout.strategy == "ddp" and layout.spec.processes > 1:
-        grads = tensor_bytes(p for p in model.parameters())  # fp32 gradients, one per parameter
-        memory["communication"] += grads
-        ops = ops + [Op("all_reduce", grads, tuple(range(layout.spec.processes)))]
+        ddp_counted(memory, ops, model, tuple(range(layout.spec.processes)))
         computed.append("ddp: its gradient buckets (one more copy of the gradients) and one all-reduce of them")
     return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
+
+
+def ddp_counted(memory: dict[str, float], ops: list[Op], model: nn.Module, ranks: tuple[int, ...]) -> None:
+    """DDP over `ranks` on `model`, added to a trace's `memory` and `ops` in place: its gradient
+    buckets (out of the tracker's sight: allocated by its C++ reducer), one more copy of the
+    model's fp32 gradients, and one all-reduce of them per step."""
+    grads = tensor_bytes(p for p in model.parameters())  # fp32 gradients, one per parameter
+    memory["communication"] += grads
+    ops.append(Op("all_reduce", grads, ranks))
 
 
 def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -181,10 +181,16 @@ def processes(layout: Layout, available: int) -> int:
     """The processes `--verify` runs `layout` on by default, of the `available` GPUs (or 2 on
     the CPU): all of them, but a pipeline's, a stage per process, no more than it planned (of
     pipelines beside each other, as many as the processes hold whole)."""
-    if layout.strategy != "pp":
+    if layout.strategy != "pp" or _side_by_side(layout, available):
         return available
+    return min(available, layout.spec.size("pp"))
+
+
+def _side_by_side(layout: Layout, nproc: int) -> bool:
+    """Whether `nproc` processes run pipelines of `layout` (planned beside dp) side by side: two
+    or more of them, whole."""
     stages = layout.spec.size("pp")
-    return available if layout.spec.data_size > 1 and available % stages == 0 else min(available, stages)
+    return layout.spec.data_size > 1 and nproc > stages and nproc % stages == 0
 
 
 def here(spec: Spec, layout: Layout, nproc: int) -> Case:
@@ -207,15 +213,15 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
-        stages = layout.spec.size("pp")
-        several = layout.spec.data_size > 1 and nproc > stages and nproc % stages == 0
+        stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
         share = spec.share(layout.spec.data_size) or layout.micro_batch  # each pipeline's micro-batches
         most = min(share // layout.micro_batch, children(spec))
         if not several and not 2 <= nproc <= most:
+            beside = f", or its pipelines side by side on a multiple of {stages}" if layout.spec.data_size > 1 else ""
             raise UsageError(
                 f"--verify on {nproc} process(es): {layout.label} runs here as a pipeline of a stage per process, "
-                f"from 2 to {most} (its micro-batches and the model's children); give --verify-nproc"
+                f"from 2 to {most} (its micro-batches and the model's children){beside}; give --verify-nproc"
             )
     else:
         mesh = f"dp={nproc}"
