@@ -162,6 +162,25 @@ def clean_env() -> dict:
     return environ_outside_job()
 
 
+def run_helper(module: str, cases: list[dict], timeout: float, path: str = "") -> list[dict]:
+    """`python -m MODULE` (a helper that runs many cases in one interpreter: tests/cli/argv_runner.py,
+    tests/docs/program_runner.py) with `cases` as JSON on its stdin, from the repository, with
+    `path` (if any) and the repository on its PYTHONPATH; the outcomes it prints as JSON."""
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, ROOT, env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", module],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def run_cli(
     *args: str,
     timeout: float = 240,

@@ -68,23 +68,9 @@ def _redirected(out: IO[bytes], err: IO[bytes], cwd: str) -> Iterator[None]:
 def run_batch(cases: list[dict], path: str = "") -> list[dict]:
     """Run `cases` ({"argv", "cwd"} each) in one interpreter of this module, with `path` (if
     any) and the repository on its PYTHONPATH, from the test process; their outcomes in order."""
-    import subprocess
+    from tests.conftest import run_helper  # (the test process's: not loaded where the runner runs)
 
-    from tests.conftest import ROOT, clean_env
-
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, ROOT, env.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.cli.argv_runner"],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_helper("tests.cli.argv_runner", cases, 600, path)
 
 
 def main() -> None:

@@ -104,24 +104,11 @@ def _wait(pid: int, timeout: float) -> int | str:
 def run_all(programs: list[dict], timeout: float = 240) -> list[dict]:
     """Run `programs` ({"path", "cwd"} each) in one runner process started from the test
     process, with the repository on its PYTHONPATH; their outcomes in order."""
-    import subprocess
+    from tests.conftest import run_helper  # (the test process's: not loaded where the runner runs)
 
-    from tests.conftest import clean_env
-
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
-    cases = [{**p, "timeout": timeout} for p in programs]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.docs.program_runner"],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=timeout * len(cases) + 60,
-        env=env,
-        cwd=ROOT,
+    return run_helper(
+        "tests.docs.program_runner", [{**p, "timeout": timeout} for p in programs], timeout * len(programs) + 60
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
 
 
 def main() -> None:
