@@ -23,7 +23,7 @@ group cannot give are given instead:
 
 With dp beside pp, the traced rank runs data rank 0's pipeline (its stages' ranks, a group of
 their own) on its share of the batch, and the stage's DDP is counted as a plan counts DDP's
-(`trace._result`): its gradient buckets, one more copy of the stage's gradients, and one
+(`trace.ddp_counted`): its gradient buckets, one more copy of the stage's gradients, and one
 all-reduce of them over the stage's data ranks per step.
 
 `ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);

@@ -41,6 +41,7 @@ RING: dict[str, Any] = {
     "send": (lambda n: 1, lambda n: 1),
 }
 DATA_PARALLEL = ("dp", "replicate")
+BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward, beside which DDP's all-reduce runs
 
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp")  # the layouts' strategies, as `ddpkit train --strategy` names them
@@ -164,7 +165,7 @@ def predict(
         # micro-batch's backward, where torch's stage lets DDP reduce
         sends = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind == "send")
         dp_comm = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind != "send")
-        window = compute / chunks * 2 / 3 if cluster.gpu.overlap else 0.0
+        window = compute / chunks * BACKWARD_SHARE if cluster.gpu.overlap else 0.0
         exposed = sends + max(0.0, dp_comm - window)
         # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
         # last drains it, (stages - 1) micro-batches' time
@@ -191,7 +192,9 @@ def _data_and_exposed(trace: Trace, layout: Layout, cluster: Cluster, compute: f
             dp_comm += seconds
     # DDP's all-reduce can only start in the backward (about 2/3 of the compute); FSDP2's
     # all-gathers run ahead of the forward and the backward, its reduce-scatters in the backward
-    window = compute * (2 / 3 if any(op.kind == "all_reduce" for op in trace.ops if not _is_tp(op, layout)) else 1)
+    window = compute * (
+        BACKWARD_SHARE if any(op.kind == "all_reduce" for op in trace.ops if not _is_tp(op, layout)) else 1
+    )
     if not cluster.gpu.overlap:
         window = 0.0
     return dp_comm, tp_comm + max(0.0, dp_comm - window)

@@ -210,10 +210,14 @@ def _children(spec: Spec, mode: Any) -> Children:
     embedding's and the head's do not depend on the depth."""
     one = spec.builder(depth=1)
     by_ac = {ac: _as_deep(spec, child_flops(one, spec.batch, ac)) for ac in dict.fromkeys((False, *spec.checkpointing))}
-    model, _ = built(one, mode)
-    return _as_deep(
-        spec, {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
-    ), by_ac
+    return _child_sizes(spec, mode), by_ac
+
+
+def _child_sizes(spec: Spec, mode: Any) -> dict[str, int]:
+    """The parameters of each child of `spec`'s gpt (what `strategy.pp.split` cuts by), from a
+    gpt of one block built as a trace builds it."""
+    model, _ = built(spec.builder(depth=1), mode)
+    return _as_deep(spec, {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()})
 
 
 def _as_deep(spec: Spec, one: dict[str, Any]) -> dict[str, Any]:
@@ -233,10 +237,7 @@ def stage_cuts(spec: Spec, stages: int) -> list[tuple[bool, int, bool]]:
 
     from ..strategy.pp import balanced_cuts
 
-    model, _ = built(spec.builder(depth=1), FakeTensorMode(allow_non_fake_inputs=True))
-    sizes = list(
-        _as_deep(spec, {n: sum(p.numel() for p in c.parameters()) for n, c in model.named_children()}).values()
-    )
+    sizes = list(_child_sizes(spec, FakeTensorMode(allow_non_fake_inputs=True)).values())
     bounds = balanced_cuts(sizes, stages)
     return [
         (low == 0, len(range(max(low, 1), min(high, len(sizes) - 1))), high == len(sizes))

@@ -202,6 +202,7 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     from ..strategy.mesh import MeshSpec
 
     strategy, tp = layout.strategy, layout.spec.size("tp")
+    share = spec.share(layout.spec.data_size) or layout.micro_batch  # a data rank's (a pipeline's) samples
     if strategy == "hsdp" and (nproc < 4 or nproc % 2):
         strategy = "fsdp"
     if strategy == "tp":
@@ -215,7 +216,6 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
-        share = spec.share(layout.spec.data_size) or layout.micro_batch  # each pipeline's micro-batches
         most = min(share // layout.micro_batch, children(spec))
         if not several and not 2 <= nproc <= most:
             beside = f", or its pipelines side by side on a multiple of {stages}" if layout.spec.data_size > 1 else ""
@@ -225,7 +225,6 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
             )
     else:
         mesh = f"dp={nproc}"
-    share = spec.share(layout.spec.data_size) or layout.micro_batch
     scaled = Spec(
         spec.model,
         spec.in_shape,
