@@ -105,6 +105,28 @@ def test_pipelines_beside_each_other_reduce_each_stages_gradients_beside_its_las
 
 
 @pytest.mark.unit
+def test_each_pipeline_stage_is_timed_on_its_own_and_the_slowest_sets_the_step():
+    # stage 0 computes most, stage 1 sends most: the step is the slower of the two stages'
+    # own times, not the most compute plus the most sends (another stage's)
+    c = cluster("h100", 2, 1, efficiency=0.5)
+    layout = Layout("pp", "pp=2", False, 2)
+    heavy, light = Op("send", 10**6, (0, 1), 8), Op("send", 10**9, (0, 1), 8)
+    first, second = Trace({}, 1.0, [heavy], 4e12), Trace({}, 2.0, [light], 1e12)
+    both = Trace({"activations": 2.0}, 2.0, second.ops, 0.0, stages=[first, second])
+    q = predict(both, layout, c, 1e14, 16, 32, 1.0)
+    bubble = (8 + 1) / 8
+    times = [t.flops / (1e14 * 0.5) * bubble + 8 * op_seconds(t.ops[0], c) for t in (first, second)]
+    assert times[0] != pytest.approx(times[1])  # (one stage is the slower)
+    assert q.step_s == pytest.approx(max(times))
+    assert q.step_s < 4e12 / (1e14 * 0.5) * bubble + 8 * op_seconds(light, c)  # the old upper bound
+    slowest = (first, second)[times.index(max(times))]
+    assert (q.trace.flops, q.trace.ops, q.trace.peak) == (slowest.flops, slowest.ops, 2.0)
+    # predicted again from its own trace (on another cluster), it still times each stage
+    again = predict(q.trace, layout, c, 1e14, 16, 32, 1.0)
+    assert again.step_s == pytest.approx(q.step_s)
+
+
+@pytest.mark.unit
 def test_a_pipelines_time_is_its_slowest_stages_counted_flops_as_the_split_cuts_it():
     from ddpkit.plan.run import stage_flops
     from ddpkit.plan.trace import child_flops
@@ -142,18 +164,31 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
     assert _stages(_spec()) == 4  # embedding, 2 blocks, head
     assert ("pp", "pp=4") in {(q.strategy, q.mesh) for q in layouts(c4, _spec(4).share, 4, (False,), 4)}
     three = {q.mesh for q in layouts(c4, _spec(4).share, 4, (False,), 3) if q.strategy == "pp"}
-    assert three == {"pp=2,dp=2"}  # a child short of 4 stages: two pipelines of 2
-    assert "pp" not in {q.strategy for q in layouts(c4, _spec(2).share, 4, (False,), 4)}  # 2 samples, 4 stages
+    assert three == {"pp=2,dp=2", "pp=2,tp=2"}  # a child short of 4 stages: two pipelines of 2, or one beside tp
+    # 2 samples: not 4 stages, nor two pipelines of 2 (a row each); one of 2 stages beside tp
+    assert {q.mesh for q in layouts(c4, _spec(2).share, 4, (False,), 4) if q.strategy == "pp"} == {"pp=2,tp=2"}
 
     # on 8 GPUs: pipelines of 2, 4 and 8 stages, one per data rank, where each has a micro-batch per stage
     def pipelines(batch, stages):
         planned = layouts(cluster("h100", 8, 1), _spec(batch).share, 4, (False,), stages)
         return {q.mesh for q in planned if q.strategy == "pp"}
 
-    assert pipelines(16, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8"}
-    assert pipelines(16, 4) == {"pp=2,dp=4", "pp=4,dp=2"}  # 4 children: no stage for 4 more GPUs
-    assert pipelines(8, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8"}  # 2, 4 and 8 rows to the pipelines
-    assert pipelines(4, 8) == set()  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
+    # and one pipeline of all 8 GPUs' stages split over tp within the node (pp x tp), as far as
+    # the 4 heads divide
+    tp = {"pp=2,tp=4", "pp=4,tp=2"}
+    assert pipelines(16, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}
+    assert pipelines(16, 4) == {"pp=2,dp=4", "pp=4,dp=2", *tp}  # 4 children: no stage for 4 more GPUs
+    assert pipelines(8, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}  # 2, 4 and 8 rows to the pipelines
+    assert pipelines(4, 8) == tp  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
+    two_heads = layouts(cluster("h100", 8, 1), _spec(16).share, 2, (False,), 8)
+    assert {q.mesh for q in two_heads if "tp" in q.mesh and q.strategy == "pp"} == {"pp=4,tp=2"}  # tp 2 at most
+    # on 2 nodes of 4: tp within a node (and no pipeline of stages over dp beside tp: 3-D is not planned)
+    assert {q.mesh for q in layouts(cluster("h100", 4, 2), _spec(16).share, 4, (False,), 8) if "tp" in q.mesh} == {
+        "dp=4,tp=2",
+        "dp=2,tp=4",
+        "pp=4,tp=2",
+        "pp=2,tp=4",
+    }
     assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
     assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
     deep = replace(_spec(), options={**GPT, "depth": 100})
@@ -221,12 +256,15 @@ def _stage(layout, index, batch):
 
 
 @pytest.mark.distributed  # fake worlds of 2 and 4 ranks, in processes of their own
-def test_pipelines_beside_each_other_hold_each_stages_ddp_buckets_and_reduce_over_its_data_ranks():
+def test_pipelines_beside_dp_or_tp_hold_what_one_pipeline_alone_does_and_their_own_share():
     # pp=2,dp=2: data rank 0's pipeline (ranks 0 and 2) on its half of the batch, each stage's
-    # gradients all-reduced over its own two ranks; beside it one pipeline of the same 4 rows
-    layout, alone = Layout("pp", "pp=2,dp=2", False, 2), Layout("pp", "pp=2", False, 2)
-    calls = [(_stage, (layout, s, 8)) for s in (0, 1)] + [(_stage, (alone, s, 4)) for s in (0, 1)]
-    first, last, *pipeline = in_fake_worlds(4, calls[:2]) + in_fake_worlds(2, calls[2:])
+    # gradients all-reduced over its own two ranks; pp=2,tp=2: one pipeline (ranks 0 and 2, tp
+    # rank 0 of each stage) on the whole batch, each stage's layers split over its tp ranks (0
+    # and 1 for the traced one); beside them one pipeline of the same 4 rows alone
+    layout, split, alone = (Layout("pp", mesh, False, 2) for mesh in ("pp=2,dp=2", "pp=2,tp=2", "pp=2"))
+    calls = [(_stage, (layout, s, 8)) for s in (0, 1)] + [(_stage, (split, s, 4)) for s in (0, 1)]
+    first, last, *tp_stages = in_fake_worlds(4, calls)
+    pipeline = in_fake_worlds(2, [(_stage, (alone, s, 4)) for s in (0, 1)])
     for index, (traced, one) in enumerate(zip((first, last), pipeline)):
         reduces = [op for op in traced.ops if op.kind == "all_reduce"]
         assert [op.ranks for op in reduces] == [((0, 1), (2, 3))[index]]
@@ -236,6 +274,16 @@ def test_pipelines_beside_each_other_hold_each_stages_ddp_buckets_and_reduce_ove
             assert traced.memory[role] == one.memory[role], role
         assert {op.ranks for op in traced.ops if op.kind == "send"} == {(0, 2)}  # the pipeline's own group
         assert [op.bytes for op in traced.ops if op.kind == "send"] == [op.bytes for op in one.ops if op.kind == "send"]
+    for traced, one in zip(tp_stages, pipeline):
+        # the layers' weights halved, the norms and positions whole: a little over half
+        assert 0.5 < traced.memory["parameters"] / one.memory["parameters"] < 0.6, (traced.memory, one.memory)
+        assert traced.memory["optimizer"] < 0.6 * one.memory["optimizer"]
+        sends = [op for op in traced.ops if op.kind == "send"]
+        assert {op.ranks for op in sends} == {(0, 2)}  # the pipeline's own group
+        assert [op.bytes for op in sends] == [op.bytes for op in one.ops if op.kind == "send"]  # whole activations
+        within = [op for op in traced.ops if op.kind != "send"]
+        assert within and {op.ranks for op in within} == {(0, 1)}  # tp's, over the stage's tp ranks
+        assert "pp x tp: the stage's layers split over tp=2 by the model's tensor-parallel plan" in traced.computed
 
 
 def _collections_here():
@@ -268,15 +316,22 @@ def test_plan_recommends_a_fitting_layout_and_refuses_none_fits():
     # nothing of the fake world is left here: jobs launched from this process start as before
     assert not torch.distributed.is_initialized() and choose_start_method("cpu") == before
     labels = {q.layout.label for q in p.predictions}
-    assert labels == {"ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4", "pp 4 mb1", "pp 2 x dp 2 mb1"}
-    # the pipeline's every stage traced; its time from a middle stage, which sends each of the
-    # 4 micro-batches' activations forward and their gradients back
+    assert labels == {
+        "ddp 4 mb1", "fsdp 4 mb1", "fsdp+tp 2x2 mb2", "tp 4 mb4", "pp 4 mb1", "pp 2 x dp 2 mb1", "pp 2 x tp 2 mb1",
+    }  # fmt: skip
+    # the pipeline's every stage traced and timed; its time a middle stage's, the slowest: a
+    # block's compute, and it sends each of the 4 micro-batches' activations forward and their
+    # gradients back
     pp = next(q for q in p.predictions if q.layout.mesh == "pp=4")
     assert pp.trace.computed[0].startswith("pp: every stage traced") and pp.trace.peak > 0
     assert sum(op.calls for op in pp.trace.ops if op.kind == "send") == 2 * 4
     # its FLOPs: the slowest stage's, a block's (the embedding's stage counts none), on all 4 samples
     blocks = flops(_spec().build, _spec().batch, False) - 3 * 2**20  # less the head's logits, 3 MFLOP a sample
-    assert pp.trace.flops == pytest.approx(4 * blocks / 2) and "slowest stage" in pp.trace.computed[-1]
+    assert pp.trace.flops == pytest.approx(4 * blocks / 2) and "each stage timed on its own" in pp.trace.computed[1]
+    assert pp.trace.computed[-1].startswith("flops: each stage's children's as counted")
+    # beside tp: a tp rank's share of its stage's FLOPs
+    split = next(q for q in p.predictions if q.layout.mesh == "pp=2,tp=2")
+    assert split.trace.flops == pytest.approx(4 * (blocks / 2 + 3 * 2**20) / 2)  # a block and the head
     assert p.best is not None and p.best.fits
     assert "--nproc 4" in p.command(p.best)
     # the same traces on a GPU of almost no memory: none fits, and none is recommended
@@ -480,7 +535,7 @@ def raises(in_shape, num_classes):
 
 BAD = [
     (["--gpu", "b300"], "--gpu 'b300'"),
-    (["--batch-size", "3", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
+    (["--batch-size", "1", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
     (["--gpt-width", "30", "--gpt-heads", "4"], "multiple of --gpt-heads"),
     (["--efficiency", "2"], "--efficiency"),
     (["--efficiency", "0"], "--efficiency"),
@@ -563,6 +618,13 @@ def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_
         UsageError, match=r"pp 2 x dp 4 mb2 runs here .* from 2 to 2 .* side by side on a multiple of 2;"
     ):
         here(_spec(16), beside, 3)  # a pipeline's 4 rows, in micro-batches of 2: 2 stages at most
+    # a pipeline beside tp: as planned, on its processes
+    across = Layout("pp", "pp=2,tp=2", False, 2)
+    assert (processes(across, 8), processes(across, 2)) == (4, 4)
+    spec, layout = here(_spec(16), across, 4)
+    assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2,tp=2", 2, 16)
+    with pytest.raises(UsageError, match=r"^--verify on 2 process\(es\): pp 2 x tp 2 mb2 runs here on its 4 processes"):
+        here(_spec(16), across, 2)
     # a vocabulary and batch whose logits no machine here holds: the stage that holds most is
     # refused before any process starts
     big = Spec("gpt", (32,), 2**17, 2**16, "fp32", "adamw", dict(GPT), (False,))

@@ -1,6 +1,7 @@
-"""Pipeline layouts (`--mesh pp=P`, and `pp=P,dp=D`: D pipelines, each stage under DDP over
-dp), traced stage by stage on fake tensors: what each stage's rank holds at its peak under
-torch's own 1f1b schedule (ddpkit's default) over a step's micro-batches.
+"""Pipeline layouts (`--mesh pp=P`; `pp=P,dp=D`: D pipelines, each stage under DDP over dp;
+`pp=P,tp=T`: each stage's layers split over T ranks), traced stage by stage on fake tensors:
+what each stage's rank holds at its peak under torch's own 1f1b schedule (ddpkit's default)
+over a step's micro-batches.
 
 Each stage is traced on its own, as rank 0 of a fake world: the model built on meta, cut by
 `strategy.pp.split` (the stages a run has), given fake storage, and run by torch's
@@ -25,6 +26,12 @@ With dp beside pp, the traced rank runs data rank 0's pipeline (its stages' rank
 their own) on its share of the batch, and the stage's DDP is counted as a plan counts DDP's
 (`trace.ddp_counted`): its gradient buckets, one more copy of the stage's gradients, and one
 all-reduce of them over the stage's data ranks per step.
+
+With tp beside pp, the traced rank is its stage's tp rank 0: the stage's children are built
+again on meta, their layers split over tp by `strategy.pp.split_layers` (the model's plan, as
+a run splits them), and given fake storage; tp's collectives within the stage are the fake
+group's, counted. The stages send whole activations (the plan's layers hand on replicated
+outputs). pp x dp x tp (3-D), whose stages FSDP2 shards over dp, is not traced here.
 
 `ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
@@ -58,8 +65,9 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
 
     spec = layout.spec
     spec.check_processes(world_size)
-    if "pp" not in spec.names or set(spec.names) - {"pp", "dp"}:  # (pp x tp, 3-D: their tp is not traced here)
-        raise ValueError(f"trace_stage: a mesh of pp, or pp and dp, not {layout.mesh}")
+    tp = spec.size("tp")
+    if "pp" not in spec.names or set(spec.names) - {"pp", "dp", "tp"} or (tp > 1 and spec.size("dp") > 1):
+        raise ValueError(f"trace_stage: a mesh of pp, pp and dp, or pp and tp, not {layout.mesh}")  # (not 3-D)
     count, rows = spec.size("pp"), layout.micro_batch
     chunks = max(1, step.share // rows)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -78,9 +86,10 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
         if kept is None:
             kept = split(model, index, count).kept
         else:
-            for name in names:
-                if name not in kept:
-                    del model._modules[name]
+            _cut(model, kept)
+    if tp > 1:  # pp x tp: the stage's layers split over tp as a run splits them (on meta, `trace.built`)
+        model = _split_stage(step, layout, kept, mode)
+    with mode:
         first = names.index(kept[0])
         given, out = (x if first == 0 else sent[names[first - 1]]), sent[kept[-1]]
         last = index == count - 1
@@ -116,7 +125,36 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     if spec.size("dp") > 1:  # pp x dp: the stage's DDP (the model holds the stage's children alone)
         ddp_counted(memory, ops, model, stage_ranks(layout, index))
         computed.append("pp x dp: the stage's DDP over dp: its gradient buckets (one more copy) and one all-reduce")
+    if tp > 1:
+        computed.append(f"pp x tp: the stage's layers split over tp={tp} by the model's tensor-parallel plan")
     return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
+
+
+def _cut(model: torch.nn.Module, kept: tuple[str, ...]) -> None:
+    """`model` with the children named in `kept` alone."""
+    for name in list(model._modules):
+        if name not in kept:
+            del model._modules[name]
+
+
+def _split_stage(step: Step, layout: Layout, kept: tuple[str, ...], mode: Any) -> torch.nn.Module:
+    """pp x tp: the stage's children (`kept`) of the step's model, built on meta, their layers
+    split over the traced rank's tp ranks by `strategy.pp.split_layers` (the model's plan), then
+    given fake storage: what a run's stage holds under tp (its DTensor parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..strategy.pp import split_layers
+
+    model, on_meta = built(step.build, mode)
+    if layout.checkpointing:
+        checkpointing_apply(model, layout.checkpointing)
+    _cut(model, kept)
+    shape, names = layout.spec.grid()  # (outside fake mode: DeviceMesh computes coordinates from real tensors)
+    split_layers(model, kept, init_device_mesh("cpu", shape, mesh_dim_names=names)["tp"])
+    if on_meta:
+        with mode:
+            model.to_empty(device="cpu")
+    return model
 
 
 def stage_ranks(layout: Layout, index: int) -> tuple[int, ...]:
@@ -126,9 +164,9 @@ def stage_ranks(layout: Layout, index: int) -> tuple[int, ...]:
 
 
 def _pipeline_group(layout: Layout) -> Any:
-    """The process group of the traced rank's pipeline (data rank 0's stages); None, the whole
-    world, where the mesh is pp alone."""
-    if layout.spec.size("dp") == 1:
+    """The process group of the traced rank's pipeline (data rank 0's stages, of tp rank 0);
+    None, the whole world, where the mesh is pp alone."""
+    if layout.spec.processes == layout.spec.size("pp"):
         return None
     return dist.new_group([stage_ranks(layout, s)[0] for s in range(layout.spec.size("pp"))])
 

@@ -12,17 +12,18 @@ Time, stated in every plan:
   DDP's all-reduce beside the backward (2/3 of the compute), FSDP2's all-gathers and
   reduce-scatters beside all of it; tensor-parallel collectives sit between a layer's
   products and cost in full;
-- a pipeline (pp=P, 1f1b over m micro-batches): the slowest stage's compute (its children's
-  FLOPs, as the split cuts them) times (m + P - 1) / m, the bubble while the pipeline fills and drains,
-  plus its sends (activations forward, gradients back; a send within a node at NVLink's
-  figures only where the whole pipeline is) in full. With dp beside it (pp=P,dp=D), each
-  stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that micro-batch's
-  compute), and costs what exceeds it.
+- a pipeline (pp=P, 1f1b over m micro-batches): each stage timed on its own, and the step is
+  the slowest stage's time. A stage's: its compute (its children's FLOPs, as the split cuts
+  them) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
+  (activations forward, gradients back; a send within a node at NVLink's figures only where
+  the whole pipeline is) in full. With dp beside it (pp=P,dp=D), the stage's DDP all-reduce
+  runs in its last micro-batch's backward (2/3 of that micro-batch's compute), and costs what
+  exceeds it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..observe.collectives import Op
@@ -56,7 +57,8 @@ def layouts(
 ) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
     fsdp+tp with tp within a node, pipelines of P stages for every P that divides the GPUs, one
-    per data rank, each stage under DDP over them), each with and without activation
+    per data rank, each stage under DDP over them, and one pipeline whose stages split their
+    layers over tp within a node where P x tp is all the GPUs), each with and without activation
     checkpointing; the micro-batch is chosen later. `share_of(data_ranks)` is a data rank's
     samples, None where the global batch does not divide; `heads` limits tp to divisors (None:
     no tp plan); `stages` is the most stages the model splits into (0: no pipeline)."""
@@ -73,6 +75,11 @@ def layouts(
         data = world // pp
         if world % pp == 0 and (share_of(data) or 0) >= pp:  # 1f1b: a micro-batch per stage at least
             meshes.append(("pp", f"pp={pp}" if data == 1 else f"pp={pp},dp={data}"))
+        tp = 2  # one pipeline whose stages split their layers over tp within a node (pp x tp)
+        while heads and pp * tp <= world and tp <= per_node:
+            if pp * tp == world and per_node % tp == 0 and heads % tp == 0 and (share_of(1) or 0) >= pp:
+                meshes.append(("pp", f"pp={pp},tp={tp}"))
+            tp *= 2
     return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
 
 
@@ -147,36 +154,53 @@ def predict(
     """The step time and throughput of `layout` from its `trace` at `peak` FLOP/s per GPU;
     `model_flops` is the step's useful FLOPs over the whole job (no recomputation), for MFU."""
     gpu = cluster.gpu
-    if trace.work is not None and gpu.memory_gbps:  # a processor measured here: see `work`
-        busy = trace.work.seconds(
-            peak,
-            gpu.memory_gbps * 1e9,
-            gpu.op_overhead_us * 1e-6,
-            gpu.dtensor_op_overhead_us.get("tp" if layout.spec.size("tp") > 1 else "fsdp", 0.0) * 1e-6,
-            gpu.attention_tflops * 1e12 or None,
-        )
-        compute = busy / cluster.efficiency
+    if layout.strategy == "pp":  # each stage timed on its own; the slowest's is the step's
+        timed = [_stage_seconds(stage, layout, cluster, peak, global_batch) for stage in trace.stages or [trace]]
+        slowest = max(range(len(timed)), key=lambda s: timed[s][0] + timed[s][2])
+        compute, dp_comm, exposed = timed[slowest]
+        if trace.stages:  # its FLOPs and collectives are the ones reported
+            trace = replace(trace, ops=trace.stages[slowest].ops, flops=trace.stages[slowest].flops)
     else:
-        compute = trace.flops / (peak * cluster.efficiency)
-    if layout.strategy == "pp":  # the stage of the rank traced (see run._traced_pipeline)
-        stages = layout.spec.size("pp")
-        chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
-        # the sends between stages in full; a stage's DDP all-reduce (pp x dp) beside its last
-        # micro-batch's backward, where torch's stage lets DDP reduce
-        sends = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind == "send")
-        dp_comm = sum(op_seconds(op, cluster) * op.calls for op in trace.ops if op.kind != "send")
-        window = compute / chunks * BACKWARD_SHARE if cluster.gpu.overlap else 0.0
-        exposed = sends + max(0.0, dp_comm - window)
-        # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
-        # last drains it, (stages - 1) micro-batches' time
-        compute *= (chunks + stages - 1) / chunks
-    else:
+        if trace.work is not None and gpu.memory_gbps:  # a processor measured here: see `work`
+            busy = trace.work.seconds(
+                peak,
+                gpu.memory_gbps * 1e9,
+                gpu.op_overhead_us * 1e-6,
+                gpu.dtensor_op_overhead_us.get("tp" if layout.spec.size("tp") > 1 else "fsdp", 0.0) * 1e-6,
+                gpu.attention_tflops * 1e12 or None,
+            )
+            compute = busy / cluster.efficiency
+        else:
+            compute = trace.flops / (peak * cluster.efficiency)
         dp_comm, exposed = _data_and_exposed(trace, layout, cluster, compute)
     step = compute + exposed
     tokens = global_batch * seq_len / step if seq_len else None
     mfu = model_flops / (step * cluster.world_size * peak)
     fits = trace.peak <= cluster.gpu.memory_gib * GIB
     return Prediction(layout, trace, compute, dp_comm, exposed, step, global_batch / step, tokens, mfu, fits)
+
+
+def _stage_seconds(
+    stage: Trace, layout: Layout, cluster: Cluster, peak: float, global_batch: int
+) -> tuple[float, float, float]:
+    """A pipeline stage's compute (with the bubble), data-parallel collectives and exposed
+    collectives, in seconds, from its FLOPs and collectives (see the module docstring)."""
+    stages = layout.spec.size("pp")
+    chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
+    compute = stage.flops / (peak * cluster.efficiency)
+    # the sends between stages and tp's collectives in full; the stage's DDP all-reduce (pp x
+    # dp) beside its last micro-batch's backward, where torch's stage lets DDP reduce
+    sends = dp_comm = 0.0
+    for op in stage.ops:
+        seconds = op_seconds(op, cluster) * op.calls
+        if op.kind == "send" or _is_tp(op, layout):
+            sends += seconds
+        else:
+            dp_comm += seconds
+    window = compute / chunks * BACKWARD_SHARE if cluster.gpu.overlap else 0.0
+    # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
+    # last drains it, (stages - 1) micro-batches' time
+    return compute * (chunks + stages - 1) / chunks, dp_comm, sends + max(0.0, dp_comm - window)
 
 
 def _data_and_exposed(trace: Trace, layout: Layout, cluster: Cluster, compute: float) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from ..core import checks
 from ..errors import UsageError
 from ..observe.collectives import Op
 from .cluster import GIB, Cluster
-from .predict import STRATEGIES, Prediction, best, layouts, op_seconds, predict
+from .predict import STRATEGIES, Prediction, best, layouts, predict
 from .trace import Layout, Step, Trace, backend_for, built, child_flops, flops, in_fake_worlds, trace, workers
 
 # Imports inside functions: torch's fake-tensor and FLOP-counting modules load when a plan runs.
@@ -104,8 +104,8 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             raise UsageError(
                 f"--strategy {','.join(spec.strategies)}: no such layout runs here (hsdp needs several nodes "
                 "and GPUs per node; tp needs heads, and a global batch, that divide; pp a gpt with a child "
-                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs, a micro-batch per stage, "
-                "not fp16)"
+                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs (or, with tp, are all of them), "
+                "a micro-batch per stage, not fp16)"
             )
     if not todo:
         raise UsageError(
@@ -321,14 +321,11 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
             break
     worst = max(traces, key=lambda t: t.peak)
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
-    # the step's time is the slowest stage's: a middle stage sends both ways, the first and last
-    # one way; under dp each all-reduces its own gradients
-    sends = max(range(stages), key=lambda s: sum(op_seconds(op, cluster) * op.calls for op in traces[s].ops))
-    shown = replace(worst, ops=traces[sends].ops)
+    shown = replace(worst, stages=traces)  # the step's time: each stage's, timed on its own (`predict`)
     shown.computed = [
         f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
-        f"pp: 1f1b over the step's micro-batches (ddpkit's default schedule); the collectives of stage {sends}, "
-        "whose take longest",
+        "pp: 1f1b over the step's micro-batches (ddpkit's default schedule); each stage timed on its own (its "
+        "compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
         *worst.computed[1:],  # (its own first line names its stage)
     ]
     return sized, shown
@@ -407,11 +404,11 @@ def _predicted(
         traced.computed.append("flops: a tensor-parallel rank's share is the whole model's over tp")
     if stages > 1:
         by_stage = stage_flops(children, layout.checkpointing, stages)
-        traced.flops = max(by_stage) * share
+        for stage, per in zip(traced.stages, by_stage):
+            stage.flops = per * share / tp
+        traced.flops = max(by_stage) * share / tp
         shares = ", ".join(f"{f / sum(by_stage):.0%}" for f in by_stage)
-        traced.computed.append(
-            f"flops: the slowest stage's, each stage's children's as counted (shares of the model's by stage: {shares})"
-        )
+        traced.computed.append(f"flops: each stage's children's as counted (shares of the model's by stage: {shares})")
     seq = spec.in_shape[0] if spec.language else None
     model_flops = per_sample[False] * spec.global_batch
     peak = cluster.peak_flops(spec.precision, convolutions=not spec.language)

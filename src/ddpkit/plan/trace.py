@@ -95,6 +95,7 @@ class Trace:
     flops: float
     computed: list[str] = field(default_factory=list)
     work: Ops | None = None  # every operation's FLOPs and bytes, where the step counted them (`Step.count`)
+    stages: list[Trace] = field(default_factory=list)  # a pipeline's: each stage's own, first stage first
 
 
 T = TypeVar("T")

@@ -183,6 +183,8 @@ def processes(layout: Layout, available: int) -> int:
     pipelines beside each other, as many as the processes hold whole)."""
     if layout.strategy != "pp" or _side_by_side(layout, available):
         return available
+    if layout.spec.size("tp") > 1:  # pp x tp: its stages' tp ranks, as planned
+        return layout.spec.processes
     return min(available, layout.spec.size("pp"))
 
 
@@ -197,7 +199,7 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     """`layout` of `spec` brought to `nproc` processes on this machine: the same strategy over
     them (hsdp as 2 replicas where nproc is even and at least 4, else fsdp; tp over at most
     nproc ranks; pipelines of as many stages where nproc holds two or more of them whole,
-    else one of a stage per process), the same micro-batch and micro-batches per step, so the
+    else one of a stage per process; pp x tp as planned, on its processes), the same micro-batch and micro-batches per step, so the
     global batch is scaled to the data ranks here."""
     from ..strategy.mesh import MeshSpec
 
@@ -213,6 +215,13 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         mesh = f"dp={nproc // tp},tp={tp}" if tp > 1 else f"dp={nproc}"
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
+    elif strategy == "pp" and tp > 1:  # pp x tp: as planned, on as many processes
+        mesh = layout.mesh
+        if nproc != layout.spec.processes:
+            raise UsageError(
+                f"--verify on {nproc} process(es): {layout.label} runs here on its {layout.spec.processes} processes "
+                f"(pp x tp as planned); give --verify-nproc {layout.spec.processes}"
+            )
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"

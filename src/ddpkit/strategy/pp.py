@@ -189,18 +189,9 @@ class PipelineParallel(Strategy):
         return super().wrap(model, precision, channels_last, compile)
 
     def _split_layers(self, model: nn.Module) -> None:
-        """pp x tp: the stage's layers split over tp by the model's plan (or the Runtime's), the
-        entries for other stages' children left out."""
-        from .tp import parallelize, plan_for
-
+        """pp x tp: the stage's layers split over tp (`split_layers`)."""
         assert self.layout is not None and self._stage is not None
-        plan = plan_for(model, self.tp_plan, self.layout.spec.size("tp"))
-        if isinstance(plan, dict):
-            kept = self._stage.kept
-            plan = {k: v for k, v in plan.items() if fnmatch.filter(kept, k.split(".")[0])}
-            if not plan:  # no planned layer on this stage: it runs whole on each of its tp ranks
-                return
-        parallelize(model, self.layout.sub("tp"), plan)
+        split_layers(model, self._stage.kept, self.layout.sub("tp"), self.tp_plan)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         stage = stage_of(model)
@@ -282,6 +273,19 @@ class PipelineParallel(Strategy):
         if grads:
             torch._foreach_mul_([local(g) for g in grads], coefficient.to(local(grads[0]).device))
         return norm
+
+
+def split_layers(model: nn.Module, kept: tuple[str, ...], mesh: Any, given: Any = None) -> None:
+    """pp x tp: a stage's layers (its `kept` children's) split over the tp `mesh` by the model's
+    plan (or the Runtime's, `given`), the entries for other stages' children left out."""
+    from .tp import parallelize, plan_for
+
+    plan = plan_for(model, given, mesh.size())
+    if isinstance(plan, dict):
+        plan = {k: v for k, v in plan.items() if fnmatch.filter(kept, k.split(".")[0])}
+        if not plan:  # no planned layer on this stage: it runs whole on each of its tp ranks
+            return
+    parallelize(model, mesh, plan)
 
 
 def split(model: nn.Module, index: int, count: int) -> Stage:
