@@ -173,21 +173,22 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
         planned = layouts(cluster("h100", 8, 1), _spec(batch).share, 4, (False,), stages)
         return {q.mesh for q in planned if q.strategy == "pp"}
 
-    # and one pipeline of all 8 GPUs' stages split over tp within the node (pp x tp), as far as
-    # the 4 heads divide
-    tp = {"pp=2,tp=4", "pp=4,tp=2"}
+    # and pipelines whose stages split their layers over tp within the node, one (pp x tp) or
+    # two (3-D: each stage sharded over its 2 data ranks), as far as the 4 heads divide
+    tp = {"pp=2,tp=4", "pp=4,tp=2", "pp=2,dp=2,tp=2"}
     assert pipelines(16, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}
     assert pipelines(16, 4) == {"pp=2,dp=4", "pp=4,dp=2", *tp}  # 4 children: no stage for 4 more GPUs
     assert pipelines(8, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}  # 2, 4 and 8 rows to the pipelines
     assert pipelines(4, 8) == tp  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
     two_heads = layouts(cluster("h100", 8, 1), _spec(16).share, 2, (False,), 8)
-    assert {q.mesh for q in two_heads if "tp" in q.mesh and q.strategy == "pp"} == {"pp=4,tp=2"}  # tp 2 at most
-    # on 2 nodes of 4: tp within a node (and no pipeline of stages over dp beside tp: 3-D is not planned)
+    assert {q.mesh for q in two_heads if "tp" in q.mesh and q.strategy == "pp"} == {"pp=4,tp=2", "pp=2,dp=2,tp=2"}
+    # on 2 nodes of 4: tp within a node
     assert {q.mesh for q in layouts(cluster("h100", 4, 2), _spec(16).share, 4, (False,), 8) if "tp" in q.mesh} == {
         "dp=4,tp=2",
         "dp=2,tp=4",
         "pp=4,tp=2",
         "pp=2,tp=4",
+        "pp=2,dp=2,tp=2",
     }
     assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
     assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
@@ -255,7 +256,7 @@ def _stage(layout, index, batch):
     return trace_stage(step, layout, layout.spec.processes, index)
 
 
-@pytest.mark.distributed  # fake worlds of 2 and 4 ranks, in processes of their own
+@pytest.mark.distributed  # fake worlds of 2, 4 and 8 ranks, in processes of their own
 def test_pipelines_beside_dp_or_tp_hold_what_one_pipeline_alone_does_and_their_own_share():
     # pp=2,dp=2: data rank 0's pipeline (ranks 0 and 2) on its half of the batch, each stage's
     # gradients all-reduced over its own two ranks; pp=2,tp=2: one pipeline (ranks 0 and 2, tp
@@ -284,6 +285,17 @@ def test_pipelines_beside_dp_or_tp_hold_what_one_pipeline_alone_does_and_their_o
         within = [op for op in traced.ops if op.kind != "send"]
         assert within and {op.ranks for op in within} == {(0, 1)}  # tp's, over the stage's tp ranks
         assert "pp x tp: the stage's layers split over tp=2 by the model's tensor-parallel plan" in traced.computed
+    # 3-D, pp=2,dp=2,tp=2: two such pipelines (ranks 0, 1 | 4, 5 and 2, 3 | 6, 7), each stage's
+    # shards over its 2 data ranks (FSDP2's collectives over ranks 0 and 2): half the optimizer's
+    # state; the parameters' shards, and at the peak units of them gathered whole beside them
+    # (stage 0: all of them; the real run's are the same, tests/plan/test_real_runs.py)
+    cube = Layout("pp", "pp=2,dp=2,tp=2", False, 2)
+    for traced, split in zip(in_fake_worlds(8, [(_stage, (cube, s, 8)) for s in (0, 1)]), tp_stages):
+        assert traced.memory["optimizer"] == pytest.approx(split.memory["optimizer"] / 2, rel=0.02)
+        assert split.memory["parameters"] / 2 < traced.memory["parameters"] <= 1.5 * split.memory["parameters"]
+        kinds = {(op.kind, op.ranks) for op in traced.ops}
+        assert {("all_gather", (0, 2)), ("reduce_scatter", (0, 2)), ("send", (0, 4))} <= kinds
+        assert {ranks for kind, ranks in kinds if kind == "all_reduce"} == {(0, 1)}  # tp's alone: no DDP
 
 
 def _collections_here():
@@ -618,13 +630,21 @@ def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_
         UsageError, match=r"pp 2 x dp 4 mb2 runs here .* from 2 to 2 .* side by side on a multiple of 2;"
     ):
         here(_spec(16), beside, 3)  # a pipeline's 4 rows, in micro-batches of 2: 2 stages at most
-    # a pipeline beside tp: as planned, on its processes
+    # a pipeline beside tp: as planned, on its processes; in 3-D, as many pipelines as the
+    # processes hold
     across = Layout("pp", "pp=2,tp=2", False, 2)
     assert (processes(across, 8), processes(across, 2)) == (4, 4)
     spec, layout = here(_spec(16), across, 4)
     assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2,tp=2", 2, 16)
-    with pytest.raises(UsageError, match=r"^--verify on 2 process\(es\): pp 2 x tp 2 mb2 runs here on its 4 processes"):
+    with pytest.raises(UsageError, match=r"^--verify on 2 process\(es\): pp 2 x tp 2 mb2 runs here as pipelines"):
         here(_spec(16), across, 2)
+    cube = Layout("pp", "pp=2,dp=4,tp=2", False, 2)
+    assert (processes(cube, 64), processes(cube, 8), processes(cube, 2)) == (16, 8, 4)
+    spec, layout = here(_spec(64), cube, 8)  # 16 rows to each of 4 pipelines planned; 2 of them here
+    assert (layout.mesh, layout.micro_batch, spec.global_batch) == ("pp=2,dp=2,tp=2", 2, 32)
+    assert here(_spec(64), cube, 4)[1].mesh == "pp=2,tp=2"
+    with pytest.raises(UsageError, match=r"give --verify-nproc 4 \(or a multiple of it up to 16\)$"):
+        here(_spec(64), cube, 6)
     # a vocabulary and batch whose logits no machine here holds: the stage that holds most is
     # refused before any process starts
     big = Spec("gpt", (32,), 2**17, 2**16, "fp32", "adamw", dict(GPT), (False,))

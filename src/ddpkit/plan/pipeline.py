@@ -1,5 +1,6 @@
 """Pipeline layouts (`--mesh pp=P`; `pp=P,dp=D`: D pipelines, each stage under DDP over dp;
-`pp=P,tp=T`: each stage's layers split over T ranks), traced stage by stage on fake tensors:
+`pp=P,tp=T`: each stage's layers split over T ranks; `pp=P,dp=D,tp=T`: 3-D), traced stage by
+stage on fake tensors:
 what each stage's rank holds at its peak under torch's own 1f1b schedule (ddpkit's default)
 over a step's micro-batches.
 
@@ -31,15 +32,18 @@ With tp beside pp, the traced rank is its stage's tp rank 0: the stage's childre
 again on meta, their layers split over tp by `strategy.pp.split_layers` (the model's plan, as
 a run splits them), and given fake storage; tp's collectives within the stage are the fake
 group's, counted. The stages send whole activations (the plan's layers hand on replicated
-outputs). pp x dp x tp (3-D), whose stages FSDP2 shards over dp, is not traced here.
+outputs). In 3-D (pp x dp x tp) the stage is sharded over dp by `strategy.pp.shard_stage`, as a
+run shards it, and traced under FSDP2's own tracker (`FSDPMemTracker`, as `verify` measures
+such a stage), with gloo's reduce-scatter copy where the run is on gloo (`trace.GlooCopies`).
 
 `ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
-(`verify.measured_ranks`) on 2 and 4 processes.
+(`verify.measured_ranks`) on 2, 4 and 8 processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -47,7 +51,19 @@ import torch.distributed as dist
 
 from ..core.precision import AutocastModule, Precision
 from ..observe.collectives import Collectives
-from .trace import Layout, Step, Trace, _make_state, built, checkpointing_apply, ddp_counted, loss, optimizer, roles
+from .trace import (
+    GlooCopies,
+    Layout,
+    Step,
+    Trace,
+    _make_state,
+    built,
+    checkpointing_apply,
+    ddp_counted,
+    loss,
+    optimizer,
+    roles,
+)
 
 # Imports inside functions: torch's fake tensors, pipelining and memory tracker load when a
 # trace runs.
@@ -66,8 +82,8 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     spec = layout.spec
     spec.check_processes(world_size)
     tp = spec.size("tp")
-    if "pp" not in spec.names or set(spec.names) - {"pp", "dp", "tp"} or (tp > 1 and spec.size("dp") > 1):
-        raise ValueError(f"trace_stage: a mesh of pp, pp and dp, or pp and tp, not {layout.mesh}")  # (not 3-D)
+    if "pp" not in spec.names or set(spec.names) - {"pp", "dp", "tp"}:
+        raise ValueError(f"trace_stage: a mesh of pp with dp and tp or not, not {layout.mesh}")
     count, rows = spec.size("pp"), layout.micro_batch
     chunks = max(1, step.share // rows)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -117,12 +133,18 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
             opt.zero_grad(set_to_none=True)
 
         one_step()  # the schedule's buffers made, as by a run's first step
-        tracker = per_call_tracker()
-        tracker.track_external(model, opt)
-        with tracker, Collectives() as collectives:
+        if hasattr(model, "unshard"):  # pp x dp x tp: FSDP2's tracker, as a run's stage is measured (verify)
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            tracker = FSDPMemTracker(model, opt)
+        else:
+            tracker = per_call_tracker()
+            tracker.track_external(model, opt)
+        copies = GlooCopies() if step.backend == "gloo" else contextlib.nullcontext()
+        with tracker, copies, Collectives() as collectives:
             one_step()
     memory, ops, computed = roles(tracker), list(collectives.ops), [f"pp: stage {index} of {count}"]
-    if spec.size("dp") > 1:  # pp x dp: the stage's DDP (the model holds the stage's children alone)
+    if spec.size("dp") > 1 and tp == 1:  # pp x dp: the stage's DDP (the model holds the stage's children alone)
         ddp_counted(memory, ops, model, stage_ranks(layout, index))
         computed.append("pp x dp: the stage's DDP over dp: its gradient buckets (one more copy) and one all-reduce")
     if tp > 1:
@@ -143,14 +165,17 @@ def _split_stage(step: Step, layout: Layout, kept: tuple[str, ...], mode: Any) -
     given fake storage: what a run's stage holds under tp (its DTensor parameters)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..strategy.pp import split_layers
+    from ..strategy.pp import shard_stage, split_layers
 
     model, on_meta = built(step.build, mode)
     if layout.checkpointing:
         checkpointing_apply(model, layout.checkpointing)
     _cut(model, kept)
     shape, names = layout.spec.grid()  # (outside fake mode: DeviceMesh computes coordinates from real tensors)
-    split_layers(model, kept, init_device_mesh("cpu", shape, mesh_dim_names=names)["tp"])
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    split_layers(model, kept, mesh["tp"])
+    if layout.spec.size("dp") > 1:  # pp x dp x tp: the stage sharded over dp by FSDP2, as a run shards it
+        shard_stage(model, mesh["dp"])
     if on_meta:
         with mode:
             model.to_empty(device="cpu")

@@ -16,9 +16,10 @@ Time, stated in every plan:
   the slowest stage's time. A stage's: its compute (its children's FLOPs, as the split cuts
   them) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
   (activations forward, gradients back; a send within a node at NVLink's figures only where
-  the whole pipeline is) in full. With dp beside it (pp=P,dp=D), the stage's DDP all-reduce
-  runs in its last micro-batch's backward (2/3 of that micro-batch's compute), and costs what
-  exceeds it.
+  the whole pipeline is) and tp's collectives (pp=P,tp=T) in full. With dp beside it
+  (pp=P,dp=D), the stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that
+  micro-batch's compute), and costs what exceeds it; in 3-D (pp=P,dp=D,tp=T), FSDP2's
+  all-gathers and reduce-scatters over dp are taken to run in the same window.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def layouts(
 ) -> list[Layout]:
     """Every layout ddpkit can run on `cluster` (ddp, fsdp, hsdp with one replica per node,
     fsdp+tp with tp within a node, pipelines of P stages for every P that divides the GPUs, one
-    per data rank, each stage under DDP over them, and one pipeline whose stages split their
-    layers over tp within a node where P x tp is all the GPUs), each with and without activation
+    per data rank, each stage under DDP over them, and pipelines whose stages split their layers
+    over tp within a node, one per data rank, each stage sharded over them by FSDP2 where there
+    are several: 3-D), each with and without activation
     checkpointing; the micro-batch is chosen later. `share_of(data_ranks)` is a data rank's
     samples, None where the global batch does not divide; `heads` limits tp to divisors (None:
     no tp plan); `stages` is the most stages the model splits into (0: no pipeline)."""
@@ -75,10 +77,11 @@ def layouts(
         data = world // pp
         if world % pp == 0 and (share_of(data) or 0) >= pp:  # 1f1b: a micro-batch per stage at least
             meshes.append(("pp", f"pp={pp}" if data == 1 else f"pp={pp},dp={data}"))
-        tp = 2  # one pipeline whose stages split their layers over tp within a node (pp x tp)
+        tp = 2  # pipelines whose stages split their layers over tp within a node: pp x tp, and 3-D
         while heads and pp * tp <= world and tp <= per_node:
-            if pp * tp == world and per_node % tp == 0 and heads % tp == 0 and (share_of(1) or 0) >= pp:
-                meshes.append(("pp", f"pp={pp},tp={tp}"))
+            data = world // (pp * tp)
+            if world % (pp * tp) == 0 and per_node % tp == 0 and heads % tp == 0 and (share_of(data) or 0) >= pp:
+                meshes.append(("pp", f"pp={pp},tp={tp}" if data == 1 else f"pp={pp},dp={data},tp={tp}"))
             tp *= 2
     return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
 

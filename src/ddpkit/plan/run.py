@@ -104,8 +104,7 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             raise UsageError(
                 f"--strategy {','.join(spec.strategies)}: no such layout runs here (hsdp needs several nodes "
                 "and GPUs per node; tp needs heads, and a global batch, that divide; pp a gpt with a child "
-                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs (or, with tp, are all of them), "
-                "a micro-batch per stage, not fp16)"
+                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs, a micro-batch per stage, not fp16)"
             )
     if not todo:
         raise UsageError(

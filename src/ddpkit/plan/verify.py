@@ -181,10 +181,11 @@ def processes(layout: Layout, available: int) -> int:
     """The processes `--verify` runs `layout` on by default, of the `available` GPUs (or 2 on
     the CPU): all of them, but a pipeline's, a stage per process, no more than it planned (of
     pipelines beside each other, as many as the processes hold whole)."""
+    if layout.strategy == "pp" and layout.spec.size("tp") > 1:  # pp x tp as planned; as many pipelines as fit (3-D)
+        one = layout.spec.processes // layout.spec.data_size
+        return one * min(layout.spec.data_size, max(1, available // one))
     if layout.strategy != "pp" or _side_by_side(layout, available):
         return available
-    if layout.spec.size("tp") > 1:  # pp x tp: its stages' tp ranks, as planned
-        return layout.spec.processes
     return min(available, layout.spec.size("pp"))
 
 
@@ -199,7 +200,8 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     """`layout` of `spec` brought to `nproc` processes on this machine: the same strategy over
     them (hsdp as 2 replicas where nproc is even and at least 4, else fsdp; tp over at most
     nproc ranks; pipelines of as many stages where nproc holds two or more of them whole,
-    else one of a stage per process; pp x tp as planned, on its processes), the same micro-batch and micro-batches per step, so the
+    else one of a stage per process; pp x tp as planned, as many of its pipelines as nproc
+    holds), the same micro-batch and micro-batches per step, so the
     global batch is scaled to the data ranks here."""
     from ..strategy.mesh import MeshSpec
 
@@ -215,13 +217,17 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         mesh = f"dp={nproc // tp},tp={tp}" if tp > 1 else f"dp={nproc}"
     elif strategy == "hsdp":
         mesh = f"replicate=2,dp={nproc // 2}"
-    elif strategy == "pp" and tp > 1:  # pp x tp: as planned, on as many processes
-        mesh = layout.mesh
-        if nproc != layout.spec.processes:
+    elif strategy == "pp" and tp > 1:  # pp x tp as planned, its pipelines side by side where nproc holds them (3-D)
+        stages = layout.spec.size("pp")
+        one, data = stages * tp, nproc // (stages * tp)
+        if nproc % one or data > layout.spec.data_size:
+            most = one * layout.spec.data_size
             raise UsageError(
-                f"--verify on {nproc} process(es): {layout.label} runs here on its {layout.spec.processes} processes "
-                f"(pp x tp as planned); give --verify-nproc {layout.spec.processes}"
+                f"--verify on {nproc} process(es): {layout.label} runs here as pipelines of {stages} stages of "
+                f"{tp} tp ranks each, side by side; give --verify-nproc {one}"
+                + (f" (or a multiple of it up to {most})" if most > one else "")
             )
+        mesh = f"pp={stages},tp={tp}" if data == 1 else f"pp={stages},dp={data},tp={tp}"
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"

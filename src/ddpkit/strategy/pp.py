@@ -224,16 +224,9 @@ class PipelineParallel(Strategy):
         return model
 
     def _shard(self, stage: nn.Module) -> None:
-        """FSDP2 over dp on the stage (each child a unit, then the stage): every rank built the
-        same model, so each keeps its own shards, with no broadcast."""
-        from torch.distributed.fsdp import fully_shard
-
+        """pp x dp x tp: the stage sharded over dp (`shard_stage`)."""
         assert self.layout is not None
-        mesh = self.layout.sub("dp")
-        for child in stage.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        fully_shard(stage, mesh=mesh)
+        shard_stage(stage, self.layout.sub("dp"))
 
     def _pp_index(self) -> int:
         assert self.layout is not None
@@ -286,6 +279,17 @@ def split_layers(model: nn.Module, kept: tuple[str, ...], mesh: Any, given: Any 
         if not plan:  # no planned layer on this stage: it runs whole on each of its tp ranks
             return
     parallelize(model, mesh, plan)
+
+
+def shard_stage(stage: nn.Module, mesh: Any) -> None:
+    """pp x dp x tp: FSDP2 over the dp `mesh` on a stage (each child a unit, then the stage):
+    every rank built the same model, so each keeps its own shards, with no broadcast."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in stage.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(stage, mesh=mesh)
 
 
 def split(model: nn.Module, index: int, count: int) -> Stage:
