@@ -35,6 +35,7 @@ def worker_facts() -> dict:
         "sigint_once": signal.getsignal(signal.SIGINT) is _interrupted,
         "threads": torch.get_num_threads(),
         "numpy": float(np.random.rand()),
+        "parent": os.getppid(),
     }
 
 
@@ -163,6 +164,29 @@ def test_spawn_on_request(monkeypatch, marked_parent):
     assert choose_start_method("cpu") == "spawn"
     out = ddpkit.launch(worker_facts, nproc=2, device="cpu")
     assert not any(facts["forked"] for facts in out.values())
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.fail_on_rank, 1, nproc=2, device="cpu")
+    assert info.value.rank == 1
+
+
+@pytest.mark.distributed
+@linux_only
+def test_a_fork_server_on_request_starts_fresh_workers_for_every_later_job(monkeypatch, marked_parent):
+    # forked from a fresh process that imported torch once and serves this process's later jobs
+    # too: each job's workers look spawned, with that job's thread count
+    monkeypatch.setenv("DDPKIT_START_METHOD", "forkserver")
+    assert choose_start_method("cpu") == "forkserver"
+    jobs = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        jobs.append(ddpkit.launch(worker_facts, nproc=2, device="cpu"))
+    for threads, out in zip((1, 2), jobs):
+        assert not any(facts["forked"] for facts in out.values())  # not this process's state
+        assert all(facts["sigterm_default"] and facts["sigint_once"] for facts in out.values())
+        assert {facts["threads"] for facts in out.values()} == {threads}
+        assert out[0]["numpy"] != out[1]["numpy"]
+    parents = {facts["parent"] for out in jobs for facts in out.values()}
+    assert len(parents) == 1 and parents != {os.getpid()}  # one server, for both jobs
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(workers.fail_on_rank, 1, nproc=2, device="cpu")
     assert info.value.rank == 1

@@ -18,6 +18,7 @@ import contextlib
 import glob
 import io
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -67,7 +68,8 @@ def launch(
     elastic agent. `device` ('auto', 'cpu' or 'cuda') decides `nproc='auto'` (one process per
     visible GPU, or on CPU one per 4 cores) and how workers start: when it resolves to 'cpu'
     they are forked from this process (fast), so they must not use CUDA; with 'cuda' they are
-    spawned afresh. Set DDPKIT_START_METHOD=spawn to always spawn.
+    spawned afresh. Set DDPKIT_START_METHOD=spawn to always spawn, or =forkserver to fork them
+    from a fresh process that imported torch once (`workers.choose_start_method`).
 
     Inside a worker of a job that is already running (started by torchrun, srun or
     `ddpkit run`), `fn` runs in this process, as that worker: {this rank: return value}.
@@ -101,10 +103,12 @@ def run_function(
     imported here while the rendezvous waits (see `workers.preloaded`)."""
     payload = cloudpickle.dumps((fn, args, kwargs))
     method = choose_start_method(topo.device_type)
+    if method == "forkserver":  # (once started, the server keeps what it imported for later jobs)
+        multiprocessing.set_forkserver_preload(["ddpkit.launcher.workers", *preload])
     results = _elastic(
         topo,
         entrypoint,
-        (payload, method == "fork", announce_restarts),
+        (payload, method in ("fork", "forkserver"), announce_restarts),
         output="inherit",
         start_method=method,
         preload=preload if method == "fork" else (),
@@ -239,7 +243,8 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
         _quiet_elastic_logs(),
         _rendezvous_events_named_by_frame(),
         _tidy_prefixes() if output == "prefixed" else contextlib.nullcontext(),
-        main_hidden() if start_method == "spawn" else gc_frozen(),
+        # (the fork server is a fresh interpreter too, started with the first such job)
+        main_hidden() if start_method in ("spawn", "forkserver") else gc_frozen(),
     ):
         yield
 

@@ -102,7 +102,8 @@ def _like_a_spawned_worker() -> None:
 
 
 def choose_start_method(device_type: str) -> str:
-    """'fork' where forking this process is safe, else 'spawn'.
+    """'fork' where forking this process is safe, else 'spawn' ('forkserver' or 'spawn' where
+    DDPKIT_START_METHOD asks for it).
 
     A spawned worker starts a fresh interpreter and imports torch again (over a second on a
     small machine, more than the training of a small job) and at exit tears that interpreter
@@ -115,8 +116,14 @@ def choose_start_method(device_type: str) -> str:
     with `_thread` rather than `threading` count too (`threading.active_count()` does not see
     them; every Python thread has a frame in `sys._current_frames()`): pytest-xdist's workers
     run one, and a process forked from there crashed collecting garbage.
+    'forkserver' (Linux): the workers are forked from a fresh process that imported torch and
+    its compiler once and is kept for this process's later jobs: a spawned worker's fresh
+    state without its imports (`plan.verify` starts its measured runs so).
     """
-    if os.environ.get("DDPKIT_START_METHOD") == "spawn" or device_type != "cpu" or sys.platform != "linux":
+    asked = os.environ.get("DDPKIT_START_METHOD")
+    if asked == "forkserver" and sys.platform == "linux":
+        return "forkserver"
+    if asked == "spawn" or device_type != "cpu" or sys.platform != "linux":
         return "spawn"
     if threading.current_thread() is not threading.main_thread():
         return "spawn"
