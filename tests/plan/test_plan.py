@@ -153,6 +153,12 @@ def test_a_pipeline_tries_4_micro_batches_per_stage_first_then_fewer_rows():
     assert _pipeline_micro_batches(24, 2) == [2, 1]  # 12 of 2 (3 rows, 8 of them, is not a size tried)
     assert _pipeline_micro_batches(8, 4) == [1]  # 8 rows: the most micro-batches there can be
     assert _pipeline_micro_batches(4, 4) == [1]  # and never fewer than a stage each
+    # gpipe, where the rows are fewer than the stages: a row each, the most micro-batches
+    assert _pipeline_micro_batches(6, 8, "gpipe") == [1] and _pipeline_micro_batches(1, 2, "gpipe") == [1]
+    fewer = Layout("pp", "pp=4,dp=2", False, 1, "gpipe")
+    assert fewer.label == "pp 4 x dp 2 gpipe mb1"
+    said = command(_spec(4), cluster("h100", 8, 1), fewer)
+    assert "--mesh pp=4,dp=2 --batch-size 4 " in said and said.endswith("--micro-batch-size 1 --pp-schedule gpipe")
 
 
 @pytest.mark.unit
@@ -162,24 +168,38 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
 
     c4 = cluster("h100", 4, 1)
     assert _stages(_spec()) == 4  # embedding, 2 blocks, head
-    assert ("pp", "pp=4") in {(q.strategy, q.mesh) for q in layouts(c4, _spec(4).share, 4, (False,), 4)}
-    three = {q.mesh for q in layouts(c4, _spec(4).share, 4, (False,), 3) if q.strategy == "pp"}
-    assert three == {"pp=2,dp=2", "pp=2,tp=2"}  # a child short of 4 stages: two pipelines of 2, or one beside tp
-    # 2 samples: not 4 stages, nor two pipelines of 2 (a row each); one of 2 stages beside tp
-    assert {q.mesh for q in layouts(c4, _spec(2).share, 4, (False,), 4) if q.strategy == "pp"} == {"pp=2,tp=2"}
 
-    # on 8 GPUs: pipelines of 2, 4 and 8 stages, one per data rank, where each has a micro-batch per stage
-    def pipelines(batch, stages):
-        planned = layouts(cluster("h100", 8, 1), _spec(batch).share, 4, (False,), stages)
-        return {q.mesh for q in planned if q.strategy == "pp"}
+    def pipelines(planned):  # {mesh: schedule}
+        return {q.mesh: q.schedule for q in planned if q.strategy == "pp"}
 
-    # and pipelines whose stages split their layers over tp within the node, one (pp x tp) or
-    # two (3-D: each stage sharded over its 2 data ranks), as far as the 4 heads divide
+    # 1f1b where each stage has a micro-batch at least, gpipe where the rows are fewer than stages
+    assert pipelines(layouts(c4, _spec(4).share, 4, (False,), 4)) == {
+        "pp=2,dp=2": "1f1b",
+        "pp=4": "1f1b",
+        "pp=2,tp=2": "1f1b",
+    }
+    # a child short of 4 stages: two pipelines of 2, or one beside tp
+    assert pipelines(layouts(c4, _spec(4).share, 4, (False,), 3)) == {"pp=2,dp=2": "1f1b", "pp=2,tp=2": "1f1b"}
+    # 2 samples: a row to each of two pipelines of 2, 2 rows to 4 stages: gpipe; 2 to 2 stages beside tp
+    assert pipelines(layouts(c4, _spec(2).share, 4, (False,), 4)) == {
+        "pp=2,dp=2": "gpipe",
+        "pp=4": "gpipe",
+        "pp=2,tp=2": "1f1b",
+    }
+
+    # on 8 GPUs: pipelines of 2, 4 and 8 stages, one per data rank, and pipelines whose stages
+    # split their layers over tp within the node, one (pp x tp) or two (3-D: each stage sharded
+    # over its 2 data ranks), as far as the 4 heads divide
+    def on_8(batch, stages):
+        return pipelines(layouts(cluster("h100", 8, 1), _spec(batch).share, 4, (False,), stages))
+
     tp = {"pp=2,tp=4", "pp=4,tp=2", "pp=2,dp=2,tp=2"}
-    assert pipelines(16, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}
-    assert pipelines(16, 4) == {"pp=2,dp=4", "pp=4,dp=2", *tp}  # 4 children: no stage for 4 more GPUs
-    assert pipelines(8, 8) == {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}  # 2, 4 and 8 rows to the pipelines
-    assert pipelines(4, 8) == tp  # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages
+    every = {"pp=2,dp=4", "pp=4,dp=2", "pp=8", *tp}
+    assert on_8(16, 8) == dict.fromkeys(every, "1f1b")
+    assert on_8(16, 4) == dict.fromkeys(every - {"pp=8"}, "1f1b")  # 4 children: no stage for 4 more GPUs
+    assert on_8(8, 8) == dict.fromkeys(every, "1f1b")  # 2, 4 and 8 rows to the pipelines
+    # 1 row to each of 4 pipelines of 2, 2 to each of 2 of 4, 4 to 8 stages: gpipe
+    assert on_8(4, 8) == {**dict.fromkeys(tp, "1f1b"), **dict.fromkeys(every - tp, "gpipe")}
     two_heads = layouts(cluster("h100", 8, 1), _spec(16).share, 2, (False,), 8)
     assert {q.mesh for q in two_heads if "tp" in q.mesh and q.strategy == "pp"} == {"pp=4,tp=2", "pp=2,dp=2,tp=2"}
     # on 2 nodes of 4: tp within a node
@@ -547,7 +567,8 @@ def raises(in_shape, num_classes):
 
 BAD = [
     (["--gpu", "b300"], "--gpu 'b300'"),
-    (["--batch-size", "1", "--gpus-per-node", "4", "--gpt-heads", "2", "--gpt-width", "64"], "does not divide"),
+    # (fp16: no pipeline, which would run any batch)
+    (["--batch-size", "3", "--gpus-per-node", "4", "--gpt-heads", "2", "--precision", "fp16"], "does not divide"),
     (["--gpt-width", "30", "--gpt-heads", "4"], "multiple of --gpt-heads"),
     (["--efficiency", "2"], "--efficiency"),
     (["--efficiency", "0"], "--efficiency"),

@@ -1,12 +1,12 @@
 """Pipeline layouts (`--mesh pp=P`; `pp=P,dp=D`: D pipelines, each stage under DDP over dp;
 `pp=P,tp=T`: each stage's layers split over T ranks; `pp=P,dp=D,tp=T`: 3-D), traced stage by
 stage on fake tensors:
-what each stage's rank holds at its peak under torch's own 1f1b schedule (ddpkit's default)
-over a step's micro-batches.
+what each stage's rank holds at its peak under torch's own 1f1b schedule (ddpkit's default;
+gpipe where a step has fewer micro-batches than stages) over a step's micro-batches.
 
 Each stage is traced on its own, as rank 0 of a fake world: the model built on meta, cut by
 `strategy.pp.split` (the stages a run has), given fake storage, and run by torch's
-`PipelineStage` and `Schedule1F1B`, whose sends and receives the fake process group takes
+`PipelineStage` and `Schedule1F1B` (or `ScheduleGPipe`), whose sends and receives the fake process group takes
 without values. So the activations the schedule keeps in flight (up to P - s micro-batches on
 stage s), the stage's parameters, gradients and
 optimizer state and the losses are torch's own, counted by `MemTracker`. Three things the fake
@@ -75,7 +75,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     step's model that `strategy.pp.split` gives it, or those named in `kept` (a stage of a
     deeper model, with fewer blocks: `run._traced_stage`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from ..strategy.pp import split
 
@@ -121,7 +121,8 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
             output_args=(_like(out, True),),
             group=_pipeline_group(layout),
         )
-        steps = Schedule1F1B(pipe, chunks, loss_fn=loss, scale_grads=False)
+        schedule = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
+        steps = schedule(pipe, chunks, loss_fn=loss, scale_grads=False)
         steps._warmup_p2p = _static  # type: ignore[method-assign]
         opt = optimizer(step.optimizer, model, step.foreach)
         _make_state(model, opt)

@@ -12,7 +12,7 @@ Time, stated in every plan:
   DDP's all-reduce beside the backward (2/3 of the compute), FSDP2's all-gathers and
   reduce-scatters beside all of it; tensor-parallel collectives sit between a layer's
   products and cost in full;
-- a pipeline (pp=P, 1f1b over m micro-batches): each stage timed on its own, and the step is
+- a pipeline (pp=P, 1f1b or gpipe over m micro-batches): each stage timed on its own, and the step is
   the slowest stage's time. A stage's: its compute (its children's FLOPs, as the split cuts
   them) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
   (activations forward, gradients back; a send within a node at NVLink's figures only where
@@ -75,15 +75,30 @@ def layouts(
         tp *= 2
     for pp in range(2, min(world, stages) + 1):  # pipelines of pp stages, one per data rank
         data = world // pp
-        if world % pp == 0 and (share_of(data) or 0) >= pp:  # 1f1b: a micro-batch per stage at least
+        if world % pp == 0:
             meshes.append(("pp", f"pp={pp}" if data == 1 else f"pp={pp},dp={data}"))
         tp = 2  # pipelines whose stages split their layers over tp within a node: pp x tp, and 3-D
         while heads and pp * tp <= world and tp <= per_node:
             data = world // (pp * tp)
-            if world % (pp * tp) == 0 and per_node % tp == 0 and heads % tp == 0 and (share_of(data) or 0) >= pp:
+            if world % (pp * tp) == 0 and per_node % tp == 0 and heads % tp == 0:
                 meshes.append(("pp", f"pp={pp},tp={tp}" if data == 1 else f"pp={pp},dp={data},tp={tp}"))
             tp *= 2
-    return [Layout(strategy, mesh, ac, 0) for strategy, mesh in meshes if share_of(_data(mesh)) for ac in checkpointing]
+    return [
+        Layout(strategy, mesh, ac, 0, _schedule(mesh, share_of))
+        for strategy, mesh in meshes
+        if share_of(_data(mesh))
+        for ac in checkpointing
+    ]
+
+
+def _schedule(mesh: str, share_of: Any) -> str:
+    """A pipeline's schedule: 1f1b (ddpkit's default), where each stage has a micro-batch at
+    least; else gpipe, which runs fewer micro-batches than stages (more activations held, the
+    same bubble). Not a pipeline: 1f1b, unused."""
+    from ..strategy.mesh import MeshSpec
+
+    spec = MeshSpec.parse(mesh)
+    return "gpipe" if (share_of(spec.data_size) or 0) < spec.size("pp") else "1f1b"
 
 
 def _data(mesh: str) -> int:
@@ -128,6 +143,7 @@ class Prediction:
             "mesh": self.layout.mesh,
             "activation_checkpointing": self.layout.checkpointing_mode or False,
             "micro_batch": self.layout.micro_batch,
+            "schedule": self.layout.schedule if self.layout.strategy == "pp" else None,
             "memory_gib": {k: v / GIB for k, v in self.trace.memory.items()},
             "peak_gib": self.trace.peak / GIB,
             "fits": self.fits,

@@ -104,7 +104,7 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             raise UsageError(
                 f"--strategy {','.join(spec.strategies)}: no such layout runs here (hsdp needs several nodes "
                 "and GPUs per node; tp needs heads, and a global batch, that divide; pp a gpt with a child "
-                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs, a micro-batch per stage, not fp16)"
+                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs, not fp16)"
             )
     if not todo:
         raise UsageError(
@@ -309,7 +309,7 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
     stages = layout.spec.size("pp")
     step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, backend=backend_for(cluster.gpu.device))
     memory = cluster.gpu.memory_gib * GIB
-    sizes = _pipeline_micro_batches(share, stages)
+    sizes = _pipeline_micro_batches(share, stages, layout.schedule)
     sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
     cuts = stage_cuts(spec, stages) if _depth(spec) > EXTRAPOLATE_FROM else None
     for micro in sizes:
@@ -319,12 +319,13 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
         if max(t.peak for t in traces) <= memory or states > memory:  # fits, or never will (_traced_fit)
             break
     worst = max(traces, key=lambda t: t.peak)
+    schedules = {"1f1b": "ddpkit's default schedule", "gpipe": "fewer micro-batches than stages"}
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
     shown = replace(worst, stages=traces)  # the step's time: each stage's, timed on its own (`predict`)
     shown.computed = [
         f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
-        "pp: 1f1b over the step's micro-batches (ddpkit's default schedule); each stage timed on its own (its "
-        "compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
+        f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}); each stage timed on "
+        "its own (its compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
         *worst.computed[1:],  # (its own first line names its stage)
     ]
     return sized, shown
@@ -376,10 +377,13 @@ def _traced_stage(
 MICRO_BATCHES_PER_STAGE = 4
 
 
-def _pipeline_micro_batches(share: int, stages: int) -> list[int]:
+def _pipeline_micro_batches(share: int, stages: int, schedule: str = "1f1b") -> list[int]:
     """A pipeline's micro-batch sizes to try, in turn: the largest of `_micro_batches(share)`
     that gives MICRO_BATCHES_PER_STAGE per stage (else the smallest, which gives the most), then
-    the smaller ones; never one that leaves a stage without a micro-batch."""
+    the smaller ones; under 1f1b never one that leaves a stage without a micro-batch. (gpipe is
+    planned where none gives each stage one: the smallest, the most micro-batches.)"""
+    if schedule == "gpipe":
+        return _micro_batches(share)[-1:]
     sizes = [m for m in _micro_batches(share) if share // m >= stages]
     enough = [m for m in sizes if share // m >= MICRO_BATCHES_PER_STAGE * stages] or sizes[-1:]
     return [m for m in sizes if m <= enough[0]]
@@ -509,6 +513,8 @@ def command(spec: Spec, cluster: Cluster, layout: Layout) -> str:
     share = spec.share(layout.spec.data_size)
     if share and layout.micro_batch < share:
         parts += [f"--micro-batch-size {layout.micro_batch}"]
+    if layout.schedule == "gpipe":
+        parts += ["--pp-schedule gpipe"]
     if layout.checkpointing:
         parts += ["--activation-checkpointing true"]
     if layout.checkpointing_mode == "selective":

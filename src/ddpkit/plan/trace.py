@@ -54,10 +54,11 @@ class Layout:
     """One way to run the job: a strategy on a mesh, activation checkpointing (off, True for
     full, or "selective"), and the samples per forward on one data rank."""
 
-    strategy: str  # ddp, fsdp, hsdp or tp
-    mesh: str  # "dp=8", "replicate=2,dp=4", "dp=4,tp=2"
+    strategy: str  # ddp, fsdp, hsdp, tp or pp
+    mesh: str  # "dp=8", "replicate=2,dp=4", "dp=4,tp=2", "pp=2,dp=4"
     checkpointing: bool | str
     micro_batch: int
+    schedule: str = "1f1b"  # a pipeline's: 1f1b, or gpipe (where a step has fewer micro-batches than stages)
 
     @property
     def checkpointing_mode(self) -> str | None:
@@ -81,7 +82,8 @@ class Layout:
             kind = "fsdp+tp" if self.strategy == "tp" else self.strategy
             name = f"{kind} {'x'.join(str(size) for _, size in spec.sizes)}"
         ac = {None: "", "full": " +ac", "selective": " +sac"}[self.checkpointing_mode]
-        return f"{name}{ac} mb{self.micro_batch}"
+        schedule = " gpipe" if self.schedule == "gpipe" else ""
+        return f"{name}{schedule}{ac} mb{self.micro_batch}"
 
 
 @dataclass

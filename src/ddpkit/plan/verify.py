@@ -115,6 +115,7 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
         precision=spec.precision,
         activation_checkpointing=True if layout.checkpointing else None,
         activation_checkpointing_mode=layout.checkpointing_mode or "full",
+        pp_schedule=layout.schedule,
     ) as rt:
         model = rt.build(spec.build)
         model, opt = rt.setup(model, optimizer(spec.optimizer, model, foreach=rt.device.type == "cuda"))
@@ -234,7 +235,7 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
-        most = min(share // layout.micro_batch, children(spec))
+        most = children(spec) if layout.schedule == "gpipe" else min(share // layout.micro_batch, children(spec))
         if not several and not 2 <= nproc <= most:
             beside = f", or its pipelines side by side on a multiple of {stages}" if layout.spec.data_size > 1 else ""
             raise UsageError(
@@ -253,7 +254,7 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         spec.options,
         spec.checkpointing,
     )
-    return scaled, Layout(strategy, mesh, layout.checkpointing, layout.micro_batch)
+    return scaled, Layout(strategy, mesh, layout.checkpointing, layout.micro_batch, layout.schedule)
 
 
 def compare(case: Case, nproc: int, device: str) -> tuple[Any, dict[str, Any]]:
