@@ -651,6 +651,9 @@ def test_a_pipelines_verification_runs_a_stage_per_process_and_is_refused_where_
         UsageError, match=r"pp 2 x dp 4 mb2 runs here .* from 2 to 2 .* side by side on a multiple of 2;"
     ):
         here(_spec(16), beside, 3)  # a pipeline's 4 rows, in micro-batches of 2: 2 stages at most
+    # gpipe's fewer micro-batches than stages: so run here too, on up to the model's children
+    spec, layout = here(_spec(2), Layout("pp", "pp=4", False, 2, "gpipe"), 3)
+    assert (layout.mesh, layout.schedule, spec.global_batch) == ("pp=3", "gpipe", 2)
     # a pipeline beside tp: as planned, on its processes; in 3-D, as many pipelines as the
     # processes hold
     across = Layout("pp", "pp=2,tp=2", False, 2)
