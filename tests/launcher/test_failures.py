@@ -73,7 +73,7 @@ def test_rank_that_stops_reaching_collectives_is_named_with_its_stack_within_the
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("start,bad_rank", [("fork", 0), ("fork", 1), ("spawn", 1)])
+@pytest.mark.parametrize("start,bad_rank", [("fork", 0), ("fork", 1), ("spawn", 1), ("forkserver", 1)])
 def test_a_rank_killed_by_sigkill_is_blamed_not_the_peer_that_lost_its_connection(monkeypatch, start, bad_rank):
     # The peers fail with "Connection reset by peer" at about the same moment; torch's agent
     # reports whichever it notices first.

@@ -36,6 +36,7 @@ def worker_facts() -> dict:
         "threads": torch.get_num_threads(),
         "numpy": float(np.random.rand()),
         "parent": os.getppid(),
+        "launch_dir": os.environ.get("DDPKIT_LAUNCH_DIR"),
     }
 
 
@@ -171,9 +172,10 @@ def test_spawn_on_request(monkeypatch, marked_parent):
 
 @pytest.mark.distributed
 @linux_only
-def test_a_fork_server_on_request_starts_fresh_workers_for_every_later_job(monkeypatch, marked_parent):
-    # forked from a fresh process that imported torch once and serves this process's later jobs
-    # too: each job's workers look spawned, with that job's thread count
+def test_a_fork_server_on_request_starts_each_jobs_workers_fresh_with_the_jobs_environment(monkeypatch, marked_parent):
+    # forked from a fresh process that imported torch once for the job: each job's workers look
+    # spawned, with that job's thread count and records folder (a server kept from the first
+    # job would hand the second job's workers the first's)
     monkeypatch.setenv("DDPKIT_START_METHOD", "forkserver")
     assert choose_start_method("cpu") == "forkserver"
     jobs = []
@@ -185,8 +187,11 @@ def test_a_fork_server_on_request_starts_fresh_workers_for_every_later_job(monke
         assert all(facts["sigterm_default"] and facts["sigint_once"] for facts in out.values())
         assert {facts["threads"] for facts in out.values()} == {threads}
         assert out[0]["numpy"] != out[1]["numpy"]
-    parents = {facts["parent"] for out in jobs for facts in out.values()}
-    assert len(parents) == 1 and parents != {os.getpid()}  # one server, for both jobs
+    for out in jobs:
+        assert len({facts["parent"] for facts in out.values()} - {os.getpid()}) == 1  # the job's server
+    assert jobs[0][0]["parent"] != jobs[1][0]["parent"]
+    dirs = [{facts["launch_dir"] for facts in out.values()} for out in jobs]
+    assert all(len(d) == 1 and None not in d for d in dirs) and dirs[0] != dirs[1]
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(workers.fail_on_rank, 1, nproc=2, device="cpu")
     assert info.value.rank == 1

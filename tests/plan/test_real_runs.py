@@ -61,8 +61,8 @@ CASES = {
         # each stage against its rank (1f1b, four micro-batches of 2): stage 0 2.8% low (what
         # its rank holds beyond the trace is not known yet), stage 1 0.4%
         (_gpt("fp32"), Layout("pp", "pp=2", False, 2), 0.04),
-        # gpipe, as planned where a step's rows are fewer than the stages: one micro-batch of 8
-        # through 2 stages, 0.998, 0.998 (2026-12-07; four of 2: 0.969, 0.998)
+        # gpipe's trace (the plan's schedule where a step's rows are fewer than the stages), at one
+        # micro-batch of 8 through 2 stages: 0.998, 0.998 (2026-12-07; four of 2: 0.969, 0.998)
         (_gpt("fp32"), Layout("pp", "pp=2", False, 8, "gpipe"), 0.02),
     ],
     4: [

@@ -40,7 +40,15 @@ from . import records
 from . import store as workers_store
 from .failures import as_worker_failed
 from .topology import Nodes, Topology, local
-from .workers import WORKER_IMPORTS, choose_start_method, entrypoint, gc_frozen, main_hidden, preloaded
+from .workers import (
+    WORKER_IMPORTS,
+    choose_start_method,
+    entrypoint,
+    gc_frozen,
+    main_hidden,
+    own_fork_server,
+    preloaded,
+)
 
 # Imports inside functions: torch's elastic agent and rendezvous load in the launching process
 # only when it launches (not for `ddpkit.launch` under torchrun, nor in the workers).
@@ -69,7 +77,7 @@ def launch(
     visible GPU, or on CPU one per 4 cores) and how workers start: when it resolves to 'cpu'
     they are forked from this process (fast), so they must not use CUDA; with 'cuda' they are
     spawned afresh. Set DDPKIT_START_METHOD=spawn to always spawn, or =forkserver to fork them
-    from a fresh process that imported torch once (`workers.choose_start_method`).
+    from a fresh process that imported torch once for the job (`workers.own_fork_server`).
 
     Inside a worker of a job that is already running (started by torchrun, srun or
     `ddpkit run`), `fn` runs in this process, as that worker: {this rank: return value}.
@@ -103,7 +111,7 @@ def run_function(
     imported here while the rendezvous waits (see `workers.preloaded`)."""
     payload = cloudpickle.dumps((fn, args, kwargs))
     method = choose_start_method(topo.device_type)
-    if method == "forkserver":  # (once started, the server keeps what it imported for later jobs)
+    if method == "forkserver":  # what the job's fork server imports once for its workers (`own_fork_server`)
         multiprocessing.set_forkserver_preload(["ddpkit.launcher.workers", *preload])
     results = _elastic(
         topo,
@@ -243,8 +251,9 @@ def _launching(n: int, logs: str, output: str, start_method: str) -> Iterator[No
         _quiet_elastic_logs(),
         _rendezvous_events_named_by_frame(),
         _tidy_prefixes() if output == "prefixed" else contextlib.nullcontext(),
-        # (the fork server is a fresh interpreter too, started with the first such job)
+        # (the fork server is a fresh interpreter too, started by the job's first worker)
         main_hidden() if start_method in ("spawn", "forkserver") else gc_frozen(),
+        own_fork_server() if start_method == "forkserver" else contextlib.nullcontext(),
     ):
         yield
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from multiprocessing import forkserver
 from typing import Any
 
 from ..core.signals import set_handler
@@ -117,11 +118,11 @@ def choose_start_method(device_type: str) -> str:
     them; every Python thread has a frame in `sys._current_frames()`): pytest-xdist's workers
     run one, and a process forked from there crashed collecting garbage.
     'forkserver' (Linux): the workers are forked from a fresh process that imported torch and
-    its compiler once and is kept for this process's later jobs: a spawned worker's fresh
-    state without its imports (`plan.verify` starts its measured runs so).
+    its compiler once for the job (`own_fork_server`): a spawned worker's fresh state without
+    each worker's imports (`plan.verify` starts its measured runs so).
     """
     asked = os.environ.get("DDPKIT_START_METHOD")
-    if asked == "forkserver" and sys.platform == "linux":
+    if asked == "forkserver" and sys.platform == "linux" and hasattr(forkserver.ForkServer, "_stop"):
         return "forkserver"
     if asked == "spawn" or device_type != "cpu" or sys.platform != "linux":
         return "spawn"
@@ -294,6 +295,21 @@ def _deliver_held() -> None:
             os.kill(pid, signum)
 
     threading.Thread(target=send, name="ddpkit-held-signals", daemon=True).start()
+
+
+@contextlib.contextmanager
+def own_fork_server() -> Iterator[None]:
+    """The job's own fork server: Python's one fork server per process is stopped before the
+    job (one left running would hand the workers the environment it started with: an earlier
+    job's records folder) and after it, so that the job's first worker starts one with the
+    job's environment. It imports the preloaded modules once, for all the job's workers. Its
+    workers are its children, not the launcher's: `records.ExitWatch` sees no exit status and
+    no stopped worker of theirs (the agent still reports how each ended)."""
+    forkserver._forkserver._stop()  # (CPython's own, which its tests use: there since 3.8)
+    try:
+        yield
+    finally:
+        forkserver._forkserver._stop()
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ from .trace import (
 
 
 def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: tuple[str, ...] | None = None) -> Trace:
-    """Stage `index`'s step of `layout` (a mesh of pp, or pp and dp), in a process of
+    """Stage `index`'s step of `layout` (a mesh of pp, with dp, tp, both or neither), in a process of
     `trace.in_fake_worlds`: see the module docstring. The stage holds the children of the
     step's model that `strategy.pp.split` gives it, or those named in `kept` (a stage of a
     deeper model, with fewer blocks: `run._traced_stage`)."""

@@ -217,8 +217,8 @@ def _stage_seconds(
         else:
             dp_comm += seconds
     window = compute / chunks * BACKWARD_SHARE if cluster.gpu.overlap else 0.0
-    # 1f1b's bubble: each stage idles while the first micro-batch fills the pipeline and the
-    # last drains it, (stages - 1) micro-batches' time
+    # the bubble (1f1b's and gpipe's): each stage idles while the first micro-batch fills the
+    # pipeline and the last drains it, (stages - 1) micro-batches' time
     return compute * (chunks + stages - 1) / chunks, dp_comm, sends + max(0.0, dp_comm - window)
 
 

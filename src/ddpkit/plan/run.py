@@ -302,8 +302,8 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
 
 
 def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -> tuple[Layout, Trace]:
-    """A pipeline's every stage traced (`pipeline.trace_stage`, torch's 1f1b over the step's
-    micro-batches), at the micro-batch `_pipeline_micro_batches` prefers that fits on every
+    """A pipeline's every stage traced (`pipeline.trace_stage`, torch's 1f1b, or gpipe, over
+    the step's micro-batches), at the micro-batch `_pipeline_micro_batches` prefers that fits on every
     stage (the smallest if none does): the trace of the stage that holds most, the others'
     peaks said beside it."""
     stages = layout.spec.size("pp")
@@ -362,8 +362,8 @@ def _traced_stage(
         return traced
     one, two = at(low), at(high)
     grows = ("parameters", "gradients", "optimizer", "activations")
-    if layout.spec.size("dp") > 1:  # DDP's buckets: the stage's gradients again
-        grows += ("communication",)
+    if layout.spec.size("dp") > 1 and layout.spec.size("tp") == 1:  # DDP's buckets: the stage's gradients again
+        grows += ("communication",)  # (FSDP2's buffers in 3-D: the units in flight, as `_traced` has them)
     memory, peak = _extrapolated_memory(one, two, blocks - high, grows)
     ops = _extrapolated_ops(one.ops, two.ops, blocks - low)
     computed = [*two.computed, f"gpt: stage {index} traced at {low} and {high} of its {blocks} blocks, extrapolated"]

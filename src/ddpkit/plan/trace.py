@@ -139,6 +139,8 @@ def in_fake_worlds(
     from ..launcher.workers import choose_start_method, main_hidden
 
     method = choose_start_method("cpu")
+    if method == "forkserver":  # (a fork server is a launched job's own: `launcher.workers.own_fork_server`)
+        method = "spawn"
     before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
         min(len(calls), workers()),

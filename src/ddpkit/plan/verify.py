@@ -2,7 +2,8 @@
 plan predicted for them on a cluster of this machine's processes.
 
 Measured: each layout runs through ddpkit's `Runtime` on `nproc` processes (gloo on CPU, NCCL on
-GPUs), all layouts one after the other in one job of fresh (spawned) processes. After a first
+GPUs), all layouts one after the other in one job of fresh processes (forked from a fork server of
+the job's own, which imported torch once). After a first
 step (the optimizer's state exists from then on, as in the trace), one more step runs under the
 same torch memory tracker the plan uses, on real tensors: `FSDPMemTracker` where FSDP2 shards,
 else `MemTracker`. DDP's gradient buckets are allocated by its C++ reducer, out of the
@@ -84,9 +85,8 @@ def measured_ranks(
     # Never forked from here: a forked worker inherits the launching process's torch state
     # (DTensor's caches among it), and tensor-parallel peaks measured after a long process
     # history (a whole test suite's) were 6% and 20% above the same runs in a fresh process.
-    # Forked from a fork server instead, a fresh process that imported torch once: a spawned
-    # worker's state (the same peaks to the byte) without each worker importing torch again
-    # (a 4-process job measured in 4.2 s instead of 10.3, the server started).
+    # Forked from the job's fork server instead, a fresh process that imported torch once: a
+    # spawned worker's state (the same peaks to the byte) without each worker importing torch.
     with mock.patch.dict(os.environ, {"DDPKIT_START_METHOD": "forkserver"}):  # restored afterwards
         ranks = launch(_worker, Job(tuple(cases), timed_steps), nproc=nproc, device=device)
     return [ranks[r] for r in sorted(ranks)]
@@ -236,11 +236,12 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
         most = children(spec) if layout.schedule == "gpipe" else min(share // layout.micro_batch, children(spec))
+        limits = "the model's children" if layout.schedule == "gpipe" else "its micro-batches and the model's children"
         if not several and not 2 <= nproc <= most:
             beside = f", or its pipelines side by side on a multiple of {stages}" if layout.spec.data_size > 1 else ""
             raise UsageError(
                 f"--verify on {nproc} process(es): {layout.label} runs here as a pipeline of a stage per process, "
-                f"from 2 to {most} (its micro-batches and the model's children){beside}; give --verify-nproc"
+                f"from 2 to {most} ({limits}){beside}; give --verify-nproc"
             )
     else:
         mesh = f"dp={nproc}"
