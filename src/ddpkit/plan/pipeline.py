@@ -77,7 +77,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..strategy.pp import split
+    from ..strategy.pp import keep_children, split
 
     spec = layout.spec
     spec.check_processes(world_size)
@@ -102,7 +102,7 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
         if kept is None:
             kept = split(model, index, count).kept
         else:
-            _cut(model, kept)
+            keep_children(model, kept)
     if tp > 1:  # pp x tp: the stage's layers split over tp as a run splits them (on meta, `trace.built`)
         model = _split_stage(step, layout, kept, mode)
     with mode:
@@ -153,25 +153,18 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
 
 
-def _cut(model: torch.nn.Module, kept: tuple[str, ...]) -> None:
-    """`model` with the children named in `kept` alone."""
-    for name in list(model._modules):
-        if name not in kept:
-            del model._modules[name]
-
-
 def _split_stage(step: Step, layout: Layout, kept: tuple[str, ...], mode: Any) -> torch.nn.Module:
     """pp x tp: the stage's children (`kept`) of the step's model, built on meta, their layers
     split over the traced rank's tp ranks by `strategy.pp.split_layers` (the model's plan), then
     given fake storage: what a run's stage holds under tp (its DTensor parameters)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..strategy.pp import shard_stage, split_layers
+    from ..strategy.pp import keep_children, shard_stage, split_layers
 
     model, on_meta = built(step.build, mode)
     if layout.checkpointing:
         checkpointing_apply(model, layout.checkpointing)
-    _cut(model, kept)
+    keep_children(model, kept)
     shape, names = layout.spec.grid()  # (outside fake mode: DeviceMesh computes coordinates from real tensors)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     split_layers(model, kept, mesh["tp"])

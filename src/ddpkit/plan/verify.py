@@ -235,8 +235,13 @@ def here(spec: Spec, layout: Layout, nproc: int) -> Case:
     elif strategy == "pp":  # its pipelines where the processes hold them whole, else a stage per process
         stages, several = layout.spec.size("pp"), _side_by_side(layout, nproc)
         mesh = f"pp={stages},dp={nproc // stages}" if several else f"pp={nproc}"
-        most = children(spec) if layout.schedule == "gpipe" else min(share // layout.micro_batch, children(spec))
-        limits = "the model's children" if layout.schedule == "gpipe" else "its micro-batches and the model's children"
+        if layout.schedule == "gpipe":  # (it runs fewer micro-batches than stages)
+            most, limits = children(spec), "the model's children"
+        else:
+            most, limits = (
+                min(share // layout.micro_batch, children(spec)),
+                "its micro-batches and the model's children",
+            )
         if not several and not 2 <= nproc <= most:
             beside = f", or its pipelines side by side on a multiple of {stages}" if layout.spec.data_size > 1 else ""
             raise UsageError(

@@ -292,6 +292,13 @@ def shard_stage(stage: nn.Module, mesh: Any) -> None:
     fully_shard(stage, mesh=mesh)
 
 
+def keep_children(model: nn.Module, kept: Sequence[str]) -> None:
+    """`model` with the children named in `kept` alone (a stage's)."""
+    for name in list(model._modules):
+        if name not in kept:
+            del model._modules[name]  # (not `del model[i]`: that renumbers the children)
+
+
 def split(model: nn.Module, index: int, count: int) -> Stage:
     """Keep stage `index` of `count` of the Sequential `model` in place (its children's names
     unchanged), the stages cut where each holds about as many parameters. UsageError for a
@@ -325,9 +332,7 @@ def split(model: nn.Module, index: int, count: int) -> Stage:
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     param_names = {id(p): name for name, p in model.named_parameters()}
     kept = tuple(names[bounds[index] : bounds[index + 1]])
-    for name in names:
-        if name not in kept:
-            del model._modules[name]  # (not `del model[i]`: that renumbers the children)
+    keep_children(model, kept)
     stage = Stage(index, count, kept, shapes, param_names)
     model._ddpkit_stage = stage  # type: ignore[assignment]
     return stage
