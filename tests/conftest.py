@@ -139,6 +139,7 @@ def pytest_collection_modifyitems(config, items):
     problems += [f"{nodeid}: unit, yet marked distributed, cli or slow as well" for nodeid in mixed]
     if problems:
         raise pytest.UsageError("tests/conftest.py: unclassified tests:\n" + "\n".join(problems))
+    parallel.alone_files_first(config, items)
 
 
 @pytest.fixture(autouse=True)

@@ -142,6 +142,17 @@ class Unclaimed:
         return True
 
 
+def alone_files_first(config, items: list) -> None:
+    """In a process of a `--processes` run: the test files that hold an `alone` test first (in
+    their order, then the others in theirs). An `alone` test waits for the test each other
+    process is running to end, and a core idles meanwhile: at the start those are unit tests
+    of milliseconds, later they may be runs of a minute."""
+    if shared_folder(config) is None:
+        return
+    alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
+    items.sort(key=lambda item: item.path not in alone)  # (stable: each file's tests stay in order)
+
+
 def note_done(config) -> None:
     """One more test run by this process (for the first process's progress line)."""
     folder = shared_folder(config)

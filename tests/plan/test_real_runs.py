@@ -32,9 +32,11 @@ from ddpkit.plan.run import Spec
 from ddpkit.plan.trace import Layout
 from ddpkit.plan.verify import measured_ranks, predicted
 
-# alone (tests/parallel.py): a real run's peak depends on when gloo's threads let buffers go,
-# which another process's load may move (tp 2's 13% under --processes came with and without it)
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.alone]
+# Not `alone` (tests/parallel.py) since 2026-12-07: a real run's peak depends on when gloo's
+# threads let buffers go, which another process's load may move, but tp 2's 13% under --processes
+# came with it as without it, and `held` accounts for it; alone, the other process waited and a
+# core idled for a fifth of its minute.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 GOAL = 0.05  # issue 30's goal 1: the predicted peak within 5% of the real one
 
 
