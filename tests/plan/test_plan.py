@@ -213,7 +213,9 @@ def test_pipelines_are_planned_for_a_gpt_of_enough_blocks_and_not_for_other_mode
     assert _stages(Spec("cnn", (3, 16, 16), 10, 8, "bf16", "adamw")) == 0  # BatchNorm: no pipeline
     assert _stages(replace(_spec(), precision="fp16")) == 0  # a pipeline does not run fp16
     deep = replace(_spec(), options={**GPT, "depth": 100})
-    assert _stages(deep) == 0 and _stages(replace(deep, strategies=("pp",))) == 8  # a deep gpt's: asked for
+    assert (
+        _stages(deep) == 0 and _stages(replace(deep, strategies=("pp",))) == 102
+    )  # a deep gpt's: asked for; a child a stage at most
 
 
 @pytest.mark.unit
@@ -515,6 +517,38 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
             assert sum(b for _, b, _ in moved[0]) == pytest.approx(sum(b for _, b, _ in moved[1]), rel=rel), kind
             assert sum(c for _, _, c in moved[0]) == sum(c for _, _, c in moved[1]), kind
         assert "extrapolated" in guessed.computed[-1]
+
+
+def _planned_and_whole_stages(layout):
+    from ddpkit.plan import run
+    from ddpkit.plan.pipeline import trace_stage
+
+    spec = Spec("gpt", (32,), 256, 16, "fp32", "adamw", {"width": 32, "depth": 4, "heads": 2})
+    step = Step(spec.build, spec.batch, 16 // layout.spec.data_size, "fp32", "adamw")
+    world, stages = layout.spec.processes, layout.spec.size("pp")
+    planned, traced = run._stage_traces(spec, step, layout, world, run.stage_cuts(spec, stages))
+    return planned, traced, {s: trace_stage(step, layout, world, s) for s in range(stages) if s not in traced}
+
+
+@pytest.mark.distributed  # fake worlds of 10 and 20 ranks, in processes of their own
+def test_a_pipelines_stages_alike_are_traced_at_both_ends_and_between_equal_their_whole_traces():
+    # gpt of 4 blocks over 5 stages: the embedding; a block on each of stages 1 to 3; the last
+    # block and the head. Under 1f1b stages 1 to 3 hold 4, 3 and 2 micro-batches in flight, under
+    # gpipe all 8 of the step: stages 1 and 3 traced, stage 2 interpolated between them (gpipe:
+    # stage 1's), its DDP all-reduce (pp x dp) over its own ranks, FSDP2's and tp's (3-D) as traced.
+    cases = [Layout("pp", "pp=5,dp=2", False, 1, "gpipe"), Layout("pp", "pp=5,dp=2,tp=2", False, 1)]
+    found = in_fake_worlds(10, [(_planned_and_whole_stages, (cases[0],))])
+    found += in_fake_worlds(20, [(_planned_and_whole_stages, (cases[1],))])
+    for layout, (planned, traced, whole) in zip(cases, found):
+        assert traced == [0, 1, 3, 4] and list(whole) == [2] and len(planned) == 5
+        guessed, real = planned[2], whole[2]
+        assert guessed.peak == pytest.approx(real.peak, rel=1e-9), layout.label
+        assert guessed.memory == pytest.approx(real.memory, rel=1e-9, abs=1e-6), layout.label
+        assert sorted(map(repr, guessed.ops)) == sorted(map(repr, real.ops)), layout.label
+        assert "interpolated between stages 1 and 3" in guessed.computed[-1]
+        assert guessed.peak != planned[1].peak or layout.schedule == "gpipe"  # 1f1b: not a copy
+    ddp = [op for op in found[0][0][2].ops if op.kind == "all_reduce"]
+    assert ddp and all(op.ranks == (4, 5) for op in ddp)  # stage 2's two data ranks
 
 
 @pytest.mark.cli

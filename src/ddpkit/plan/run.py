@@ -104,7 +104,7 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
             raise UsageError(
                 f"--strategy {','.join(spec.strategies)}: no such layout runs here (hsdp needs several nodes "
                 "and GPUs per node; tp needs heads, and a global batch, that divide; pp a gpt with a child "
-                f"per stage, stages of 2 to {MAX_STAGES} GPUs that divide the GPUs, not fp16)"
+                "per stage, stages of 2 or more GPUs that divide the GPUs, not fp16)"
             )
     if not todo:
         raise UsageError(
@@ -128,22 +128,18 @@ def plan(spec: Spec, cluster: Cluster, progress: bool = False) -> Plan:
 # per stage; FSDP2's, of its optimizer's step; DDP's are the bare model's.
 COSTLIEST_FIRST = ("tp", "pp", "hsdp", "fsdp", "ddp")
 
-# A pipeline is planned with up to this many stages: each stage is traced on its own
-# (`pipeline.trace_stage`; a deep gpt's at fewer blocks, `_traced_stage`).
-MAX_STAGES = 8
-
 
 def _stages(spec: Spec) -> int:
     """The most stages a pipeline of `spec`'s model is planned with (0: none): a gpt's children
-    (its embedding, blocks and head), up to MAX_STAGES; not in fp16, which a pipeline does not
-    run. A gpt deeper than EXTRAPOLATE_FROM blocks only where pipelines are asked for
-    (`--strategy pp`): its every stage is traced twice, at fewer blocks (`_traced_stage`), and
-    a 512-rank plan of a 36-block gpt took 180 s with them, 13 s without."""
+    (its embedding, blocks and head); not in fp16, which a pipeline does not run. A gpt deeper
+    than EXTRAPOLATE_FROM blocks only where pipelines are asked for (`--strategy pp`): each
+    stage traced is traced twice, at fewer blocks (`_traced_stage`), over a whole step's
+    micro-batches, and a 32-rank plan of a 24-block gpt took 278 s with them (docs/plan.md)."""
     if not spec.language or spec.precision == "fp16":
         return 0
     if _depth(spec) > EXTRAPOLATE_FROM and "pp" not in spec.strategies:
         return 0
-    return min(MAX_STAGES, children(spec))
+    return children(spec)
 
 
 def children(spec: Spec) -> int:
@@ -311,10 +307,10 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
     memory = cluster.gpu.memory_gib * GIB
     sizes = _pipeline_micro_batches(share, stages, layout.schedule)
     sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
-    cuts = stage_cuts(spec, stages) if _depth(spec) > EXTRAPOLATE_FROM else None
+    cuts = stage_cuts(spec, stages)
     for micro in sizes:
         sized = replace(layout, micro_batch=micro)
-        traces = [_traced_stage(spec, step, sized, cluster.world_size, index, cuts) for index in range(stages)]
+        traces, traced = _stage_traces(spec, step, sized, cluster.world_size, cuts)
         states = max(t.peak - t.memory["activations"] - t.memory["temporary"] for t in traces)
         if max(t.peak for t in traces) <= memory or states > memory:  # fits, or never will (_traced_fit)
             break
@@ -322,13 +318,79 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
     schedules = {"1f1b": "ddpkit's default schedule", "gpipe": "fewer micro-batches than stages"}
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
     shown = replace(worst, stages=traces)  # the step's time: each stage's, timed on its own (`predict`)
+    which = (
+        "every stage traced"
+        if len(traced) == stages
+        else f"stages {', '.join(map(str, traced))} traced, each other one interpolated between two traced stages "
+        "of the same children by the micro-batches it holds in flight"
+    )
     shown.computed = [
-        f"pp: every stage traced, the one that holds most shown (peaks by stage: {peaks} GiB)",
+        f"pp: {which}, the one that holds most shown (peaks by stage: {peaks} GiB)",
         f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}); each stage timed on "
         "its own (its compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
         *worst.computed[1:],  # (its own first line names its stage)
     ]
     return sized, shown
+
+
+def in_flight(schedule: str, index: int, stages: int, chunks: int) -> int:
+    """The micro-batches stage `index` of `stages` holds in flight at once over a step of
+    `chunks`: every one under gpipe; under 1f1b, those of its warm-up, as torch's
+    `Schedule1F1B` runs it (the first stage as many as there are stages, the last one)."""
+    return chunks if schedule == "gpipe" else min(chunks, stages - index)
+
+
+def _stage_traces(
+    spec: Spec, step: Step, layout: Layout, world_size: int, cuts: list[tuple[bool, int, bool]]
+) -> tuple[list[Trace], list[int]]:
+    """Each stage's trace of `layout`'s pipeline, first stage first, and the stages traced.
+
+    Stages that hold the same children (`cuts`: none of them the embedding or the head, and as
+    many blocks) differ only in the micro-batches each holds in flight (`in_flight`). Of each
+    such set, the stages that hold the most and the fewest are traced (`_traced_stage`); each
+    other one is interpolated between them (`_between`): every role of its memory, and its
+    peak, affine in the micro-batches in flight, its collectives those of the first one moved
+    to its own ranks. So a pipeline of any depth costs a few traces, not one per stage."""
+    stages = layout.spec.size("pp")
+    chunks = max(1, step.share // layout.micro_batch)
+    held = [in_flight(layout.schedule, s, stages, chunks) for s in range(stages)]
+    alike: dict[tuple[bool, int, bool], list[int]] = {}
+    for s, cut in enumerate(cuts):
+        alike.setdefault(cut, []).append(s)
+    chosen = sorted({ends for same in alike.values() for ends in (same[0], same[-1])})
+    traced = {s: _traced_stage(spec, step, layout, world_size, s, cuts) for s in chosen}
+    out = []
+    for s in range(stages):
+        same = alike[cuts[s]]
+        out.append(traced[s] if s in traced else _between(layout, traced, same[0], same[-1], s, held))
+    return out, chosen
+
+
+def _between(layout: Layout, traced: dict[int, Trace], first: int, last: int, s: int, held: list[int]) -> Trace:
+    """Stage `s`'s trace from those of stages `first` and `last`, which hold the same children:
+    its memory, role by role, and its peak on the line through theirs by the micro-batches each
+    holds in flight (`held`; the first's where they hold as many); its collectives the first's,
+    as stage `s` makes them (`_moved`)."""
+    a, b = traced[first], traced[last]
+    share = 0.0 if held[first] == held[last] else (held[s] - held[first]) / (held[last] - held[first])
+    memory = {k: a.memory[k] + share * (b.memory[k] - a.memory[k]) for k in a.memory}
+    peak = a.peak + share * (b.peak - a.peak)
+    computed = [
+        f"pp: stage {s} interpolated between stages {first} and {last} (the same children) by the micro-batches "
+        f"in flight ({held[s]}; theirs {held[first]} and {held[last]})"
+    ]
+    return Trace(memory, peak, _moved(layout, a.ops, first, s), 0.0, computed, a.work)
+
+
+def _moved(layout: Layout, ops: list[Op], first: int, s: int) -> list[Op]:
+    """Stage `first`'s collectives as stage `s`, which holds the same children, makes them:
+    its DDP's all-reduce (pp x dp) over stage `s`'s ranks; the others as traced (a stage is
+    traced as rank 0 of its fake world: its sends go over the pipeline's group, tp's and
+    FSDP2's collectives over the groups of its stage's first ranks, whatever the stage)."""
+    from .pipeline import stage_ranks
+
+    own, theirs = sorted(stage_ranks(layout, first)), stage_ranks(layout, s)
+    return [replace(op, ranks=theirs) if sorted(op.ranks) == own else op for op in ops]
 
 
 def _traced_stage(
