@@ -1,5 +1,7 @@
 """`python -m benchmarks plan`: the plan's step time against real steps on this machine's CPU (issue 30's
-goal 5: within 25% for ddp, fsdp and fsdp+tp on 1, 2 and 4 processes, on ddpkit's gpt).
+goal 5: within 25% for ddp, fsdp and fsdp+tp on 1, 2 and 4 processes, on ddpkit's gpt; and
+pipelines beside them, a stage per process and two pipelines beside dp, which the goal does not
+name, timed stage by stage as `ddpkit plan` times them).
 
 For each process count, this machine is calibrated first (`ddpkit.plan.calibrate`: the
 processes' matrix-product and attention rates, memory bandwidth, the cost of an operation and of
@@ -20,13 +22,17 @@ how many rounds met the goal.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from ddpkit.bench.common import stats
 
-DESCRIPTION = "the plan's predicted step time against real steps here, for ddp, fsdp and fsdp+tp on 1, 2, 4 processes"
+DESCRIPTION = (
+    "the plan's predicted step time against real steps here, for ddp, fsdp, fsdp+tp and pipelines on 1, 2, 4 processes"
+)
 CASE = {"width": 128, "depth": 4, "heads": 4}
 SEQ_LEN, PER_RANK = 128, 8  # tokens per sequence; sequences per data rank per step
+PIPELINE_MICRO = 2  # a pipeline's rows per micro-batch: 4 micro-batches a step, one at least per stage
 GOAL = 0.25
 
 
@@ -38,17 +44,23 @@ def add_arguments(parser: Any) -> None:
 
 
 def cases(nproc: int) -> list[Any]:
-    """gpt (CASE) under ddp, fsdp and fsdp+tp (tp 2, where the processes are even)."""
+    """gpt (CASE) under ddp, fsdp and fsdp+tp (tp 2, where the processes are even); and as a
+    pipeline of a stage per process (PIPELINE_MICRO rows a micro-batch, 1f1b), and beside dp
+    as two pipelines of half as many stages where there are 4 processes or more."""
     from ddpkit.plan.run import Spec
     from ddpkit.plan.trace import Layout
 
-    layouts = [("ddp", f"dp={nproc}", nproc), ("fsdp", f"dp={nproc}", nproc)]
+    layouts = [("ddp", f"dp={nproc}", nproc, PER_RANK), ("fsdp", f"dp={nproc}", nproc, PER_RANK)]
     if nproc % 2 == 0:
-        layouts.append(("tp", f"dp={nproc // 2},tp=2", nproc // 2))
+        layouts.append(("tp", f"dp={nproc // 2},tp=2", nproc // 2, PER_RANK))
+    if nproc > 1:
+        layouts.append(("pp", f"pp={nproc}", 1, PIPELINE_MICRO))
+    if nproc >= 4 and nproc % 2 == 0:
+        layouts.append(("pp", f"pp={nproc // 2},dp=2", 2, PIPELINE_MICRO))
     out = []
-    for strategy, mesh, data in layouts:
+    for strategy, mesh, data, micro in layouts:
         spec = Spec("gpt", (SEQ_LEN,), 256, PER_RANK * data, "fp32", "adamw", CASE, (False,))
-        out.append((spec, Layout(strategy, mesh, False, PER_RANK)))
+        out.append((spec, Layout(strategy, mesh, False, micro)))
     return out
 
 
@@ -91,6 +103,8 @@ def _row(round_: int, nproc: int, case: Any, t: Any, r: dict[str, Any], cluster:
     from ddpkit.plan.predict import predict
 
     spec, layout = case
+    if isinstance(t, list):  # a pipeline's stages, each timed on its own (as `ddpkit plan` has them)
+        t = replace(max(t, key=lambda stage: stage.peak), stages=t)
     p = predict(t, layout, cluster, cluster.peak_flops("fp32"), spec.global_batch, SEQ_LEN, 1.0)
     ratio = p.step_s / r["step_s"]
     return {
@@ -104,7 +118,7 @@ def _row(round_: int, nproc: int, case: Any, t: Any, r: dict[str, Any], cluster:
         "threads": r["threads"],
         "ratio": ratio,
         "within_goal": abs(ratio - 1) <= GOAL,
-        "work": t.work.to_json() if t.work is not None else None,
+        "work": p.trace.work.to_json() if p.trace.work is not None else None,  # (a pipeline's: its slowest stage's)
     }
 
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ..core.precision import AutocastModule, Precision
 from ..observe.collectives import Collectives
 from .trace import (
+    Counting,
     GlooCopies,
     Layout,
     Step,
@@ -142,15 +143,17 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
             tracker = per_call_tracker()
             tracker.track_external(model, opt)
         copies = GlooCopies() if step.backend == "gloo" else contextlib.nullcontext()
-        with tracker, copies, Collectives() as collectives:
+        counting = Counting() if step.count else contextlib.nullcontext()  # (outside the copies: see `trace._step`)
+        with tracker, copies, Collectives() as collectives, counting:
             one_step()
     memory, ops, computed = roles(tracker), list(collectives.ops), [f"pp: stage {index} of {count}"]
+    work = counting.ops if isinstance(counting, Counting) else None
     if spec.size("dp") > 1 and tp == 1:  # pp x dp: the stage's DDP (the model holds the stage's children alone)
-        ddp_counted(memory, ops, model, stage_ranks(layout, index))
+        ddp_counted(memory, ops, model, stage_ranks(layout, index), work)
         computed.append("pp x dp: the stage's DDP over dp: its gradient buckets (one more copy) and one all-reduce")
     if tp > 1:
         computed.append(f"pp x tp: the stage's layers split over tp={tp} by the model's tensor-parallel plan")
-    return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
+    return Trace(memory, float(sum(memory.values())), ops, 0.0, computed, work)
 
 
 def _split_stage(step: Step, layout: Layout, kept: tuple[str, ...], mode: Any) -> torch.nn.Module:

@@ -14,7 +14,7 @@ Time, stated in every plan:
   products and cost in full;
 - a pipeline (pp=P, 1f1b or gpipe over m micro-batches): each stage timed on its own, and the step is
   the slowest stage's time. A stage's: its compute (its children's FLOPs, as the split cuts
-  them) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
+  them; on a processor measured here, its traced operations, as a step's) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
   (activations forward, gradients back; a send within a node at NVLink's figures only where
   the whole pipeline is) and tp's collectives (pp=P,tp=T) in full. With dp beside it
   (pp=P,dp=D), the stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that
@@ -172,31 +172,38 @@ def predict(
 ) -> Prediction:
     """The step time and throughput of `layout` from its `trace` at `peak` FLOP/s per GPU;
     `model_flops` is the step's useful FLOPs over the whole job (no recomputation), for MFU."""
-    gpu = cluster.gpu
     if layout.strategy == "pp":  # each stage timed on its own; the slowest's is the step's
         timed = [_stage_seconds(stage, layout, cluster, peak, global_batch) for stage in trace.stages or [trace]]
         slowest = max(range(len(timed)), key=lambda s: timed[s][0] + timed[s][2])
         compute, dp_comm, exposed = timed[slowest]
         if trace.stages:  # its FLOPs and collectives are the ones reported
-            trace = replace(trace, ops=trace.stages[slowest].ops, flops=trace.stages[slowest].flops)
+            stage = trace.stages[slowest]
+            trace = replace(trace, ops=stage.ops, flops=stage.flops, work=stage.work)
     else:
-        if trace.work is not None and gpu.memory_gbps:  # a processor measured here: see `work`
-            busy = trace.work.seconds(
-                peak,
-                gpu.memory_gbps * 1e9,
-                gpu.op_overhead_us * 1e-6,
-                gpu.dtensor_op_overhead_us.get("tp" if layout.spec.size("tp") > 1 else "fsdp", 0.0) * 1e-6,
-                gpu.attention_tflops * 1e12 or None,
-            )
-            compute = busy / cluster.efficiency
-        else:
-            compute = trace.flops / (peak * cluster.efficiency)
+        compute = _compute_seconds(trace, layout, cluster, peak)
         dp_comm, exposed = _data_and_exposed(trace, layout, cluster, compute)
     step = compute + exposed
     tokens = global_batch * seq_len / step if seq_len else None
     mfu = model_flops / (step * cluster.world_size * peak)
     fits = trace.peak <= cluster.gpu.memory_gib * GIB
     return Prediction(layout, trace, compute, dp_comm, exposed, step, global_batch / step, tokens, mfu, fits)
+
+
+def _compute_seconds(trace: Trace, layout: Layout, cluster: Cluster, peak: float) -> float:
+    """The seconds of a traced step's (or pipeline stage's) compute: on a processor measured
+    here, its every operation (`work`); else its FLOPs at `peak` FLOP/s; at the cluster's
+    efficiency."""
+    gpu = cluster.gpu
+    if trace.work is not None and gpu.memory_gbps:  # a processor measured here: see `work`
+        busy = trace.work.seconds(
+            peak,
+            gpu.memory_gbps * 1e9,
+            gpu.op_overhead_us * 1e-6,
+            gpu.dtensor_op_overhead_us.get("tp" if layout.spec.size("tp") > 1 else "fsdp", 0.0) * 1e-6,
+            gpu.attention_tflops * 1e12 or None,
+        )
+        return busy / cluster.efficiency
+    return trace.flops / (peak * cluster.efficiency)
 
 
 def _stage_seconds(
@@ -206,7 +213,7 @@ def _stage_seconds(
     collectives, in seconds, from its FLOPs and collectives (see the module docstring)."""
     stages = layout.spec.size("pp")
     chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
-    compute = stage.flops / (peak * cluster.efficiency)
+    compute = _compute_seconds(stage, layout, cluster, peak)
     # the sends between stages and tp's collectives in full; the stage's DDP all-reduce (pp x
     # dp) beside its last micro-batch's backward, where torch's stage lets DDP reduce
     sends = dp_comm = 0.0

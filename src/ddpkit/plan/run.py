@@ -303,7 +303,15 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -
     stage (the smallest if none does): the trace of the stage that holds most, the others'
     peaks said beside it."""
     stages = layout.spec.size("pp")
-    step = Step(spec.build, spec.batch, share, spec.precision, spec.optimizer, backend=backend_for(cluster.gpu.device))
+    step = Step(
+        spec.build,
+        spec.batch,
+        share,
+        spec.precision,
+        spec.optimizer,
+        count=bool(cluster.gpu.memory_gbps),
+        backend=backend_for(cluster.gpu.device),
+    )
     memory = cluster.gpu.memory_gib * GIB
     sizes = _pipeline_micro_batches(share, stages, layout.schedule)
     sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
@@ -429,7 +437,7 @@ def _traced_stage(
     memory, peak = _extrapolated_memory(one, two, blocks - high, grows)
     ops = _extrapolated_ops(one.ops, two.ops, blocks - low)
     computed = [*two.computed, f"gpt: stage {index} traced at {low} and {high} of its {blocks} blocks, extrapolated"]
-    return Trace(memory, peak, ops, 0.0, computed)
+    return Trace(memory, peak, ops, 0.0, computed, _extrapolated_work(one, two, blocks - low))
 
 
 # Micro-batches per stage a pipeline is planned with, where the batch allows: GPipe's paper (Huang
@@ -504,11 +512,22 @@ def _traced(spec: Spec, step: Step, layout: Layout, world_size: int) -> Trace:
     one, two = (trace(replace(step, build=spec.builder(depth=d)), layout, world_size) for d in (low, high))
     ops = _extrapolated_ops(one.ops, two.ops, depth - low)
     computed = [*one.computed, f"gpt: traced at {low} and {high} blocks, extrapolated to {depth}"]
-    work = one.work.extrapolated(two.work, depth - low) if one.work is not None and two.work is not None else None
     grows = ("parameters", "gradients", "optimizer", "activations")
     if layout.strategy == "ddp":  # its buckets hold every gradient; FSDP2's buffers, the units in flight
         grows += ("communication",)
-    return Trace(*_extrapolated_memory(one, two, depth - high, grows), ops, 0.0, computed, work)
+    return Trace(
+        *_extrapolated_memory(one, two, depth - high, grows),
+        ops,
+        0.0,
+        computed,
+        _extrapolated_work(one, two, depth - low),
+    )
+
+
+def _extrapolated_work(one: Trace, two: Trace, n: int) -> Any:
+    """Every operation at `n` more blocks than `one`, `two` being one block deeper, where both
+    counted them (`Step.count`); else None."""
+    return one.work.extrapolated(two.work, n) if one.work is not None and two.work is not None else None
 
 
 def _extrapolated_memory(one: Trace, two: Trace, n: int, grows: tuple[str, ...]) -> tuple[dict[str, float], float]:

@@ -343,9 +343,8 @@ def _step(model: nn.Module, strategy: Any, layout: Layout, step: Step) -> Trace:
         traced.computed.append("gloo: each reduce-scatter's copy of its input, held while it runs")
     if isinstance(counting, Counting):
         traced.work = counting.ops
-        if layout.strategy == "ddp" and layout.spec.processes > 1:  # its buckets: gradients copied in, then out
-            grads = int(tensor_bytes(p for p in model.parameters()))
-            traced.work.counts[0, 2 * grads, False, False] += 2
+        if layout.strategy == "ddp" and layout.spec.processes > 1:
+            bucket_copies(traced.work, model)
     return traced
 
 
@@ -445,13 +444,25 @@ def _result(tracker: Any, model: nn.Module, layout: Layout, ops: list[Op]) -> Tr
     return Trace(memory, float(sum(memory.values())), ops, 0.0, computed)
 
 
-def ddp_counted(memory: dict[str, float], ops: list[Op], model: nn.Module, ranks: tuple[int, ...]) -> None:
+def ddp_counted(
+    memory: dict[str, float], ops: list[Op], model: nn.Module, ranks: tuple[int, ...], work: Ops | None = None
+) -> None:
     """DDP over `ranks` on `model`, added to a trace's `memory` and `ops` in place: its gradient
     buckets (out of the tracker's sight: allocated by its C++ reducer), one more copy of the
-    model's fp32 gradients, and one all-reduce of them per step."""
+    model's fp32 gradients, and one all-reduce of them per step; and to its `work`, where it
+    counted every operation, the gradients' copies into the buckets and back."""
     grads = tensor_bytes(p for p in model.parameters())  # fp32 gradients, one per parameter
     memory["communication"] += grads
     ops.append(Op("all_reduce", grads, ranks))
+    if work is not None:
+        bucket_copies(work, model)
+
+
+def bucket_copies(work: Ops, model: nn.Module) -> None:
+    """DDP's work beside a step's operations, added to `work`: `model`'s gradients copied into
+    its buckets, and back."""
+    grads = int(tensor_bytes(p for p in model.parameters()))
+    work.counts[0, 2 * grads, False, False] += 2
 
 
 def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
