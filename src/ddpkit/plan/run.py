@@ -269,17 +269,17 @@ def _traced_fits(spec: Spec, cluster: Cluster, part: list[Layout]) -> list[tuple
 def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, Trace]:
     share = spec.share(layout.spec.data_size)
     assert share is not None
-    if layout.strategy == "pp":
-        return _traced_pipeline(spec, cluster, layout, share)
     step = Step(
         spec.build,
         spec.batch,
         share,
         spec.precision,
         spec.optimizer,
-        count=bool(cluster.gpu.memory_gbps),
+        count=bool(cluster.gpu.memory_gbps),  # a processor measured here: every operation (`work`)
         backend=backend_for(cluster.gpu.device),  # `--gpu cpu`: gloo (see `trace.GlooCopies`)
     )
+    if layout.strategy == "pp":
+        return _traced_pipeline(spec, cluster, layout, step)
     memory = cluster.gpu.memory_gib * GIB
     # A micro-batch whose input alone (4 bytes a value at least) exceeds the GPU cannot fit:
     # not traced (with --batch-size 2**62 its tensors' sizes overflowed int64 in the trace)
@@ -297,23 +297,14 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
     return sized, traced
 
 
-def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, share: int) -> tuple[Layout, Trace]:
-    """A pipeline's every stage traced (`pipeline.trace_stage`, torch's 1f1b, or gpipe, over
-    the step's micro-batches), at the micro-batch `_pipeline_micro_batches` prefers that fits on every
-    stage (the smallest if none does): the trace of the stage that holds most, the others'
-    peaks said beside it."""
+def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -> tuple[Layout, Trace]:
+    """A pipeline's every stage (`_stage_traces`: traced by `pipeline.trace_stage`, torch's 1f1b,
+    or gpipe, over the step's micro-batches, or interpolated between two stages alike), at the
+    micro-batch `_pipeline_micro_batches` prefers that fits on every stage (the smallest if none
+    does): the trace of the stage that holds most, the others' peaks said beside it."""
     stages = layout.spec.size("pp")
-    step = Step(
-        spec.build,
-        spec.batch,
-        share,
-        spec.precision,
-        spec.optimizer,
-        count=bool(cluster.gpu.memory_gbps),
-        backend=backend_for(cluster.gpu.device),
-    )
     memory = cluster.gpu.memory_gib * GIB
-    sizes = _pipeline_micro_batches(share, stages, layout.schedule)
+    sizes = _pipeline_micro_batches(step.share, stages, layout.schedule)
     sizes = [m for m in sizes if m * math.prod(spec.in_shape) * 4 <= memory] or sizes[-1:]  # (see _traced_fit)
     cuts = stage_cuts(spec, stages)
     for micro in sizes:
