@@ -32,7 +32,7 @@ DESCRIPTION = (
 )
 CASE = {"width": 128, "depth": 4, "heads": 4}
 SEQ_LEN, PER_RANK = 128, 8  # tokens per sequence; sequences per data rank per step
-PIPELINE_MICRO = 2  # a pipeline's rows per micro-batch: 4 micro-batches a step, one at least per stage
+PIPELINE_MICRO = 2  # a pipeline's rows per micro-batch: 4 micro-batches a step
 GOAL = 0.25
 
 
@@ -46,16 +46,18 @@ def add_arguments(parser: Any) -> None:
 def cases(nproc: int) -> list[Any]:
     """gpt (CASE) under ddp, fsdp and fsdp+tp (tp 2, where the processes are even); and as a
     pipeline of a stage per process (PIPELINE_MICRO rows a micro-batch, 1f1b), and beside dp
-    as two pipelines of half as many stages where there are 4 processes or more."""
+    as two pipelines of half as many stages, where those stages are 2 to 4 (a step has 4
+    micro-batches)."""
     from ddpkit.plan.run import Spec
     from ddpkit.plan.trace import Layout
 
     layouts = [("ddp", f"dp={nproc}", nproc, PER_RANK), ("fsdp", f"dp={nproc}", nproc, PER_RANK)]
     if nproc % 2 == 0:
         layouts.append(("tp", f"dp={nproc // 2},tp=2", nproc // 2, PER_RANK))
-    if nproc > 1:
+    most = PER_RANK // PIPELINE_MICRO  # stages: 1f1b runs a micro-batch per stage at least (the gpt has 6 children)
+    if 1 < nproc <= most:
         layouts.append(("pp", f"pp={nproc}", 1, PIPELINE_MICRO))
-    if nproc >= 4 and nproc % 2 == 0:
+    if nproc % 2 == 0 and 1 < nproc // 2 <= most:
         layouts.append(("pp", f"pp={nproc // 2},dp=2", 2, PIPELINE_MICRO))
     out = []
     for strategy, mesh, data, micro in layouts:

@@ -519,7 +519,7 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
         assert "extrapolated" in guessed.computed[-1]
 
 
-def _planned_and_whole_stages(layout):
+def _planned_and_whole_stage_2(layout):
     from ddpkit.plan import run
     from ddpkit.plan.pipeline import trace_stage
 
@@ -527,27 +527,27 @@ def _planned_and_whole_stages(layout):
     step = Step(spec.build, spec.batch, 16 // layout.spec.data_size, "fp32", "adamw")
     world, stages = layout.spec.processes, layout.spec.size("pp")
     planned, traced = run._stage_traces(spec, step, layout, world, run.stage_cuts(spec, stages))
-    return planned, traced, {s: trace_stage(step, layout, world, s) for s in range(stages) if s not in traced}
+    return planned, traced, trace_stage(step, layout, world, 2)
 
 
 @pytest.mark.distributed  # fake worlds of 10 and 20 ranks, in processes of their own
 def test_a_pipelines_stages_alike_are_traced_at_both_ends_and_between_equal_their_whole_traces():
     # gpt of 4 blocks over 5 stages: the embedding; a block on each of stages 1 to 3; the last
-    # block and the head. Under 1f1b stages 1 to 3 hold 4, 3 and 2 micro-batches in flight, under
-    # gpipe all 8 of the step: stages 1 and 3 traced, stage 2 interpolated between them (gpipe:
-    # stage 1's), its DDP all-reduce (pp x dp) over its own ranks, FSDP2's and tp's (3-D) as traced.
-    cases = [Layout("pp", "pp=5,dp=2", False, 1, "gpipe"), Layout("pp", "pp=5,dp=2,tp=2", False, 1)]
-    found = in_fake_worlds(10, [(_planned_and_whole_stages, (cases[0],))])
-    found += in_fake_worlds(20, [(_planned_and_whole_stages, (cases[1],))])
-    for layout, (planned, traced, whole) in zip(cases, found):
-        assert traced == [0, 1, 3, 4] and list(whole) == [2] and len(planned) == 5
-        guessed, real = planned[2], whole[2]
+    # block and the head. Under 1f1b stages 1 to 3 hold 4, 3 and 2 micro-batches in flight:
+    # stages 1 and 3 traced, stage 2 interpolated between them, its DDP all-reduce (pp x dp)
+    # over its own ranks. Under gpipe all 8 of the step on every stage: stage 1 traced, 2 and 3
+    # as it, FSDP2's and tp's collectives (3-D) as traced.
+    one_f, gpipe = Layout("pp", "pp=5,dp=2", False, 1), Layout("pp", "pp=5,dp=2,tp=2", False, 1, "gpipe")
+    ((planned, traced, whole),) = in_fake_worlds(10, [(_planned_and_whole_stage_2, (one_f,))])
+    ((planned_g, traced_g, whole_g),) = in_fake_worlds(20, [(_planned_and_whole_stage_2, (gpipe,))])
+    assert traced == [0, 1, 3, 4] and traced_g == [0, 1, 4] and len(planned) == len(planned_g) == 5
+    for layout, guessed, real in ((one_f, planned[2], whole), (gpipe, planned_g[2], whole_g)):
         assert guessed.peak == pytest.approx(real.peak, rel=1e-9), layout.label
         assert guessed.memory == pytest.approx(real.memory, rel=1e-9, abs=1e-6), layout.label
         assert sorted(map(repr, guessed.ops)) == sorted(map(repr, real.ops)), layout.label
-        assert "interpolated between stages 1 and 3" in guessed.computed[-1]
-        assert guessed.peak != planned[1].peak or layout.schedule == "gpipe"  # 1f1b: not a copy
-    ddp = [op for op in found[0][0][2].ops if op.kind == "all_reduce"]
+    assert "interpolated between stages 1 and 3" in planned[2].computed[-1] and planned[2].peak != planned[1].peak
+    assert "as stage 1" in planned_g[2].computed[-1] and planned_g[3].peak == planned_g[1].peak
+    ddp = [op for op in planned[2].ops if op.kind == "all_reduce"]
     assert ddp and all(op.ranks == (4, 5) for op in ddp)  # stage 2's two data ranks
 
 

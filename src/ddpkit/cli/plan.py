@@ -197,7 +197,7 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--strategy",
         help="plan only these, comma-separated: ddp, fsdp, hsdp, tp, pp (default: all; pipelines of a gpt deeper "
-        "than 8 blocks only when pp is named: each stage is traced, which takes minutes on large clusters)",
+        "than 8 blocks only when pp is named: their stages are traced, which takes minutes on large clusters)",
     )
     p.add_argument(
         "--gpu",

@@ -36,7 +36,8 @@ outputs). In 3-D (pp x dp x tp) the stage is sharded over dp by `strategy.pp.sha
 run shards it, and traced under FSDP2's own tracker (`FSDPMemTracker`, as `verify` measures
 such a stage), with gloo's reduce-scatter copy where the run is on gloo (`trace.GlooCopies`).
 
-`ddpkit plan` traces every stage of its pp layouts (`run._traced_pipeline`);
+`ddpkit plan` traces its pp layouts' stages (`run._stage_traces`: two of each set of stages
+alike, the ones between interpolated);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
 (`verify.measured_ranks`) on 2, 4 and 8 processes.
 """

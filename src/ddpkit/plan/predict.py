@@ -210,7 +210,8 @@ def _stage_seconds(
     stage: Trace, layout: Layout, cluster: Cluster, peak: float, global_batch: int
 ) -> tuple[float, float, float]:
     """A pipeline stage's compute (with the bubble), data-parallel collectives and exposed
-    collectives, in seconds, from its FLOPs and collectives (see the module docstring)."""
+    collectives, in seconds, from its compute (`_compute_seconds`: its FLOPs, or on a processor
+    measured here its operations) and its collectives (see the module docstring)."""
     stages = layout.spec.size("pp")
     chunks = -(-global_batch // layout.spec.data_size // layout.micro_batch)
     compute = _compute_seconds(stage, layout, cluster, peak)

@@ -346,8 +346,9 @@ def _stage_traces(
 
     Stages that hold the same children (`cuts`: none of them the embedding or the head, and as
     many blocks) differ only in the micro-batches each holds in flight (`in_flight`). Of each
-    such set, the stages that hold the most and the fewest are traced (`_traced_stage`); each
-    other one is interpolated between them (`_between`): every role of its memory, and its
+    such set, the stages that hold the most and the fewest are traced (`_traced_stage`; the
+    first alone where all hold as many, as under gpipe); each other one is interpolated
+    between them (`_between`): every role of its memory, and its
     peak, affine in the micro-batches in flight, its collectives those of the first one moved
     to its own ranks. So a pipeline of any depth costs a few traces, not one per stage."""
     stages = layout.spec.size("pp")
@@ -356,12 +357,14 @@ def _stage_traces(
     alike: dict[tuple[bool, int, bool], list[int]] = {}
     for s, cut in enumerate(cuts):
         alike.setdefault(cut, []).append(s)
-    chosen = sorted({ends for same in alike.values() for ends in (same[0], same[-1])})
+    # each set's first stage (it holds the most), and its last where that holds fewer (not under gpipe)
+    last = {same[0]: same[-1] if held[same[-1]] != held[same[0]] else same[0] for same in alike.values()}
+    chosen = sorted(set(last) | set(last.values()))
     traced = {s: _traced_stage(spec, step, layout, world_size, s, cuts) for s in chosen}
     out = []
     for s in range(stages):
-        same = alike[cuts[s]]
-        out.append(traced[s] if s in traced else _between(layout, traced, same[0], same[-1], s, held))
+        first = alike[cuts[s]][0]
+        out.append(traced[s] if s in traced else _between(layout, traced, first, last[first], s, held))
     return out, chosen
 
 
@@ -377,6 +380,8 @@ def _between(layout: Layout, traced: dict[int, Trace], first: int, last: int, s:
     computed = [
         f"pp: stage {s} interpolated between stages {first} and {last} (the same children) by the micro-batches "
         f"in flight ({held[s]}; theirs {held[first]} and {held[last]})"
+        if first != last
+        else f"pp: stage {s} as stage {first} (the same children, as many micro-batches in flight: {held[s]})"
     ]
     return Trace(memory, peak, _moved(layout, a.ops, first, s), 0.0, computed, a.work)
 
@@ -385,7 +390,8 @@ def _moved(layout: Layout, ops: list[Op], first: int, s: int) -> list[Op]:
     """Stage `first`'s collectives as stage `s`, which holds the same children, makes them:
     its DDP's all-reduce (pp x dp) over stage `s`'s ranks; the others as traced (a stage is
     traced as rank 0 of its fake world: its sends go over the pipeline's group, tp's and
-    FSDP2's collectives over the groups of its stage's first ranks, whatever the stage)."""
+    FSDP2's collectives over rank 0's groups, stage 0's, whatever the stage, as in a whole
+    trace)."""
     from .pipeline import stage_ranks
 
     own, theirs = sorted(stage_ranks(layout, first)), stage_ranks(layout, s)
