@@ -144,9 +144,10 @@ class Unclaimed:
 
 def alone_files_first(config, items: list) -> None:
     """In a process of a `--processes` run: the test files that hold an `alone` test first (in
-    their order, then the others in theirs). An `alone` test waits for the test each other
-    process is running to end, and a core idles meanwhile: at the start those are unit tests
-    of milliseconds, later they may be runs of a minute."""
+    their order, then the others in theirs; each file's tests stay together, in order). An
+    `alone` test waits for the test each other process is running to end, and a core idles
+    meanwhile: at the start, those are the other such files' tests (seconds at most); later
+    they may be runs of a minute."""
     if shared_folder(config) is None:
         return
     alone = {item.path for item in items if item.get_closest_marker("alone") is not None}

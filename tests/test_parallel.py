@@ -32,6 +32,20 @@ def test_in_one_process_nothing_is_shared_or_locked(tmp_path):
 
 
 @pytest.mark.unit
+def test_in_a_process_of_several_the_files_with_an_alone_test_come_first_each_whole_and_in_order(tmp_path):
+    def item(path, alone=False):
+        marker = SimpleNamespace(name="alone") if alone else None
+        return SimpleNamespace(path=Path(path), name=f"{path}:{alone}", get_closest_marker=lambda _: marker)
+
+    given = [item("a"), item("a"), item("b"), item("b", alone=True), item("b"), item("c"), item("d", alone=True)]
+    items = list(given)
+    parallel.alone_files_first(SimpleNamespace(option=SimpleNamespace(shard_dir=None)), items)
+    assert items == given  # in one process: as collected
+    parallel.alone_files_first(SimpleNamespace(option=SimpleNamespace(shard_dir=str(tmp_path))), items)
+    assert items == [given[2], given[3], given[4], given[6], given[0], given[1], given[5]]
+
+
+@pytest.mark.unit
 def test_a_shared_run_is_made_by_one_worker_and_read_by_the_others(tmp_path):
     made, results = [], {}
 
