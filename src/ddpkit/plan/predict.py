@@ -14,7 +14,8 @@ Time, stated in every plan:
   products and cost in full;
 - a pipeline (pp=P, 1f1b or gpipe over m micro-batches): each stage timed on its own, and the step is
   the slowest stage's time. A stage's: its compute (its children's FLOPs, as the split cuts
-  them; on a processor measured here, its traced operations, as a step's) times (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
+  them; on a processor measured here, its traced operations, as a step's) times
+  (m + P - 1) / m, the bubble while the pipeline fills and drains, plus its sends
   (activations forward, gradients back; a send within a node at NVLink's figures only where
   the whole pipeline is) and tp's collectives (pp=P,tp=T) in full. With dp beside it
   (pp=P,dp=D), the stage's DDP all-reduce runs in its last micro-batch's backward (2/3 of that

@@ -320,8 +320,8 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -
     which = (
         "every stage traced"
         if len(traced) == stages
-        else f"stages {', '.join(map(str, traced))} traced, each other one interpolated between two traced stages "
-        "of the same children by the micro-batches it holds in flight"
+        else f"stages {', '.join(map(str, traced))} traced, each other one from the traced stages of the same "
+        "children by the micro-batches it holds in flight (interpolated, or as the first where they hold as many)"
     )
     shown.computed = [
         f"pp: {which}, the one that holds most shown (peaks by stage: {peaks} GiB)",
@@ -348,9 +348,9 @@ def _stage_traces(
     many blocks) differ only in the micro-batches each holds in flight (`in_flight`). Of each
     such set, the stages that hold the most and the fewest are traced (`_traced_stage`; the
     first alone where all hold as many, as under gpipe); each other one is interpolated
-    between them (`_between`): every role of its memory, and its
-    peak, affine in the micro-batches in flight, its collectives those of the first one moved
-    to its own ranks. So a pipeline of any depth costs a few traces, not one per stage."""
+    between them (`_between`): every role of its memory, and its peak, affine in the
+    micro-batches in flight; its collectives the first one's, its DDP's all-reduce over its own
+    ranks. So a pipeline of any depth costs a few traces, not one per stage."""
     stages = layout.spec.size("pp")
     chunks = max(1, step.share // layout.micro_batch)
     held = [in_flight(layout.schedule, s, stages, chunks) for s in range(stages)]
