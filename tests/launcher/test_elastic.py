@@ -79,6 +79,41 @@ def test_an_interrupted_launch_lets_the_workers_port_go(tmp_path):
     assert proc.stdout.split() == ["interrupted", "free"], proc.stdout + proc.stderr[-2000:]
 
 
+def test_a_signal_whose_handler_raised_in_a_fork_hook_still_stops_the_launch():
+    # Python runs a signal's handler at the main thread's next instruction: for one noted just
+    # before the agent forks a worker, that is inside a fork hook, where the agent's exception
+    # is printed and dropped ("Exception ignored in"), and the launch ran on to its end. Here a
+    # hook that runs before the launcher's own sends the signal during rank 1's fork.
+    # (tests/launcher/test_workers.py checks the other signals and KeyboardInterrupt, in-process)
+    proc = run_python("""
+        import os, signal, time
+        import ddpkit
+        from ddpkit.errors import Interrupted
+        from ddpkit.launcher.workers import preloaded
+
+        def work():
+            time.sleep(30)
+            return "ran to the end"
+
+        with preloaded(["json"]):  # the launcher's fork hooks, registered before the one below
+            pass
+        forks = []
+
+        def signal_during_a_fork():
+            forks.append(1)
+            if len(forks) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent's handler raises here
+
+        os.register_at_fork(before=signal_during_a_fork)
+        try:
+            print(ddpkit.launch(work, nproc=2, device="cpu"))
+        except Interrupted as err:
+            print("interrupted", err.signum == signal.SIGTERM)
+    """)
+    assert proc.stdout.split() == ["interrupted", "True"], proc.stdout + proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr
+
+
 def test_launch_leaves_the_callers_environment_as_it_was():
     import logging
 

@@ -17,7 +17,8 @@ import torch
 
 import ddpkit
 from ddpkit.errors import WorkerFailed
-from ddpkit.launcher.workers import _interrupted, choose_start_method, preloaded
+from ddpkit.launcher import workers as launcher_workers
+from ddpkit.launcher.workers import _interrupted, choose_start_method, preloaded, signals_never_dropped
 from tests import workers
 from tests.launcher.helpers import run_python
 
@@ -252,6 +253,75 @@ def test_a_signal_while_a_fork_waits_for_the_preload_is_handled_after_the_fork(t
     finally:
         sender.join()
         signal.signal(signal.SIGHUP, previous)
+
+
+class _SignalRaised(Exception):
+    def __init__(self, sigval: int):
+        super().__init__(sigval)
+        self.sigval = sigval
+
+
+class _RaisesWhenCollected:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __del__(self):
+        raise self.exc
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_signals_exception_dropped_where_python_cannot_raise_is_sent_again(monkeypatch):
+    # A handler's exception raised in a __del__ or a fork hook is dropped by Python; during a
+    # launch its signal is sent again, and the handler runs again outside. Other exceptions
+    # still reach the hook that was there before.
+    handled: list[int] = []
+    passed_on: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: passed_on.append(u.exc_value))
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: handled.append(signum)) for sig in (signal.SIGINT, signal.SIGHUP)
+    }
+    try:
+        with signals_never_dropped(_SignalRaised):
+            _RaisesWhenCollected(KeyboardInterrupt())  # Python's own SIGINT handler's
+            _RaisesWhenCollected(_SignalRaised(signal.SIGHUP))  # the agent's
+            _RaisesWhenCollected(ValueError("not a signal's"))
+            deadline = time.monotonic() + 5
+            while len(handled) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert sorted(handled) == sorted([signal.SIGINT, signal.SIGHUP])
+        assert [type(e) for e in passed_on] == [ValueError]
+        _RaisesWhenCollected(_SignalRaised(signal.SIGHUP))  # after the launch: as before it
+        assert [type(e) for e in passed_on] == [ValueError, _SignalRaised]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_handler_raising_in_the_fork_hook_neither_skips_the_wait_nor_keeps_the_hold(tmp_path, monkeypatch):
+    # A signal noted just before the fork runs its handler where the hook swaps the handlers,
+    # and its exception ends the hook: the fork must still wait for the preload, and every
+    # handler must be the agent's again after it.
+    slow_module(tmp_path, monkeypatch, "slow_preload_mod3", 0.3)
+    before = {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS}
+    swaps = []
+
+    def set_handler(sig, handler):
+        swaps.append(sig)
+        if len(swaps) == 2:  # as the pending signal's handler would, before this swap is made
+            raise _SignalRaised(signal.SIGTERM)
+        return signal.signal(sig, handler)
+
+    monkeypatch.setattr(launcher_workers, "set_handler", set_handler)
+    with preloaded(["slow_preload_mod3"]):
+        with pytest.raises(_SignalRaised):
+            launcher_workers._join_for_fork()
+        assert getattr(sys.modules.get("slow_preload_mod3"), "DONE", False)  # waited all the same
+        assert signal.getsignal(launcher_workers._AGENT_SIGNALS[0]) is launcher_workers._hold
+        launcher_workers._deliver_held()  # as after the fork
+    assert {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS} == before
 
 
 @pytest.mark.distributed

@@ -48,6 +48,7 @@ from .workers import (
     main_hidden,
     own_fork_server,
     preloaded,
+    signals_never_dropped,
 )
 
 # Imports inside functions: torch's elastic agent and rendezvous load in the launching process
@@ -176,7 +177,12 @@ def _elastic(
     logs = tempfile.mkdtemp(prefix="ddpkit-launch-", dir=log_dir)
     config = _launch_config(topo, logs, output, start_method, show_ranks)
     try:
-        with _launching(topo.nproc, logs, output, start_method), preloaded(preload), _said_while_gathering(topo, logs):
+        with (
+            _launching(topo.nproc, logs, output, start_method),
+            signals_never_dropped(SignalException),
+            preloaded(preload),
+            _said_while_gathering(topo, logs),
+        ):
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         raise as_worker_failed(err, logs, _last_attempt(logs)) from None

@@ -246,20 +246,27 @@ def _join_for_fork() -> None:
 
     A signal that arrives meanwhile (Ctrl-C, a scheduler's SIGTERM), or during the fork itself,
     must neither end the wait (a worker forked in the middle of an import would wait for its
-    lock forever) nor be lost (an exception raised in a fork hook, logging's among them, is
-    printed and dropped, and the run went on to exit 0): from here until the fork is done the
-    agent's signals are only noted, and `_deliver_held` sends them again once it is. This hook
-    runs before the other modules' (before-fork hooks run last registered first) and
-    `_deliver_held` after theirs."""
+    lock forever) nor be lost (an exception raised in a fork hook is printed and dropped): from
+    here until the fork is done the agent's signals are only noted, and `_deliver_held` sends
+    them again once it is. This hook runs before the other modules' (before-fork hooks run last
+    registered first) and `_deliver_held` after theirs.
+
+    A signal Python noted just before the swap runs the agent's handler in this hook all the
+    same, and its exception ends the hook: the wait still happens (`finally`), each handler
+    swapped so far is put back after the fork, and `signals_never_dropped` sends the signal
+    again."""
     global _preload
-    if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
-        _saved[:] = [(sig, set_handler(sig, _hold)) for sig in _AGENT_SIGNALS]
-    thread = _preload
-    if thread is None or thread is threading.current_thread():
-        return
-    thread.join()
-    _preload = None
-    gc.freeze()
+    try:
+        if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
+            for sig in _AGENT_SIGNALS:
+                _saved.append((sig, signal.getsignal(sig)))  # noted first: an exception after it loses nothing
+                set_handler(sig, _hold)
+    finally:
+        thread = _preload
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+            _preload = None
+            gc.freeze()
 
 
 def _hold(signum: int, frame: Any) -> None:
@@ -267,26 +274,41 @@ def _hold(signum: int, frame: Any) -> None:
 
 
 def _restore_handlers() -> None:
-    """The handlers `_join_for_fork` replaced, back."""
-    saved, _saved[:] = list(_saved), []
-    for sig, handler in saved:
-        set_handler(sig, handler)
+    """The handlers `_join_for_fork` replaced, back, each one even where a signal that came
+    meanwhile raises from its handler here (that exception is raised at the end, where
+    `signals_never_dropped` sends its signal again)."""
+    raised: BaseException | None = None
+    while _saved:
+        sig, handler = _saved[-1]
+        try:
+            set_handler(sig, handler if handler is not None else signal.SIG_DFL)
+            _saved.pop()
+        except BaseException as err:  # noqa: BLE001 - the handler of a signal that came meanwhile
+            raised = raised or err
+    if raised is not None:
+        raise raised
 
 
 def _in_child() -> None:
-    _restore_handlers()
     _held.clear()  # the parent's: it sends them again itself
+    _restore_handlers()
 
 
 def _deliver_held() -> None:
     """After a fork, in the parent: the handlers back, and the signals held while it waited and
-    forked sent again a moment later from a thread, so that their handlers run in the launching
-    process's own code (the agent then stops the workers it started, as for a signal at any
-    other time), not in a fork hook."""
-    _restore_handlers()
-    if not _held:
-        return
-    signums, _held[:] = list(_held), []
+    forked sent again a moment later (`_send_again`)."""
+    try:
+        _restore_handlers()
+    finally:
+        if _held:
+            signums, _held[:] = list(_held), []
+            _send_again(signums)
+
+
+def _send_again(signums: Sequence[int]) -> None:
+    """Send `signums` to this process again a moment later, from a thread, so that their
+    handlers run in the launching process's own code (the agent then stops the workers it
+    started, as for a signal at any other time), not in a fork hook."""
     pid = os.getpid()
 
     def send() -> None:
@@ -295,6 +317,40 @@ def _deliver_held() -> None:
             os.kill(pid, signum)
 
     threading.Thread(target=send, name="ddpkit-held-signals", daemon=True).start()
+
+
+@contextlib.contextmanager
+def signals_never_dropped(raised_by_handler: type[BaseException]) -> Iterator[None]:
+    """While the agent runs: a signal whose handler raised where Python cannot raise, and so
+    printed and dropped the exception ("Exception ignored in ..."), is sent again.
+
+    The agent's handlers raise `raised_by_handler` (SIGINT's default one KeyboardInterrupt).
+    Python runs a handler at the next instruction of the main thread, wherever that is: a fork
+    hook (logging's, or `_join_for_fork` itself, for a signal noted just before the fork),
+    a `__del__`, a weakref callback. There the exception goes to `sys.unraisablehook`, and the
+    launch went on as if no Ctrl-C or SIGTERM had come. Here that hook sends the signal again
+    (`_send_again`), and its handler runs in the launch's own code."""
+    pid = os.getpid()
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        signum = None
+        if isinstance(exc, KeyboardInterrupt):
+            signum = signal.SIGINT
+        elif isinstance(exc, raised_by_handler):
+            signum = getattr(exc, "sigval", None)
+        if signum is None or os.getpid() != pid:  # (a forked worker keeps its own way)
+            previous(unraisable)
+            return
+        _send_again([int(signum)])
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
