@@ -451,7 +451,7 @@ def _whole_and_extrapolated(layout):
     from ddpkit.plan import run
 
     spec = Spec("gpt", (32,), 256, 8, "fp32", "adamw", {"width": 64, "depth": 10, "heads": 4})
-    step = Step(spec.build, spec.batch, 8 // layout.spec.data_size, "fp32", "adamw")
+    step = Step(spec.build, spec.batch, 8 // layout.spec.data_size, "fp32", "adamw", count=True)
     return trace(step, layout, 4), run._traced(spec, step, layout, 4)
 
 
@@ -474,6 +474,9 @@ def test_deep_gpt_extrapolated_from_three_and_four_blocks_matches_whole_traces()
         assert sum(op.calls for op in guessed.ops) == sum(op.calls for op in whole.ops)
         moved = [sum(op.bytes * op.calls for op in t.ops) for t in (guessed, whole)]
         assert moved[0] == pytest.approx(moved[1], rel=1e-3)
+        # every operation the CPU's time model counts, of the same sizes: those over the whole
+        # model (the optimizer's multi-tensor step, DDP's bucket copies) grown with it
+        assert guessed.work.counts == whole.work.counts
 
 
 def _stage_whole_and_extrapolated(layout, index):
@@ -481,7 +484,7 @@ def _stage_whole_and_extrapolated(layout, index):
     from ddpkit.plan.pipeline import trace_stage
 
     spec = Spec("gpt", (32,), 256, 4, "fp32", "adamw", {"width": 64, "depth": 9, "heads": 4})
-    step = Step(spec.build, spec.batch, 4 // layout.spec.data_size, "fp32", "adamw")  # two micro-batches
+    step = Step(spec.build, spec.batch, 4 // layout.spec.data_size, "fp32", "adamw", count=True)  # two micro-batches
     world = layout.spec.processes
     return trace_stage(step, layout, world, index), run._traced_stage(spec, step, layout, world, index)
 
@@ -517,6 +520,7 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
             assert sum(b for _, b, _ in moved[0]) == pytest.approx(sum(b for _, b, _ in moved[1]), rel=rel), kind
             assert sum(c for _, _, c in moved[0]) == sum(c for _, _, c in moved[1]), kind
         assert "extrapolated" in guessed.computed[-1]
+        assert guessed.work.counts == whole.work.counts  # every operation counted, of the same sizes
 
 
 def _planned_and_whole_stage_2(layout):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddpkit.plan.work import Counting, Ops
+from ddpkit.plan.work import Counting, OpKind, Ops
 
 pytestmark = pytest.mark.unit
 
@@ -24,14 +24,22 @@ def test_products_and_attention_are_counted_with_their_flops_and_bytes_views_are
             y.t()  # a view: nothing moved
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
     ops = counting.ops
-    assert ops.counts[2 * 64 * 32 * 16, (64 * 32 + 32 * 16 + 64 * 16) * 4, False, False] == 1
-    attention = [(f, n) for (f, _, _, a), n in ops.counts.items() if a]
+    assert ops.counts[2 * 64 * 32 * 16, (64 * 32 + 32 * 16 + 64 * 16) * 4, False, False, "aten.mm.default"] == 1
+    attention = [(op.flops, n) for op, n in ops.counts.items() if op.attention]
     assert attention == [(4 * 2 * 4 * 16 * 16 * 8, 1)]  # QK^T and AV, counted whole (causal or not)
     assert ops.calls == 2 and ops.flops == 2 * 64 * 32 * 16 + 4 * 2 * 4 * 16 * 16 * 8
 
 
 def test_each_operation_takes_the_longer_of_its_flops_and_its_bytes_plus_its_dispatch():
-    ops = Ops(Counter({(100, 10, False, False): 2, (0, 50, True, False): 1, (40, 0, False, True): 1}))
+    ops = Ops(
+        Counter(
+            {
+                OpKind(100, 10, False, False, "mm"): 2,
+                OpKind(0, 50, True, False, "add"): 1,
+                OpKind(40, 0, False, True, "sdpa"): 1,
+            }
+        )
+    )
     # products at 10 FLOP/s, attention at 4, bytes at 5 per s; 1 s per operation, 3 more on DTensors
     seconds = ops.seconds(10.0, 5.0, 1.0, 3.0, attention_flops_per_s=4.0)
     assert seconds == pytest.approx(2 * max(10, 2) + 10 + 10 + 4 * 1 + 1 * 3)
@@ -39,10 +47,30 @@ def test_each_operation_takes_the_longer_of_its_flops_and_its_bytes_plus_its_dis
 
 
 def test_operations_of_a_deeper_model_grow_by_one_blocks_worth_each():
-    two = Ops(Counter({(1, 1, False, False): 5, (9, 9, False, False): 1}))
-    three = Ops(Counter({(1, 1, False, False): 7, (9, 9, False, False): 1}))
+    mm, norm = OpKind(1, 1, False, False, "mm"), OpKind(9, 9, False, False, "norm")
+    two = Ops(Counter({mm: 5, norm: 1}))
+    three = Ops(Counter({mm: 7, norm: 1}))
     assert three.extrapolated(three, 5).counts == three.counts
-    assert two.extrapolated(three, 4).counts == Counter({(1, 1, False, False): 13, (9, 9, False, False): 1})
+    assert two.extrapolated(three, 4).counts == Counter({mm: 13, norm: 1})
+
+
+def test_an_operation_over_the_whole_model_grows_in_size_not_in_number():
+    # The optimizer's multi-tensor step over every parameter: one operation, larger in the deeper
+    # model (and of two sizes: two of them over different lists); a block's own product alongside.
+    def step(blocks: int) -> Ops:
+        return Ops(
+            Counter(
+                {
+                    OpKind(2, 2, False, False, "mm"): 3 * blocks,
+                    OpKind(0, 100 + 40 * blocks, True, False, "foreach_add"): 1,
+                    OpKind(0, 10 + 4 * blocks, True, False, "foreach_add"): 1,
+                    OpKind(5 * blocks, 60 * blocks, False, False, "bucket_copy"): 2,
+                }
+            )
+        )
+
+    assert step(2).extrapolated(step(3), 7).counts == step(9).counts
+    assert step(3).extrapolated(step(3), 4).counts == step(3).counts
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3, 5, 7, 8])

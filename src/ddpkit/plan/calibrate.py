@@ -304,6 +304,6 @@ def _attention_rate(rt: Any) -> float:
 
     with Counting() as counted:
         attention()
-    flops = sum(f * n for (f, _, _, a), n in counted.ops.counts.items() if a)
+    flops = sum(op.flops * n for op, n in counted.ops.counts.items() if op.attention)
     rt.barrier()
     return flops / _timed(attention)

@@ -43,7 +43,7 @@ from ..strategy import REGISTRY, DDPOptions, FSDPOptions
 from ..strategy import activations as checkpointing
 from ..strategy.mesh import Layout as MeshLayout
 from ..strategy.mesh import MeshSpec
-from .work import Counting, Ops, cpu_attention_formulas
+from .work import Counting, OpKind, Ops, cpu_attention_formulas
 
 # Imports inside functions: torch's fake-tensor, memory-tracking, FLOP-counting and DeviceMesh
 # modules load when a trace runs, not when `ddpkit plan --help` imports this package.
@@ -462,7 +462,7 @@ def bucket_copies(work: Ops, model: nn.Module) -> None:
     """DDP's work beside a step's operations, added to `work`: `model`'s gradients copied into
     its buckets, and back."""
     grads = int(tensor_bytes(p for p in model.parameters()))
-    work.counts[0, 2 * grads, False, False] += 2
+    work.counts[OpKind(0, 2 * grads, False, False, "ddp.bucket_copy")] += 2
 
 
 def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

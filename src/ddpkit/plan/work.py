@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,10 +22,20 @@ from torch.utils._pytree import tree_leaves, tree_map
 # Imports inside functions: torch's FLOP formulas load when a trace counts.
 
 
+class OpKind(NamedTuple):
+    """One kind of operation: its FLOPs and bytes, whether on DTensors, whether attention's
+    fused kernel, and its name (torch's operator overload, e.g. "aten.mm.default")."""
+
+    flops: int
+    bytes: int
+    distributed: bool
+    attention: bool
+    name: str
+
+
 @dataclass
 class Ops:
-    """The operations of a step, as (FLOPs, bytes, on DTensors, attention) -> how many there
-    were."""
+    """The operations of a step: each kind of operation (`OpKind`) -> how many there were."""
 
     counts: Counter = field(default_factory=Counter)
 
@@ -35,11 +45,11 @@ class Ops:
 
     @property
     def distributed_calls(self) -> int:
-        return sum(n for (_, _, d, _), n in self.counts.items() if d)
+        return sum(n for op, n in self.counts.items() if op.distributed)
 
     @property
     def flops(self) -> float:
-        return float(sum(f * n for (f, _, _, _), n in self.counts.items()))
+        return float(sum(op.flops * n for op, n in self.counts.items()))
 
     def seconds(
         self,
@@ -55,19 +65,37 @@ class Ops:
         DTensors (DTensor's dispatch, in Python, works out the shardings)."""
         attention = attention_flops_per_s or flops_per_s
         busy = sum(
-            n * max(f / (attention if a else flops_per_s), b / bytes_per_s) for (f, b, _, a), n in self.counts.items()
+            n * max(op.flops / (attention if op.attention else flops_per_s), op.bytes / bytes_per_s)
+            for op, n in self.counts.items()
         )
         return busy + self.calls * per_op_s + self.distributed_calls * per_dtensor_op_s
 
     def extrapolated(self, other: Ops, n: int) -> Ops:
         """These operations with `n` more of what `other` has beyond them (a model `n` blocks
-        deeper, `other` being it one block deeper)."""
-        keys = set(self.counts) | set(other.counts)
-        grown = {k: self.counts[k] + n * (other.counts[k] - self.counts[k]) for k in keys}
-        return Ops(Counter({k: v for k, v in grown.items() if v > 0}))
+        deeper, `other` being it one block deeper).
+
+        Most of a block's operations are the same in every block: their kinds are in both, and
+        each is `n` times as many more. An operation over the whole model (the optimizer's
+        multi-tensor step over every parameter, DDP's copies into its buckets) is one of a
+        larger size in `other`: of one kind in this, another in that. Each such pair, matched by
+        name and in order of size, is one operation whose FLOPs and bytes grow by the pair's
+        difference `n` times."""
+        grown = Counter()
+        for op in {*self.counts, *other.counts}:
+            grown[op] = self.counts[op] + n * (other.counts[op] - self.counts[op])
+        for was, now in _resized(self, other):  # each counted above as 1 - n of `was` and n of `now`
+            grown[was] += n - 1
+            grown[now] -= n
+            grown[
+                was._replace(
+                    flops=max(0, was.flops + n * (now.flops - was.flops)),
+                    bytes=max(0, was.bytes + n * (now.bytes - was.bytes)),
+                )
+            ] += 1
+        return Ops(Counter({op: c for op, c in grown.items() if c > 0}))
 
     def to_json(self) -> dict[str, float]:
-        moved = float(sum(b * n for (_, b, _, _), n in self.counts.items()))
+        moved = float(sum(op.bytes * n for op, n in self.counts.items()))
         return {"operations": self.calls, "on_dtensors": self.distributed_calls, "flops": self.flops, "bytes": moved}
 
 
@@ -95,12 +123,28 @@ class Counting(TorchDispatchMode):
         moved = sum(_nbytes(t) for t in tree_leaves((local_args, local_kwargs, local_out)))
         formula = self._formulas.get(func._overloadpacket) or self._formulas.get(func)
         flops = int(formula(*local_args, **local_kwargs, out_val=local_out)) if formula is not None else 0
-        self.ops.counts[flops, moved, distributed, func in self._attention] += 1
+        self.ops.counts[OpKind(flops, moved, distributed, func in self._attention, str(func))] += 1
         return out
 
     def _local(self, tree: Any) -> Any:
         """DTensors as their local parts: what this rank computes on."""
         return tree_map(lambda x: x._local_tensor if isinstance(x, self._dtensor) else x, tree)
+
+
+def _resized(one: Ops, two: Ops) -> list[tuple[OpKind, OpKind]]:
+    """The operations of `one` that are of another size in `two`: of each name (and kind),
+    those fewer in `two` beside those only in `two`, paired in order of size."""
+    fewer: dict[tuple, list[OpKind]] = {}
+    new: dict[tuple, list[OpKind]] = {}
+    for op, c in one.counts.items():
+        fewer.setdefault(op[2:], []).extend([op] * (c - two.counts[op]))
+    for op, c in two.counts.items():
+        if op not in one.counts:
+            new.setdefault(op[2:], []).extend([op] * c)
+    by_size = lambda op: (op.bytes, op.flops)  # noqa: E731
+    return [
+        pair for kind in new for pair in zip(sorted(fewer.get(kind, []), key=by_size), sorted(new[kind], key=by_size))
+    ]
 
 
 def _nbytes(x: Any) -> int:
