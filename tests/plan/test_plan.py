@@ -523,6 +523,44 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
         assert guessed.work.counts == whole.work.counts  # every operation counted, of the same sizes
 
 
+def _stage_whole_and_over_fewer_micro_batches(layout, index):
+    from ddpkit.plan import run
+    from ddpkit.plan.pipeline import trace_stage
+
+    stages = layout.spec.size("pp")
+    spec = Spec("gpt", (16,), 64, 64, "fp32", "adamw", {"width": 16, "depth": 2, "heads": 2})
+    step = Step(spec.build, spec.batch, 2 * (stages + 2) + 1, "fp32", "adamw", count=True)  # micro-batches of 1
+    world = layout.spec.processes
+    return trace_stage(step, layout, world, index), run._over_micro_batches(step, layout, world, index)
+
+
+@pytest.mark.distributed  # fake worlds of 6 and 8 ranks, in processes of their own
+def test_a_stage_over_many_micro_batches_extrapolated_from_fewer_equals_its_whole_trace():
+    # Under 1f1b each micro-batch from P + 1 on adds the same to a stage: traced at P + 1 and
+    # P + 2 and extrapolated to 2P + 5: the first stage (the last to settle) beside dp (DDP), the
+    # last with checkpointing beside tp, and in 3-D the first (FSDP2's collectives)
+    pairs = in_fake_worlds(
+        6,
+        [
+            (_stage_whole_and_over_fewer_micro_batches, (Layout("pp", "pp=3,dp=2", False, 1), 0)),
+            (_stage_whole_and_over_fewer_micro_batches, (Layout("pp", "pp=3,tp=2", True, 1), 2)),
+        ],
+    ) + in_fake_worlds(8, [(_stage_whole_and_over_fewer_micro_batches, (Layout("pp", "pp=2,dp=2,tp=2", False, 1), 0))])
+    for whole, guessed in pairs:
+        assert "micro-batches, extrapolated" in guessed.computed[-1]
+        assert guessed.peak == pytest.approx(whole.peak, rel=1e-9)
+        assert guessed.memory == pytest.approx(whole.memory, rel=1e-9, abs=1e-6)
+        assert guessed.work.counts == whole.work.counts  # every operation counted, of the same sizes
+        totals = [{}, {}]
+        for ops, total in zip((guessed.ops, whole.ops), totals):
+            for op in ops:
+                calls, moved = total.get((op.kind, op.ranks), (0, 0))
+                total[op.kind, op.ranks] = (calls + op.calls, moved + op.bytes * op.calls)
+        assert totals[0].keys() == totals[1].keys()
+        for key, (calls, moved) in totals[1].items():  # (FSDP2's to a few bytes: each call given one size)
+            assert totals[0][key][0] == calls and totals[0][key][1] == pytest.approx(moved, rel=1e-4), key
+
+
 def _planned_and_whole_stage_2(layout):
     from ddpkit.plan import run
     from ddpkit.plan.pipeline import trace_stage

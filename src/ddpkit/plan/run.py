@@ -411,16 +411,15 @@ def _traced_stage(
     blocks where it holds up to TRACED_DEPTHS' larger count, else traced at TRACED_DEPTHS blocks
     and extrapolated to its own, as `_traced` extrapolates a whole model: every block adds the
     same parameters, states and activations (and, beside dp, DDP's buckets and all-reduce).
+    Each trace over the step's micro-batches, or fewer (`_over_micro_batches`).
     `cuts`: `stage_cuts` of the layout's stages, where the caller has them."""
-    from .pipeline import trace_stage
-
     if _depth(spec) <= EXTRAPOLATE_FROM:
-        return trace_stage(step, layout, world_size, index)
+        return _over_micro_batches(step, layout, world_size, index)
     embed, blocks, head = (cuts or stage_cuts(spec, layout.spec.size("pp")))[index]
 
     def at(n: int) -> Trace:  # the stage with n blocks (a gpt has one at least: none kept where n is 0)
         kept = ("embed",) * embed + tuple(f"block{i}" for i in range(n)) + ("head",) * head
-        return trace_stage(replace(step, build=spec.builder(depth=max(n, 1))), layout, world_size, index, kept)
+        return _over_micro_batches(replace(step, build=spec.builder(depth=max(n, 1))), layout, world_size, index, kept)
 
     low, high = TRACED_DEPTHS[bool(layout.checkpointing)]
     if blocks <= high:
@@ -435,6 +434,44 @@ def _traced_stage(
     ops = _extrapolated_ops(one.ops, two.ops, blocks - low)
     computed = [*two.computed, f"gpt: stage {index} traced at {low} and {high} of its {blocks} blocks, extrapolated"]
     return Trace(memory, peak, ops, 0.0, computed, _extrapolated_work(one, two, blocks - low))
+
+
+def _over_micro_batches(
+    step: Step, layout: Layout, world_size: int, index: int, kept: tuple[str, ...] | None = None
+) -> Trace:
+    """`pipeline.trace_stage` of stage `index` over the step's micro-batches; under 1f1b, of a
+    step of more than twice P + 2 of them, the stage traced at P + 1 and P + 2 micro-batches and
+    extrapolated to the step's.
+
+    From P + 1 micro-batches on, each one more adds the same to a stage under torch's
+    `Schedule1F1B`: the same activations and temporaries at the peak (the micro-batches in
+    flight stay min(m, P - s); what grows is what the schedule keeps of every micro-batch to
+    the step's end), the same sends, tp's and FSDP2's collectives, and the same operations. The
+    middle and last stages settle from P on, the first only from P + 1. Checked against whole
+    traces (`tests/plan/test_plan.py`): equal to the byte, collectives and counted operations
+    exactly (FSDP2's collectives to a few bytes: the extrapolation gives each call of a group
+    the same size), alone, beside dp and tp, in 3-D and with checkpointing. A trace costs
+    about its micro-batches' passes plus one or two more (the model, the optimizer's state), so
+    two traces of P + 1 and P + 2 are the cheaper from twice P + 2 micro-batches on: a step of
+    4P, the plan's choice, in a bit over half the passes."""
+    from .pipeline import trace_stage
+
+    stages, chunks = layout.spec.size("pp"), max(1, step.share // layout.micro_batch)
+    low = stages + 1
+    if layout.schedule != "1f1b" or chunks <= 2 * (low + 1):
+        return trace_stage(step, layout, world_size, index, kept)
+    one, two = (
+        trace_stage(replace(step, share=layout.micro_batch * m), layout, world_size, index, kept)
+        for m in (low, low + 1)
+    )
+    n = chunks - low
+    memory = {k: max(0.0, one.memory[k] + n * (two.memory[k] - one.memory[k])) for k in one.memory}
+    computed = [
+        *two.computed,
+        f"pp: stage {index} traced at {low} and {low + 1} of the step's {chunks} micro-batches, extrapolated",
+    ]
+    ops, work = _extrapolated_ops(one.ops, two.ops, n), _extrapolated_work(one, two, n)
+    return Trace(memory, float(sum(memory.values())), ops, 0.0, computed, work)
 
 
 # Micro-batches per stage a pipeline is planned with, where the batch allows: GPipe's paper (Huang
