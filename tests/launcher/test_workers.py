@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.errors import WorkerFailed
+from ddpkit.errors import Interrupted, WorkerFailed
 from ddpkit.launcher import workers as launcher_workers
 from ddpkit.launcher.workers import _interrupted, choose_start_method, preloaded, signals_never_dropped
 from tests import workers
@@ -279,17 +279,19 @@ def test_a_signals_exception_dropped_where_python_cannot_raise_is_sent_again(mon
     passed_on: list[BaseException] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: passed_on.append(u.exc_value))
     previous = {
-        sig: signal.signal(sig, lambda signum, _: handled.append(signum)) for sig in (signal.SIGINT, signal.SIGHUP)
+        sig: signal.signal(sig, lambda signum, _: handled.append(signum))
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
     }
     try:
         with signals_never_dropped(_SignalRaised):
             _RaisesWhenCollected(KeyboardInterrupt())  # Python's own SIGINT handler's
             _RaisesWhenCollected(_SignalRaised(signal.SIGHUP))  # the agent's
+            _RaisesWhenCollected(Interrupted(signal.SIGTERM))  # the CLI's, before the agent starts
             _RaisesWhenCollected(ValueError("not a signal's"))
             deadline = time.monotonic() + 5
-            while len(handled) < 2 and time.monotonic() < deadline:
+            while len(handled) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        assert sorted(handled) == sorted([signal.SIGINT, signal.SIGHUP])
+        assert sorted(handled) == sorted([signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
         assert [type(e) for e in passed_on] == [ValueError]
         _RaisesWhenCollected(_SignalRaised(signal.SIGHUP))  # after the launch: as before it
         assert [type(e) for e in passed_on] == [ValueError, _SignalRaised]
@@ -298,30 +300,71 @@ def test_a_signals_exception_dropped_where_python_cannot_raise_is_sent_again(mon
             signal.signal(sig, handler)
 
 
-@pytest.mark.unit
-@linux_only
-def test_a_handler_raising_in_the_fork_hook_neither_skips_the_wait_nor_keeps_the_hold(tmp_path, monkeypatch):
-    # A signal noted just before the fork runs its handler where the hook swaps the handlers,
-    # and its exception ends the hook: the fork must still wait for the preload, and every
-    # handler must be the agent's again after it.
-    slow_module(tmp_path, monkeypatch, "slow_preload_mod3", 0.3)
-    before = {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS}
-    swaps = []
+@pytest.fixture
+def fork_window(monkeypatch):
+    """The fork hooks' module state, clean before and after; SIGTERM recorded (the agent's
+    handler's stand-in); a `set_handler` that raises as a signal's handler would, at the calls
+    listed in `fails` (1 for the first call, ...). Yields (fails, the SIGTERMs handled)."""
+    fails: list[int] = []
+    calls: list[int] = []
+    handled: list[int] = []
 
     def set_handler(sig, handler):
-        swaps.append(sig)
-        if len(swaps) == 2:  # as the pending signal's handler would, before this swap is made
+        calls.append(sig)
+        if len(calls) in fails:  # as a pending signal's handler would, before this change is made
             raise _SignalRaised(signal.SIGTERM)
         return signal.signal(sig, handler)
 
     monkeypatch.setattr(launcher_workers, "set_handler", set_handler)
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: handled.append(signum))
+    try:
+        yield fails, handled
+    finally:
+        launcher_workers._saved.clear()
+        launcher_workers._held.clear()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _handled_once(handled: list[int]) -> bool:
+    deadline = time.monotonic() + 5
+    while not handled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # (and no second time)
+    return handled == [signal.SIGTERM]
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_handler_raising_in_the_fork_hook_neither_skips_the_wait_nor_loses_its_signal(
+    tmp_path, monkeypatch, fork_window
+):
+    # A signal noted just before the fork runs its handler where the hook swaps the handlers:
+    # the fork must still wait for the preload, every handler be held through the fork and the
+    # agent's again after it, and the signal be handled once, after the fork.
+    fails, handled = fork_window
+    fails.append(2)
+    slow_module(tmp_path, monkeypatch, "slow_preload_mod3", 0.3)
+    before = {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS}
     with preloaded(["slow_preload_mod3"]):
-        with pytest.raises(_SignalRaised):
-            launcher_workers._join_for_fork()
+        launcher_workers._join_for_fork()
         assert getattr(sys.modules.get("slow_preload_mod3"), "DONE", False)  # waited all the same
-        assert signal.getsignal(launcher_workers._AGENT_SIGNALS[0]) is launcher_workers._hold
+        assert all(signal.getsignal(sig) is launcher_workers._hold for sig in before)  # the failed swap made again
+        assert not handled
         launcher_workers._deliver_held()  # as after the fork
-    assert {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS} == before
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert _handled_once(handled)
+
+
+@pytest.mark.unit
+@linux_only
+def test_a_handler_raising_while_the_handlers_come_back_neither_keeps_a_hold_nor_loses_its_signal(fork_window):
+    fails, handled = fork_window
+    before = {sig: signal.getsignal(sig) for sig in launcher_workers._AGENT_SIGNALS}
+    launcher_workers._join_for_fork()  # (no preload: the swap alone)
+    fails.append(len(before) + 2)  # the second handler put back raises, once
+    launcher_workers._deliver_held()
+    assert {sig: signal.getsignal(sig) for sig in before} == before and not launcher_workers._saved
+    assert _handled_once(handled)
 
 
 @pytest.mark.distributed

@@ -531,7 +531,8 @@ def _stage_whole_and_over_fewer_micro_batches(layout, index):
     spec = Spec("gpt", (16,), 64, 64, "fp32", "adamw", {"width": 16, "depth": 2, "heads": 2})
     step = Step(spec.build, spec.batch, 2 * (stages + 2) + 1, "fp32", "adamw", count=True)  # micro-batches of 1
     world = layout.spec.processes
-    return trace_stage(step, layout, world, index), run._over_micro_batches(step, layout, world, index)
+    guessed = run._over_micro_batches(step, layout, world, index)  # first in its process, as in a plan
+    return trace_stage(step, layout, world, index), guessed
 
 
 @pytest.mark.distributed  # fake worlds of 6 and 8 ranks, in processes of their own

@@ -71,6 +71,10 @@ def test_an_operation_over_the_whole_model_grows_in_size_not_in_number():
 
     assert step(2).extrapolated(step(3), 7).counts == step(9).counts
     assert step(3).extrapolated(step(3), 4).counts == step(3).counts
+    # one of a name gone and two new ones: which became which is not known, so none is paired
+    old, new = OpKind(0, 100, False, False, "cat"), [OpKind(0, b, False, False, "cat") for b in (120, 5)]
+    grown = Ops(Counter({old: 1})).extrapolated(Ops(Counter(dict.fromkeys(new, 1))), 5).counts
+    assert grown == Counter(dict.fromkeys(new, 5))
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3, 5, 7, 8])

@@ -252,46 +252,78 @@ def _join_for_fork() -> None:
     registered first) and `_deliver_held` after theirs.
 
     A signal Python noted just before the swap runs the agent's handler in this hook all the
-    same, and its exception ends the hook: the wait still happens (`finally`), each handler
-    swapped so far is put back after the fork, and `signals_never_dropped` sends the signal
-    again."""
+    same: its exception is caught, the other handlers are swapped all the same, the wait
+    happens, and its signal is held with the others. Handlers set in C (`getsignal` gives None)
+    raise nothing in Python and are left alone."""
     global _preload
-    try:
-        if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
-            for sig in _AGENT_SIGNALS:
-                _saved.append((sig, signal.getsignal(sig)))  # noted first: an exception after it loses nothing
-                set_handler(sig, _hold)
-    finally:
-        thread = _preload
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-            _preload = None
-            gc.freeze()
+    raised: list[BaseException] = []
+    if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
+        for sig in _AGENT_SIGNALS:
+            for _ in range(3):  # a signal's handler may raise here, before the swap: once more
+                try:
+                    handler = signal.getsignal(sig)
+                    if handler is None or handler is _hold:
+                        break
+                    if all(saved != sig for saved, _ in _saved):
+                        _saved.append((sig, handler))  # noted first: an exception after it loses nothing
+                    set_handler(sig, _hold)
+                    break
+                except BaseException as err:  # noqa: BLE001 - the handler of a signal that came just now
+                    raised.append(err)
+    thread = _preload
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()  # (the agent's signals are only held now: nothing raises here)
+        _preload = None
+        gc.freeze()
+    _held.extend(s for s in map(_signal_of, raised) if s is not None)  # sent once the fork is done
+    others = [err for err in raised if _signal_of(err) is None]
+    if others:
+        raise others[0]
 
 
 def _hold(signum: int, frame: Any) -> None:
     _held.append(signum)
 
 
+def _signal_of(exc: BaseException) -> int | None:
+    """The signal whose handler raised `exc`: torch's agent's exception carries it (`sigval`),
+    ddpkit's `Interrupted` too (`signum`), Python's own SIGINT handler raises KeyboardInterrupt;
+    None for any other exception."""
+    for name in ("sigval", "signum"):
+        value = getattr(exc, name, None)
+        if isinstance(value, int):
+            return int(value)
+    return int(signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else None
+
+
 def _restore_handlers() -> None:
-    """The handlers `_join_for_fork` replaced, back, each one even where a signal that came
-    meanwhile raises from its handler here (that exception is raised at the end, where
-    `signals_never_dropped` sends its signal again)."""
-    raised: BaseException | None = None
+    """The handlers `_join_for_fork` replaced, back, on the main thread (the one that replaced
+    them, and the only one that may): each one even where a signal that came meanwhile raises
+    from its handler here, that signal sent again (`_send_again`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signums: list[int] = []
     while _saved:
         sig, handler = _saved[-1]
-        try:
-            set_handler(sig, handler if handler is not None else signal.SIG_DFL)
-            _saved.pop()
-        except BaseException as err:  # noqa: BLE001 - the handler of a signal that came meanwhile
-            raised = raised or err
-    if raised is not None:
-        raise raised
+        for _ in range(3):
+            try:
+                set_handler(sig, handler)
+                break
+            except BaseException as err:  # noqa: BLE001 - the handler of a signal that came meanwhile
+                signum = _signal_of(err)
+                if signum is None:
+                    raise
+                signums.append(signum)
+        _saved.pop()
+    if signums:
+        _send_again(signums)
 
 
 def _in_child() -> None:
-    _held.clear()  # the parent's: it sends them again itself
-    _restore_handlers()
+    try:
+        _restore_handlers()
+    finally:
+        _held.clear()  # the parent's: it sends them again itself
 
 
 def _deliver_held() -> None:
@@ -300,7 +332,7 @@ def _deliver_held() -> None:
     try:
         _restore_handlers()
     finally:
-        if _held:
+        if _held and threading.current_thread() is threading.main_thread():
             signums, _held[:] = list(_held), []
             _send_again(signums)
 
@@ -309,6 +341,8 @@ def _send_again(signums: Sequence[int]) -> None:
     """Send `signums` to this process again a moment later, from a thread, so that their
     handlers run in the launching process's own code (the agent then stops the workers it
     started, as for a signal at any other time), not in a fork hook."""
+    if not signums:
+        return
     pid = os.getpid()
 
     def send() -> None:
@@ -324,31 +358,35 @@ def signals_never_dropped(raised_by_handler: type[BaseException]) -> Iterator[No
     """While the agent runs: a signal whose handler raised where Python cannot raise, and so
     printed and dropped the exception ("Exception ignored in ..."), is sent again.
 
-    The agent's handlers raise `raised_by_handler` (SIGINT's default one KeyboardInterrupt).
-    Python runs a handler at the next instruction of the main thread, wherever that is: a fork
-    hook (logging's, or `_join_for_fork` itself, for a signal noted just before the fork),
-    a `__del__`, a weakref callback. There the exception goes to `sys.unraisablehook`, and the
-    launch went on as if no Ctrl-C or SIGTERM had come. Here that hook sends the signal again
-    (`_send_again`), and its handler runs in the launch's own code."""
+    The agent's handlers raise `raised_by_handler`; before the agent starts, ddpkit's CLI has
+    SIGTERM and SIGHUP raise `Interrupted`, and SIGINT's default handler raises
+    KeyboardInterrupt. Python runs a handler at the next instruction of the main thread,
+    wherever that is: a fork hook (logging's, or another module's that runs before
+    `_join_for_fork`), a `__del__`, a weakref callback. There the exception goes to
+    `sys.unraisablehook`, and the launch went on as if no Ctrl-C or SIGTERM had come. Here
+    that hook sends the signal again: at once where a fork holds the agent's signals (with
+    them, once it is done), else a moment later (`_send_again`), and its handler runs in the
+    launch's own code. Other exceptions, and those of forked workers, go to the hook that was
+    there before."""
     pid = os.getpid()
     previous = sys.unraisablehook
+    active = True
 
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
-        signum = None
-        if isinstance(exc, KeyboardInterrupt):
-            signum = signal.SIGINT
-        elif isinstance(exc, raised_by_handler):
-            signum = getattr(exc, "sigval", None)
-        if signum is None or os.getpid() != pid:  # (a forked worker keeps its own way)
+        signum = _signal_of(exc) if isinstance(exc, (KeyboardInterrupt, raised_by_handler)) else None
+        if signum is None or not active or os.getpid() != pid:
             previous(unraisable)
-            return
-        _send_again([int(signum)])
+        elif _saved:  # inside a fork's window: held with the others, sent once the fork is done
+            _held.append(signum)
+        else:
+            _send_again([signum])
 
     sys.unraisablehook = hook
     try:
         yield
     finally:
+        active = False  # (a hook installed over this one may put it back later: it hands on)
         if sys.unraisablehook is hook:
             sys.unraisablehook = previous
 

@@ -325,7 +325,8 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -
     )
     shown.computed = [
         f"pp: {which}, the one that holds most shown (peaks by stage: {peaks} GiB)",
-        f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}); each stage timed on "
+        f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}; under 1f1b a step of "
+        "more than 2(P + 2) traced at P + 1 and P + 2, extrapolated); each stage timed on "
         "its own (its compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
         *worst.computed[1:],  # (its own first line names its stage)
     ]
@@ -452,8 +453,8 @@ def _over_micro_batches(
     exactly (FSDP2's collectives to a few bytes: the extrapolation gives each call of a group
     the same size), alone, beside dp and tp, in 3-D and with checkpointing. A trace costs
     about its micro-batches' passes plus one or two more (the model, the optimizer's state), so
-    two traces of P + 1 and P + 2 are the cheaper from twice P + 2 micro-batches on: a step of
-    4P, the plan's choice, in a bit over half the passes."""
+    two traces of P + 1 and P + 2 are the cheaper beyond twice P + 2 micro-batches: a step of
+    4P, the plan's choice, from P = 3 on, in a bit over half the passes at large P."""
     from .pipeline import trace_stage
 
     stages, chunks = layout.spec.size("pp"), max(1, step.share // layout.micro_batch)
