@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import ddpkit
+from ddpkit.bench import BENCHES
 from tests.cli.helpers import ok
 from tests.conftest import SRC, clean_env
 
@@ -125,14 +126,15 @@ def test_train_help_gives_every_flag_its_own_text_and_one_default(cli):
         *([command, "--help"] for command in ("run", "find-batch-size", "plan", "env", "report")),
         ["find-batch-size", "--warmup", "two"],
         ["plan", "--gpus-per-node", "two"],
+        *(["bench", name, "--help"] for name in BENCHES),
+        ["bench", "comm", "--repeats", "many"],
     ],
 )
 def test_help_and_a_bad_flag_answer_without_loading_torch(argv):
     # torch takes seconds to import: a command's --help and a flag that does not parse end
     # before it loads; a value the plan checks, such as --epochs 0, is checked after torch
     # loads but before its compiler does (another second: ddpkit's dropout makes what keeps
-    # its draw out of compiled graphs only when something compiles). (`ddpkit bench NAME
-    # --help` lists the options of the benchmark's module, which loads torch.)
+    # its draw out of compiled graphs only when something compiles).
     program = (
         "import sys\nfrom ddpkit.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
         "except SystemExit as exc:\n    code = exc.code\n"

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.files import write_json
-from ..observe.env import metadata
+
+# Imports inside functions: the record's metadata (torch's versions and devices) loads when a
+# benchmark writes it, not for `ddpkit bench NAME --help`.
 
 # Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
 # DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
@@ -106,6 +108,8 @@ def write(
     load_before: list[float] | None = None,
 ) -> dict[str, Any]:
     """Add metadata, write the JSON (and plot), return the full record."""
+    from ..observe.env import metadata
+
     json_path, plot_path = output_paths(opts, device, plot_fn is not None)
     record = {
         "benchmark": opts.name,

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .. import data
 from ..core import checks
-from ..observe.metrics import sync
-from ..observe.plots import pyplot, save_figure
 from .common import BenchOptions, stats
+
+if TYPE_CHECKING:
+    from .. import data
 
 # Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
 # DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
@@ -35,6 +33,10 @@ def add_arguments(parser: Any) -> None:
 
 
 def _images(shape: tuple[int, ...], n: int) -> data.ImageSet:
+    import torch
+
+    from .. import data
+
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (n,), generator=g)
@@ -47,6 +49,8 @@ def _rate(make: Any, batches: int, device: str) -> float:
     they cannot slow down the next measurement."""
     import gc
     import time
+
+    from ..observe.metrics import sync
 
     loaders = [make()]
 
@@ -67,6 +71,8 @@ def _rate(make: Any, batches: int, device: str) -> float:
 
 
 def _same_batches(a: data.DistributedLoader, b: data.DistributedLoader, count: int = 3) -> bool:
+    import torch
+
     for (xa, ya), (xb, yb) in itertools.islice(zip(a, b), count):
         if not (torch.equal(xa.cpu(), xb.cpu()) and torch.equal(ya.cpu(), yb.cpu())):
             return False
@@ -74,6 +80,10 @@ def _same_batches(a: data.DistributedLoader, b: data.DistributedLoader, count: i
 
 
 def run(opts: BenchOptions, device: str) -> dict[str, Any]:
+    import torch
+
+    from .. import data
+
     shape = checks.shape("--shape", opts.extra.get("shape", "1,28,28"))
     batch = checks.positive("--batch-size", int(opts.extra.get("batch_size", 256)))
     n = checks.positive("--samples", int(opts.extra.get("samples") or (8192 if opts.quick else 60000)))
@@ -136,6 +146,8 @@ def run(opts: BenchOptions, device: str) -> dict[str, Any]:
 
 
 def plot(record: dict[str, Any], path: str) -> None:
+    from ..observe.plots import pyplot, save_figure
+
     plt = pyplot()
     r = record["result"]
     names = list(r["samples_per_second"])
