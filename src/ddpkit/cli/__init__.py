@@ -134,8 +134,7 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
     except WorkerFailed as err:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+        return _interrupted_all_the_same(prog, err, str(err)) or _said(f"{prog}: {err}", 1)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (see `_sigterm_interrupts`)
         signum = getattr(err, "signum", signal.SIGINT)
         note = getattr(err, "note", "")
@@ -147,20 +146,30 @@ def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[st
     except RunError as err:  # a failure its message explains whole (a full disk): no traceback
         from ..core.dist import detect_env
 
-        print(f"{prog}: rank {detect_env().rank} on {socket.gethostname()} failed: {err}", file=sys.stderr)
-        return 1
+        line = f"{prog}: rank {detect_env().rank} on {socket.gethostname()} failed: {err}"
+        return _interrupted_all_the_same(prog, err, str(err)) or _said(line, 1)
     except Exception as err:  # a failure in this process (one process, or a torchrun/srun worker)
         from ..core.dist import detect_env
 
         traceback.print_exc()
-        interrupt = _interrupt_behind(err)
-        if interrupt is not None:  # the interrupt's own cleanup failed: the interrupt is the cause
-            signum = getattr(interrupt, "signum", signal.SIGINT)
-            print(f"{prog}: interrupted; the cleanup after it failed: {type(err).__name__}: {err}", file=sys.stderr)
-            return 128 + signum
-        rank = detect_env().rank
-        print(f"{prog}: rank {rank} on {socket.gethostname()} failed: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        what = f"{type(err).__name__}: {err}"
+        line = f"{prog}: rank {detect_env().rank} on {socket.gethostname()} failed: {what}"
+        return _interrupted_all_the_same(prog, err, what) or _said(line, 1)
+
+
+def _said(line: str, code: int) -> int:
+    print(line, file=sys.stderr)
+    return code
+
+
+def _interrupted_all_the_same(prog: str, err: BaseException, what: str) -> int | None:
+    """Where `err` was raised while a Ctrl-C (or SIGTERM) unwound, by a cleanup it cut short:
+    one line that says so, and the signal's exit code (the interrupt is the cause); else None."""
+    interrupt = _interrupt_behind(err)
+    if interrupt is None:
+        return None
+    signum = getattr(interrupt, "signum", signal.SIGINT)
+    return _said(f"{prog}: interrupted; the cleanup after it failed: {what}", 128 + signum)
 
 
 def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
