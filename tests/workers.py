@@ -220,6 +220,23 @@ def die_on_rank(bad_rank: int, how: str) -> int:
         return rt.rank
 
 
+def launch_folder_held() -> bool:
+    """Whether this worker's launch folder is locked by its launch: a lock of the worker's own
+    on its HELD file cannot be taken."""
+    import fcntl
+
+    from ddpkit.launcher import elastic, records
+
+    fd = os.open(os.path.join(os.environ[records.LAUNCH_DIR], elastic.HELD), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def env_facts() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
 

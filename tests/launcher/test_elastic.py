@@ -9,11 +9,14 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 
 import pytest
 
 import ddpkit
+from ddpkit.launcher import elastic
 from tests import workers
 from tests.conftest import SRC
 from tests.launcher.helpers import run_python
@@ -112,6 +115,19 @@ def test_a_signal_whose_handler_raised_in_a_fork_hook_still_stops_the_launch():
     """)
     assert proc.stdout.split() == ["interrupted", "True"], proc.stdout + proc.stderr[-2000:]
     assert "Exception ignored" not in proc.stderr
+
+
+def test_a_launch_holds_its_folder_and_removes_those_of_killed_launches(tmp_path, monkeypatch):
+    # A launch killed by SIGKILL (or the OOM killer) cannot remove its temporary folder; the
+    # next launch on the machine does, and never one whose launch still runs.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the workers are forked: theirs too)
+    killed = tmp_path / f"{elastic.LAUNCH_PREFIX}killed"
+    (killed / "attempt-0").mkdir(parents=True)
+    (killed / elastic.HELD).touch()
+    os.utime(killed / elastic.HELD, (time.time() - 600,) * 2)
+    out = ddpkit.launch(workers.launch_folder_held, nproc=2)
+    assert out == {0: True, 1: True}  # each worker found its launch's folder held
+    assert not killed.exists() and not list(tmp_path.glob(f"{elastic.LAUNCH_PREFIX}*"))  # and its own removed
 
 
 def test_launch_leaves_the_callers_environment_as_it_was():

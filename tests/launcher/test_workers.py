@@ -367,6 +367,32 @@ def test_a_handler_raising_while_the_handlers_come_back_neither_keeps_a_hold_nor
     assert _handled_once(handled)
 
 
+@pytest.mark.unit
+@linux_only
+def test_only_a_launch_folder_whose_lock_is_free_and_settled_is_removed(tmp_path):
+    import fcntl
+
+    from ddpkit.launcher.elastic import HELD, LAUNCH_PREFIX, remove_abandoned
+
+    def folder(name: str, age_s: float | None, prefix: str = LAUNCH_PREFIX):
+        path = tmp_path / f"{prefix}{name}"
+        (path / "attempt-0").mkdir(parents=True)
+        if age_s is not None:
+            (path / HELD).touch()
+            os.utime(path / HELD, (time.time() - age_s,) * 2)
+        return path
+
+    killed, running, just_made = folder("killed", 600), folder("running", 600), folder("just-made", 1)
+    older, other = folder("older-ddpkit", None), folder("x", 600, prefix="not-a-launch-")
+    held = os.open(running / HELD, os.O_WRONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # (a lock of another open file: as a launch in another process)
+    try:
+        assert remove_abandoned(str(tmp_path)) == [str(killed)]
+    finally:
+        os.close(held)
+    assert all(p.exists() for p in (running, just_made, older, other)) and not killed.exists()
+
+
 @pytest.mark.distributed
 @linux_only
 def test_forked_workers_start_with_torchs_compiler_imported():

@@ -15,6 +15,7 @@ adds what the tutorials get wrong by hand:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import io
 import logging
@@ -167,14 +168,25 @@ def _elastic(
     show_ranks: set[int] | None = None,
     preload: Sequence[str] = (),
 ) -> Any:
+    with _launch_folder(log_dir) as logs:
+        return _elastic_in(topo, entrypoint, args, output, start_method, logs, show_ranks, preload)
+
+
+def _elastic_in(
+    topo: Topology,
+    entrypoint: Any,
+    args: tuple,
+    output: str,
+    start_method: str,
+    logs: str,
+    show_ranks: set[int] | None,
+    preload: Sequence[str],
+) -> Any:
+    """`_elastic`, its launch's folder `logs` made."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-    # One folder per launch, for torch's logs and error files and the workers' records.
-    logs = tempfile.mkdtemp(prefix="ddpkit-launch-", dir=log_dir)
     config = _launch_config(topo, logs, output, start_method, show_ranks)
     try:
         with (
@@ -194,8 +206,57 @@ def _elastic(
         raise
     finally:
         workers_store.release_all()  # after a signal too, where torch leaves the rendezvous open
+
+
+LAUNCH_PREFIX = "ddpkit-launch-"  # a launch's folder (`_launch_folder`)
+HELD = ".held"  # in a launch's folder: locked (flock) while its launch runs
+
+
+@contextlib.contextmanager
+def _launch_folder(log_dir: str | None) -> Iterator[str]:
+    """One folder per launch, for torch's logs and error files and the workers' records: in
+    `log_dir`, and kept; else a temporary one, removed as the launch ends. The temporary
+    folders of launches killed before they could remove theirs (SIGKILL, out of memory) are
+    removed first (`remove_abandoned`). A launch holds a lock on its folder's HELD file while
+    it runs (its forked workers share it), so a free lock is a folder no running launch uses."""
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    else:
+        remove_abandoned(tempfile.gettempdir())
+    logs = tempfile.mkdtemp(prefix=LAUNCH_PREFIX, dir=log_dir)
+    held = os.open(os.path.join(logs, HELD), os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield logs
+    finally:
         if not log_dir:
             shutil.rmtree(logs, ignore_errors=True)
+        os.close(held)
+
+
+def remove_abandoned(parent: str, settled_s: float = 60.0) -> list[str]:
+    """Remove the launch folders in `parent` whose launch is gone: their HELD file's lock is
+    free, and it was made more than `settled_s` ago (a launch that has just made its folder
+    may not hold the lock yet). Folders without a HELD file (made by an older ddpkit, or not
+    ddpkit's), or that this user may not open, are left alone. Returns those removed."""
+    removed = []
+    for folder in sorted(glob.glob(os.path.join(parent, LAUNCH_PREFIX + "*"))):
+        path = os.path.join(folder, HELD)
+        try:
+            if time.time() - os.stat(path).st_mtime < settled_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its launch runs
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+        removed.append(folder)
+    return removed
 
 
 def stop_strays(grace_s: float = 5.0) -> list[int]:
