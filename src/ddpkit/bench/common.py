@@ -12,11 +12,9 @@ from typing import Any
 
 from ..core.files import write_json
 
-# Imports inside functions: the record's metadata (torch's versions and devices) loads when a
-# benchmark writes it, not for `ddpkit bench NAME --help`.
-
 # Imports inside functions: `ddpkit bench --help` imports every benchmark module for its
-# DESCRIPTION, so torch and ddpkit's heavier parts load only when a benchmark runs.
+# DESCRIPTION, so torch and ddpkit's heavier parts (the record's metadata among them) load only
+# when a benchmark runs.
 
 RESULTS_DIR = os.path.join("benchmarks", "results")
 

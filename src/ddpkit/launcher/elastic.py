@@ -168,44 +168,30 @@ def _elastic(
     show_ranks: set[int] | None = None,
     preload: Sequence[str] = (),
 ) -> Any:
-    with _launch_folder(log_dir) as logs:
-        return _elastic_in(topo, entrypoint, args, output, start_method, logs, show_ranks, preload)
-
-
-def _elastic_in(
-    topo: Topology,
-    entrypoint: Any,
-    args: tuple,
-    output: str,
-    start_method: str,
-    logs: str,
-    show_ranks: set[int] | None,
-    preload: Sequence[str],
-) -> Any:
-    """`_elastic`, its launch's folder `logs` made."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _launch_config(topo, logs, output, start_method, show_ranks)
-    try:
-        with (
-            _launching(topo.nproc, logs, output, start_method),
-            signals_never_dropped(SignalException),
-            preloaded(preload),
-            _said_while_gathering(topo, logs),
-        ):
-            return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as err:
-        raise as_worker_failed(err, logs, _last_attempt(logs)) from None
-    except SignalException as err:  # Ctrl-C or SIGTERM: the agent has stopped the workers
-        stop_strays()
-        raise Interrupted(err.sigval) from None
-    except KeyboardInterrupt:  # one that reached Python's own handler (between the agent's handlers)
-        stop_strays()
-        raise
-    finally:
-        workers_store.release_all()  # after a signal too, where torch leaves the rendezvous open
+    with _launch_folder(log_dir) as logs:
+        config = _launch_config(topo, logs, output, start_method, show_ranks)
+        try:
+            with (
+                _launching(topo.nproc, logs, output, start_method),
+                signals_never_dropped(SignalException),
+                preloaded(preload),
+                _said_while_gathering(topo, logs),
+            ):
+                return elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as err:
+            raise as_worker_failed(err, logs, _last_attempt(logs)) from None
+        except SignalException as err:  # Ctrl-C or SIGTERM: the agent has stopped the workers
+            stop_strays()
+            raise Interrupted(err.sigval) from None
+        except KeyboardInterrupt:  # one that reached Python's own handler (between the agent's handlers)
+            stop_strays()
+            raise
+        finally:
+            workers_store.release_all()  # after a signal too, where torch leaves the rendezvous open
 
 
 LAUNCH_PREFIX = "ddpkit-launch-"  # a launch's folder (`_launch_folder`)

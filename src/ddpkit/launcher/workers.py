@@ -252,33 +252,26 @@ def _join_for_fork() -> None:
     registered first) and `_deliver_held` after theirs.
 
     A signal Python noted just before the swap runs the agent's handler in this hook all the
-    same: its exception is caught, the other handlers are swapped all the same, the wait
-    happens, and its signal is held with the others. Handlers set in C (`getsignal` gives None)
+    same: its exception is caught, the swap made again, and its signal held with the others
+    (`_set_through_signals`); should one escape elsewhere in the hook, the wait still happens
+    and `signals_never_dropped` sends it again. Handlers set in C (`getsignal` gives None)
     raise nothing in Python and are left alone."""
     global _preload
-    raised: list[BaseException] = []
-    if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
-        for sig in _AGENT_SIGNALS:
-            for _ in range(3):  # a signal's handler may raise here, before the swap: once more
-                try:
-                    handler = signal.getsignal(sig)
-                    if handler is None or handler is _hold:
-                        break
-                    if all(saved != sig for saved, _ in _saved):
-                        _saved.append((sig, handler))  # noted first: an exception after it loses nothing
-                    set_handler(sig, _hold)
-                    break
-                except BaseException as err:  # noqa: BLE001 - the handler of a signal that came just now
-                    raised.append(err)
-    thread = _preload
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()  # (the agent's signals are only held now: nothing raises here)
-        _preload = None
-        gc.freeze()
-    _held.extend(s for s in map(_signal_of, raised) if s is not None)  # sent once the fork is done
-    others = [err for err in raised if _signal_of(err) is None]
-    if others:
-        raise others[0]
+    came: list[int] = []  # signals whose handler raised here, before its swap
+    try:
+        if threading.current_thread() is threading.main_thread() and not _saved:  # where Python runs handlers
+            for sig in _AGENT_SIGNALS:
+                handler = signal.getsignal(sig)
+                if handler is not None and handler is not _hold:
+                    _saved.append((sig, handler))  # noted first: an exception after it loses nothing
+                    _set_through_signals(sig, _hold, came)
+    finally:
+        thread = _preload
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()  # (the agent's signals are only held now: nothing raises here)
+            _preload = None
+            gc.freeze()
+        _held.extend(came)  # sent once the fork is done
 
 
 def _hold(signum: int, frame: Any) -> None:
@@ -302,21 +295,26 @@ def _restore_handlers() -> None:
     from its handler here, that signal sent again (`_send_again`)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    signums: list[int] = []
+    came: list[int] = []
     while _saved:
-        sig, handler = _saved[-1]
-        for _ in range(3):
-            try:
-                set_handler(sig, handler)
-                break
-            except BaseException as err:  # noqa: BLE001 - the handler of a signal that came meanwhile
-                signum = _signal_of(err)
-                if signum is None:
-                    raise
-                signums.append(signum)
+        _set_through_signals(*_saved[-1], came)
         _saved.pop()
-    if signums:
-        _send_again(signums)
+    _send_again(came)
+
+
+def _set_through_signals(sig: int, handler: Any, came: list[int]) -> None:
+    """`set_handler(sig, handler)`, made again where a signal's handler raised first (Python
+    runs the handlers of signals that have arrived before it changes one); those signals go
+    into `came`. Any other exception is raised."""
+    while True:
+        try:
+            set_handler(sig, handler)
+            return
+        except BaseException as err:  # noqa: BLE001 - the handler of a signal that came meanwhile
+            signum = _signal_of(err)
+            if signum is None:
+                raise
+            came.append(signum)
 
 
 def _in_child() -> None:
