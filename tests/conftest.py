@@ -36,7 +36,7 @@ os.environ.setdefault("DDPKIT_THREADS", "share")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from ddpkit.core.dist import LAUNCH_VARS, environ_outside_job  # noqa: E402 (after the variables above)
-from tests import parallel, slowest  # noqa: E402
+from tests import cli_server, parallel, slowest  # noqa: E402
 
 KINDS = ("unit", "distributed", "cli")
 
@@ -63,12 +63,19 @@ def pytest_sessionstart(session):
     import time
 
     _STARTED.append(time.time())
+    cli_server.start_with(clean_env())  # the session's environment, before any test changes it
 
 
 def pytest_runtest_logreport(report):
     _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
     if report.when == "call" and report.passed:
         _PASSED.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    said = cli_server.summary()
+    if said:
+        terminalreporter.write_line(said)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -189,20 +196,15 @@ def run_cli(
     cwd: str | None = None,
     stdin: str | None = None,
     module: str = "ddpkit",
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `python -m ddpkit ARGS...` (or another module: `benchmarks` runs from the repository
-    root) as a real subprocess; returns the completed process."""
+    root) as a real subprocess; returns the completed process. Forked from the tests' command
+    server, which imported torch once, where the environment allows (tests/cli_server.py); else,
+    or if `fresh`, a fresh interpreter."""
     full_env = clean_env()
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd,
-        input=stdin,
-    )
+    return cli_server.run(module, args, full_env, cwd=cwd, stdin=stdin, timeout=timeout, fresh=fresh)
 
 
 def run_comparison(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -302,7 +304,9 @@ def two_process_run(tmp_path_factory, pytestconfig):
         root = tmp_path_factory.mktemp("two_process_run")
         out = root / "out"
         args = ("--epochs", "2", "--nproc", "2", "--device", "cpu", "--out", str(out), *TENSORBOARD)
-        return out, run_cli("train", *args, cwd=str(root))
+        # a fresh interpreter, as a user starts it: the session's one run whose timeline starts
+        # before torch is imported (the other command lines are forked: tests/cli_server.py)
+        return out, run_cli("train", *args, cwd=str(root), fresh=True)
 
     return parallel.made_once(pytestconfig, "two_process_run", make)
 

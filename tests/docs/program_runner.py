@@ -24,12 +24,11 @@ import runpy
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any
 
-from ddpkit.cli import end_program
+from tests.as_main import forget_tests_modules, run_as_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
@@ -62,28 +61,12 @@ def run_program(path: str, cwd: str, timeout: float) -> dict[str, Any]:
 def _run_as_main(path: str) -> None:
     """`python PATH`, in this (forked) process, to its end: never returns."""
     sys.argv = [path]
-    for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:  # the runner's own
-        del sys.modules[name]
+    forget_tests_modules()
     # the program's folder first on the path, as `python FILE` puts it, and not the repository's
     sys.path[:] = [os.path.dirname(os.path.abspath(path))] + [
         p for p in sys.path[1:] if os.path.abspath(p or ".") != ROOT
     ]
-    code = 0
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exc:  # as the interpreter reads it: None 0, a number itself, else printed and 1
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    while waited := [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]:
-        for thread in waited:  # the interpreter waits for them (and the threads they start) before its end
-            thread.join()
-    end_program(code)  # atexit handlers, buffered output, then os._exit
+    run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
 
 
 def _wait(pid: int, timeout: float) -> int | str:

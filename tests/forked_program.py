@@ -1,0 +1,35 @@
+"""A program for tests/test_cli_server.py: `python -m tests.forked_program CASE [ARG]` does one
+thing a command may do on its way out, so that the same command line run forked from the tests'
+command server and run as a fresh interpreter can be compared."""
+
+import atexit
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+case, arg = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""
+if case == "where":  # what `python -m` gives the program: argv, working directory, path, environment, stdin
+    seen = [sys.argv[1:], os.path.basename(sys.argv[0]), __name__, os.getcwd(), sys.path[0]]
+    seen += [os.environ.get("DDPKIT_TEST_WORD"), tempfile.gettempdir(), sys.stdin.read()]
+    print(repr(seen))
+elif case == "exit":
+    print("leaving")
+    sys.exit(int(arg) if arg.isdigit() else arg)
+elif case == "raise":
+    raise RuntimeError(arg)
+elif case == "interrupt":
+    raise KeyboardInterrupt
+elif case == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+elif case == "late":  # a thread that outlives the main one, and an atexit handler, both still heard
+    atexit.register(print, "at exit")
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+    print("main done", end="\r\n")
+    sys.stderr.write("bar\rbar\r")
+elif case == "sleep":
+    print("sleeping", flush=True)
+    time.sleep(float(arg))

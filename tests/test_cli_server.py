@@ -1,0 +1,86 @@
+"""The tests' command server (tests/cli_server.py), which `run_cli` forks command lines from: a
+command line forked from it ends as the same command line run as a fresh interpreter does (its
+exit code, its output, its timeout), and those whose environment it cannot honour are not forked."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import cli_server
+from tests.conftest import ROOT, clean_env
+
+CASES = [
+    ("where",),
+    ("exit", "3"),
+    ("exit", "a message instead of a code"),
+    ("raise", "what went wrong"),
+    ("interrupt",),
+    ("signal",),
+    ("late",),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = clean_env()
+    server = cli_server._Server(env)
+    yield server
+    server.close()
+
+
+def _both(server, args, env, cwd, stdin=None, timeout=60):
+    fresh = subprocess.run(
+        [sys.executable, "-m", "tests.forked_program", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        input=stdin,
+        timeout=timeout,
+    )
+    return fresh, server.run("tests.forked_program", args, env, cwd, stdin, timeout)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args", CASES, ids=lambda a: " ".join(a))
+def test_a_forked_command_ends_as_a_fresh_interpreter_running_it_does(server, args, tmp_path):
+    env = {**server.env, "DDPKIT_TEST_WORD": "forked or not", "TMPDIR": str(tmp_path)}
+    fresh, forked = _both(server, args, env, cwd=ROOT, stdin="what stdin held\n")
+    assert forked.returncode == fresh.returncode, (fresh, forked)
+    assert forked.stdout == fresh.stdout
+    if args[0] in ("raise", "interrupt"):  # a traceback: the runner's frames differ, its last line not
+        assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1], (fresh.stderr, forked.stderr)
+        assert forked.stderr.startswith("Traceback (most recent call last):")
+    else:
+        assert forked.stderr == fresh.stderr
+    assert {"where": "forked or not", "exit": "leaving", "late": "thread done"}.get(args[0], "") in forked.stdout
+
+
+@pytest.mark.cli
+def test_a_forked_command_past_its_timeout_is_killed_with_what_it_wrote(server):
+    for run in _run_fresh, server.run:
+        with pytest.raises(subprocess.TimeoutExpired) as caught:
+            run("tests.forked_program", ("sleep", "60"), server.env, ROOT, None, 1.5)
+        assert caught.value.stdout.strip() in ("sleeping", b"sleeping"), caught.value
+    done = server.run("tests.forked_program", ("exit", "0"), server.env, ROOT, None, 60)  # and it serves on
+    assert (done.returncode, done.stdout) == (0, "leaving\n")
+
+
+def _run_fresh(module, args, env, cwd, stdin, timeout):
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, input=stdin, timeout=timeout)
+
+
+@pytest.mark.unit
+def test_only_what_a_command_reads_as_it_runs_may_differ_from_the_servers_environment(monkeypatch):
+    monkeypatch.delenv("TESTS_CLI_EXEC", raising=False)
+    env = dict(cli_server._environment)  # the session's, which the server starts with
+    assert cli_server.forkable("ddpkit", env)
+    assert cli_server.forkable("ddpkit", {**env, "DDPKIT_THREADS": "4", "COLUMNS": "200"})
+    for read_at_import in ("OMP_NUM_THREADS", "PYTHONPATH", "TORCH_LOGS", "LD_PRELOAD", "TMPDIR"):
+        assert not cli_server.forkable("ddpkit", {**env, read_at_import: "7"}), read_at_import
+    assert not cli_server.forkable("ddpkit", {k: v for k, v in env.items() if k != "PATH"})  # one gone
+    assert not cli_server.forkable("pytest", env)  # only ddpkit's command and the benchmarks
+    monkeypatch.setenv("TESTS_CLI_EXEC", "1")
+    assert not cli_server.forkable("ddpkit", env)
