@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import io
 import json
+import locale
 import os
 import signal
 import socket
@@ -38,6 +39,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
+
+from tests.as_main import ignored_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 MODULES = ("ddpkit", "benchmarks")  # what the server runs as `python -m`
@@ -75,8 +78,12 @@ class _Server:
         )
         theirs.close()
         self.sock = ours
-        self.cpu = 0.0  # the CPU time of the commands it ran (theirs and their children's)
-        self.reply(180)  # ready: torch imported
+        try:
+            # the CPU time of its imports, then of the commands it ran (theirs and their children's)
+            self.cpu = self.reply(180)["cpu"]
+        except BaseException:
+            self.close()
+            raise
 
     def reply(self, timeout: float | None) -> dict[str, Any]:
         self.sock.settimeout(timeout)
@@ -90,25 +97,29 @@ class _Server:
         self, module: str, args: Sequence[str], env: dict[str, str], cwd: str | None, stdin: str | None, timeout: float
     ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", module, *args]
-        request = {"module": module, "args": list(args), "env": env, "cwd": os.path.abspath(cwd or os.getcwd())}
+        request = {
+            "module": module,
+            "args": list(args),
+            "env": env,
+            "cwd": os.path.abspath(cwd or os.getcwd()),
+            "ignored": ignored_signals(),  # (a fresh interpreter inherits what this process ignores)
+        }
         with tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             if stdin is not None:
-                source.write(stdin.encode())
+                source.write(stdin.encode(locale.getpreferredencoding(False)))  # as text=True encodes it
                 source.seek(0)
             fds = [0 if stdin is None else source.fileno(), out.fileno(), err.fileno()]  # None: this process's own
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             pid = self.reply(None)["pid"]
             try:
                 end = self.reply(timeout)
-            except (
-                TimeoutError,
-                KeyboardInterrupt,
-            ) as exc:  # past its timeout, or interrupted: killed, as subprocess does
+            except BaseException as exc:  # past its timeout, interrupted, failed: killed, as subprocess does
                 with contextlib.suppress(ProcessLookupError):  # (unless it has just ended)
                     os.kill(pid, signal.SIGKILL)
-                self.cpu += self.reply(None)["cpu"]
-                if isinstance(exc, TimeoutError):
-                    raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+                with contextlib.suppress(OSError, RuntimeError):  # (a server gone: this exception stands)
+                    self.cpu += self.reply(60)["cpu"]
+                if isinstance(exc, TimeoutError):  # with what it wrote, as bytes (None: nothing), as subprocess does
+                    raise subprocess.TimeoutExpired(cmd, timeout, _raw(out), _raw(err)) from None
                 raise
             self.cpu += end["cpu"]
             return subprocess.CompletedProcess(cmd, end["code"], _text(out), _text(err))
@@ -120,6 +131,11 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _raw(f: Any) -> bytes | None:
+    f.seek(0)
+    return f.read() or None
 
 
 def _text(f: Any) -> str:
@@ -173,7 +189,7 @@ def run(
     try:
         return _server[0].run(module, args, env, cwd, stdin, timeout)
     except BaseException as exc:
-        if not isinstance(exc, subprocess.TimeoutExpired):  # (the server's state unknown: a new one next time)
+        if not isinstance(exc, subprocess.TimeoutExpired):  # (its state unknown: a new server next time)
             close()
         raise
 
@@ -195,7 +211,8 @@ def forked_cpu() -> float:
 
 
 def close() -> None:
-    """End this process's server, if it runs (at this process's exit)."""
+    """End this process's server, if it runs (at the session's end, before its CPU time is
+    summed, and at this process's exit)."""
     while _server:
         _server.pop().close()
 
@@ -231,12 +248,12 @@ def _become(request: dict[str, Any], fds: list[int]) -> NoReturn:
     """In the forked child: `python -m MODULE ARGS...` with the request's descriptors,
     working directory and environment, to its end."""
     # (The server's own imports, here and in main: the test process never loads them.)
-    import runpy
     import traceback
 
-    from tests.as_main import forget_tests_modules, run_as_main
+    from tests.as_main import as_main_module, forget_tests_modules, fresh_process_state, run_as_main
 
     try:
+        fresh_process_state(request["ignored"])
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in fds:
@@ -247,17 +264,22 @@ def _become(request: dict[str, Any], fds: list[int]) -> NoReturn:
         os.environ.update(request["env"])
         tempfile.tempdir = None  # (TMPDIR read afresh)
         sys.path[0] = os.getcwd()  # as `python -m` puts it
-        sys.argv = [sys.argv[0], *request["args"]]  # (runpy sets the first to the module's file)
+        sys.argv = [sys.argv[0], *request["args"]]  # (the first becomes the module's file, as `-m` sets it)
         forget_tests_modules()
     except BaseException:
         traceback.print_exc()
         os._exit(70)
-    run_as_main(lambda: runpy.run_module(request["module"], run_name="__main__", alter_sys=True))
+    run_as_main(lambda: as_main_module(request["module"]))
 
 
 def main() -> NoReturn:
     import gc  # (the server's own, as in _become)
+    import resource  # (likewise)
 
+    # A Ctrl-C at the terminal, or --processes stopping its processes (SIGINT to their group),
+    # reaches the command, which ends as it would; the server waits for it and stays (each
+    # child gets Python's own handler back: tests/as_main.py).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     import torch  # noqa: F401  (what a command imports first: inherited by every fork)
     import torch._dynamo  # noqa: F401  (every optimizer imports it when it is made)
@@ -265,7 +287,8 @@ def main() -> NoReturn:
     import ddpkit.cli  # noqa: F401
 
     gc.freeze()  # what the children inherit: left out of their collections (and of copies on write)
-    sock.send(b'{"ready": true}')
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    sock.send(json.dumps({"cpu": own.ru_utime + own.ru_stime}).encode())  # ready: what its imports cost
     request, fds = _serve(sock)
     _become(request, fds)
 

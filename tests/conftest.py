@@ -79,6 +79,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    cli_server.close()  # its CPU time into this process's, before it is summed
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     parallel.leave_results(config, reporter.stats if reporter else {}, _SECONDS, _CPU)  # (one of several processes)

@@ -3,6 +3,7 @@ thing a command may do on its way out, so that the same command line run forked 
 command server and run as a fresh interpreter can be compared."""
 
 import atexit
+import concurrent.futures
 import os
 import signal
 import sys
@@ -26,10 +27,19 @@ elif case == "signal":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(10)
 elif case == "late":  # a thread that outlives the main one, and an atexit handler, both still heard
-    atexit.register(print, "at exit")
-    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+    atexit.register(lambda: print("at exit in", os.path.basename(sys.modules["__main__"].__file__)))
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
     print("main done", end="\r\n")
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # left open: its idle worker woken at the end
+    pool.submit(lambda: (time.sleep(0.1), print("pooled")))
     sys.stderr.write("bar\rbar\r")
+elif case == "hangup":  # ignored where it was started from, or not
+    os.kill(os.getpid(), signal.SIGHUP)
+    print("still here")
+elif case == "numpy":  # a new process's own draw
+    import numpy
+
+    print(numpy.random.rand())
 elif case == "sleep":
     print("sleeping", flush=True)
     time.sleep(float(arg))

@@ -2,6 +2,7 @@
 command line forked from it ends as the same command line run as a fresh interpreter does (its
 exit code, its output, its timeout), and those whose environment it cannot honour are not forked."""
 
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ CASES = [
     ("interrupt",),
     ("signal",),
     ("late",),
+    ("hangup",),
 ]
 
 
@@ -54,7 +56,25 @@ def test_a_forked_command_ends_as_a_fresh_interpreter_running_it_does(server, ar
         assert forked.stderr.startswith("Traceback (most recent call last):")
     else:
         assert forked.stderr == fresh.stderr
-    assert {"where": "forked or not", "exit": "leaving", "late": "thread done"}.get(args[0], "") in forked.stdout
+    said = {"where": "forked or not", "exit": "leaving", "late": "at exit in forked_program.py", "hangup": ""}
+    assert said.get(args[0], "") in forked.stdout
+
+
+@pytest.mark.cli
+@pytest.mark.cli
+def test_a_forked_command_inherits_the_ignored_signals_of_the_test_process_as_a_fresh_one_does(server):
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        fresh, forked = _both(server, ("hangup",), server.env, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (0, "still here\n")
+
+
+@pytest.mark.cli
+def test_each_forked_command_draws_its_own_random_numbers_as_a_new_process_does(server):
+    draws = {server.run("tests.forked_program", ("numpy",), server.env, ROOT, None, 60).stdout for _ in range(2)}
+    assert len(draws) == 2, draws
 
 
 @pytest.mark.cli
@@ -62,7 +82,7 @@ def test_a_forked_command_past_its_timeout_is_killed_with_what_it_wrote(server):
     for run in _run_fresh, server.run:
         with pytest.raises(subprocess.TimeoutExpired) as caught:
             run("tests.forked_program", ("sleep", "60"), server.env, ROOT, None, 1.5)
-        assert caught.value.stdout.strip() in ("sleeping", b"sleeping"), caught.value
+        assert (caught.value.stdout, caught.value.stderr) == (b"sleeping\n", None), caught.value
     done = server.run("tests.forked_program", ("exit", "0"), server.env, ROOT, None, 60)  # and it serves on
     assert (done.returncode, done.stdout) == (0, "leaving\n")
 

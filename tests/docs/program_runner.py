@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import runpy
 import signal
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from tests.as_main import forget_tests_modules, run_as_main
+from tests.as_main import as_main_file, forget_tests_modules, run_as_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
@@ -66,7 +65,7 @@ def _run_as_main(path: str) -> None:
     sys.path[:] = [os.path.dirname(os.path.abspath(path))] + [
         p for p in sys.path[1:] if os.path.abspath(p or ".") != ROOT
     ]
-    run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
+    run_as_main(lambda: as_main_file(path))
 
 
 def _wait(pid: int, timeout: float) -> int | str:
