@@ -131,6 +131,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def _raw(f: Any) -> bytes | None:

@@ -2,7 +2,7 @@
 `python -m tests.docs.program_runner < programs.json`.
 
 Each program is {"path": FILE, "cwd": DIR}: the runner forks, and the child runs FILE as
-`python FILE` would (`runpy` as `__main__`, `sys.argv` its path, DIR the working directory,
+`python FILE` would (as `__main__`, `sys.argv` its path, DIR the working directory,
 file descriptors 1 and 2 sent to files of their own) and ends as the interpreter would: its
 threads joined, its atexit handlers run, its output flushed. Prints one JSON list of {"code",
 "stdout", "stderr", "seconds"}; a program still running after "timeout" seconds is killed
