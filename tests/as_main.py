@@ -18,6 +18,9 @@ from typing import NoReturn
 
 from ddpkit.cli import end_program
 
+# What a program may find ignored where it is started from (`fresh_process_state`)
+SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
 
 def forget_tests_modules() -> None:
     """Drop the runner's own modules (`tests.*`): the program imports them afresh if it does."""
@@ -30,7 +33,7 @@ def fresh_process_state(ignored: list[int]) -> None:
     where the program was started from (`ignored`) ignored, the others at their defaults
     (SIGINT Python's KeyboardInterrupt), and NumPy's global generator seeded afresh as a new
     process seeds it (Python's `random` reseeds itself in a forked child)."""
-    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in SIGNALS:
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
         signal.signal(sig, signal.SIG_IGN if sig in ignored else default)
     if "numpy" in sys.modules:
@@ -38,9 +41,8 @@ def fresh_process_state(ignored: list[int]) -> None:
 
 
 def ignored_signals() -> list[int]:
-    """The signals this process ignores, of those `fresh_process_state` sets."""
-    sigs = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-    return [int(s) for s in sigs if signal.getsignal(s) is signal.SIG_IGN]
+    """The signals this process ignores, of SIGNALS."""
+    return [int(s) for s in SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
 
 
 def as_main_module(module: str) -> None:

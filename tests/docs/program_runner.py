@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from tests.as_main import as_main_file, forget_tests_modules, run_as_main
+from tests.as_main import as_main_file, forget_tests_modules, fresh_process_state, ignored_signals, run_as_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
@@ -40,6 +40,7 @@ def run_program(path: str, cwd: str, timeout: float) -> dict[str, Any]:
         pid = os.fork()
         if pid == 0:  # the program's process, in a process group of its own (a timeout stops all of it)
             try:
+                fresh_process_state(ignored_signals())  # (the runner's own: a fresh interpreter's)
                 os.setpgid(0, 0)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
