@@ -197,6 +197,35 @@ def fail_on_rank(bad_rank: int, after_barrier: bool = True) -> int:
         return rt.rank
 
 
+def fail_then_linger(bad_rank: int, how: str) -> int:
+    """`bad_rank` raises inside its Runtime, left by `with` or closed in a `finally` (`how`),
+    then lingers on its way out: its peers, in a barrier, fail as its process group goes, and the
+    agent stops it with SIGTERM before torch's `record` has written its error file."""
+    import time
+
+    try:
+        if how == "with":
+            with ddpkit.Runtime(device="cpu") as rt:
+                _raise_on(rt, bad_rank)
+        else:
+            rt = ddpkit.Runtime(device="cpu")
+            try:
+                _raise_on(rt, bad_rank)
+            finally:
+                rt.close()
+    finally:
+        if int(os.environ["RANK"]) == bad_rank:
+            time.sleep(30)  # slow on its way to torch's `record`: the agent's SIGTERM comes first
+    return rt.rank
+
+
+def _raise_on(rt: ddpkit.Runtime, bad_rank: int) -> None:
+    rt.barrier()
+    if rt.rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rt.rank}")
+    rt.barrier()  # the healthy ranks wait here, and lose their peer as its group goes
+
+
 def die_on_rank(bad_rank: int, how: str) -> int:
     """`bad_rank` dies while the others wait for it in a barrier: by SIGKILL (the out-of-memory
     killer), a segmentation fault, or os._exit without a Python error."""

@@ -87,6 +87,24 @@ def test_a_rank_killed_by_sigkill_is_blamed_not_the_peer_that_lost_its_connectio
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("how", ["with", "finally"])
+def test_a_rank_stopped_while_its_error_unwinds_is_blamed_for_that_error_not_the_peer_that_lost_it(how):
+    # Seen in CI: rank 1 raised inside `with Runtime`, whose exit closed its process group; rank 0
+    # failed at once ("Connection closed by peer") and the agent stopped rank 1 before torch's
+    # `record` had written its error file. Rank 0 was blamed for the peer loss. Here rank 1 lingers
+    # after its Runtime closes, so the agent's SIGTERM always comes first.
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        ddpkit.launch(workers.fail_then_linger, 1, how, nproc=2, device="cpu")
+    err = info.value
+    assert err.rank == 1 and "ValueError: deliberate failure on rank 1" in str(err), str(err)
+    assert "in _raise_on" in err.traceback and "deliberate failure" in err.traceback
+    # stopped by the agent before its 30 s on the way out were over, so before torch's `record`
+    # ran (its status is unseen where the agent reaped it before the launcher's watch looked)
+    assert err.exitcode in (-signal.SIGTERM, None) and time.monotonic() - t0 < 25
+
+
+@pytest.mark.distributed
 def test_a_segfaulting_rank_is_blamed_with_its_stack():
     with pytest.raises(WorkerFailed) as info:
         ddpkit.launch(workers.die_on_rank, 1, "SIGSEGV", nproc=2, device="cpu")
@@ -270,22 +288,42 @@ def test_a_sigkilled_rank_the_agent_reaped_first_is_blamed_not_the_peer_it_sigte
     assert what == "was killed by SIGKILL (out of memory?)"
 
 
+# A worker armed as the launcher's are, and waiting; with "crashes", it takes SIGTERM as
+# faulthandler sometimes does when another thread got the signal: a dump without a header, then
+# SIGSEGV (its handler replaces faulthandler's for SIGTERM, and does what that one did, then crashes).
+_ARMED = """
+import ctypes, faulthandler, signal, sys, time
+from ddpkit.launcher import records
+records.arm()
+if sys.argv[1] == "crashes":
+    def stopped(signum, frame):
+        faulthandler.dump_traceback(file=records._stack_file, all_threads=True)
+        ctypes.string_at(0)
+    signal.signal(signal.SIGTERM, stopped)
+print(flush=True)
+time.sleep(60)
+"""
+
+
 @pytest.mark.distributed  # worker processes armed as the launcher's are, without gloo
-def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path):
+@pytest.mark.parametrize("sigtermed", ["dies", "crashes"])
+def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path, sigtermed):
     # A file's time trails `time.time()` by up to a tick of the kernel's coarse clock (8 ms here).
     # The watch stamped a SIGKILLed rank's end with `time.time()`, and the agent's SIGTERM to its
     # peer a moment later left a stack whose file time could be earlier: the peer was blamed,
-    # "killed by SIGTERM (not from the launcher)" (seen in CI under pp 2). Real workers here: two
+    # "killed by SIGTERM (not from the launcher)" (seen in CI under pp 2). Later, in CI under pp 2
+    # again, the peer crashed while faulthandler dumped its stack for that SIGTERM, and was blamed,
+    # "killed by SIGSEGV": its stack's time was the kill's, to the tick. Real workers here: two
     # processes armed as a launch's workers are, the watch's real look, then the agent's order.
     from ddpkit.launcher import failures, records
 
     (tmp_path / "attempt-0").mkdir()
     (tmp_path / records.STOPS).mkdir()  # the agent's stops come later: none recorded yet
-    armed = "from ddpkit.launcher import records; records.arm(); import sys, time; print(flush=True); time.sleep(60)"
     workers = []
     for rank in (0, 1):
         env = {**clean_env(), records.LAUNCH_DIR: str(tmp_path), "RANK": str(rank)}
-        workers.append(subprocess.Popen([sys.executable, "-c", armed], env=env, stdout=subprocess.PIPE))
+        argv = [sys.executable, "-c", _ARMED, sigtermed if rank == 0 else "dies"]
+        workers.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE))
     try:
         for w in workers:
             w.stdout.readline()  # armed
@@ -303,7 +341,10 @@ def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path)
             w.kill()
             w.wait()
     ends = records.read_attempt(str(tmp_path), 0)
-    assert (ends[0].status, ends[1].status) == (-signal.SIGTERM, -signal.SIGKILL) and ends[0].stack
+    took = {"dies": -signal.SIGTERM, "crashes": -signal.SIGSEGV}[sigtermed]
+    assert (ends[0].status, ends[1].status) == (took, -signal.SIGKILL) and ends[0].stack
+    assert ends[0].stack.startswith("Current thread") or ends[0].stack.startswith("Thread")  # a SIGTERM's dump
+    assert ("Fatal Python error: Segmentation fault" in ends[0].stack) == (sigtermed == "crashes")
     # One clock for both: the times of the files the watch and the dying rank wrote (the race
     # itself, a look that lands within a coarse tick of the next signal, is rare to catch).
     folder = tmp_path / "attempt-0"
@@ -311,6 +352,44 @@ def test_a_peer_sigtermed_just_after_a_kill_is_not_taken_for_the_cause(tmp_path)
     assert ends[0].ended == min(os.path.getmtime(folder / "rank-0.exit"), os.path.getmtime(folder / "rank-0.stack"))
     cause = failures.blame(str(tmp_path), 0, {}, 0)
     assert (cause.rank, cause.status, cause.outside) == (1, -signal.SIGKILL, False), cause
+    # Within one tick, as CI had it: the kill and the dumped stack share a time.
+    tie = os.path.getmtime(folder / "rank-1.exit")
+    os.utime(folder / "rank-0.stack", (tie, tie))
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert (cause.rank, cause.status, cause.outside) == (1, -signal.SIGKILL, False), cause
+
+
+@pytest.mark.unit
+def test_the_error_a_rank_noted_as_its_runtime_closed_counts_only_for_a_rank_that_did_not_end_well(
+    tmp_path, monkeypatch
+):
+    from ddpkit.launcher import failures, records
+
+    t = time.time()
+    folder = _attempt(tmp_path, {0: 7000, 1: 7001}, {}, {0: (1, t + 0.1), 1: (-signal.SIGTERM, t + 0.3)}, stops=t + 0.2)
+    monkeypatch.setenv(records.LAUNCH_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    records.note_raised()  # nothing unwinds
+    for interrupt in (KeyboardInterrupt(), SystemExit(1)):  # not a rank's error, as for torch's `record`
+        try:
+            raise interrupt
+        except BaseException:
+            records.note_raised()
+    assert not (folder / "rank-1.raised").exists()
+    # rank 1 raised, then was stopped by the agent after rank 0 failed with a code: rank 1 began first
+    try:
+        raise ValueError("its own")
+    except ValueError:
+        records.note_raised()
+    os.utime(folder / "rank-1.raised", (t, t))
+    cause = failures.blame(str(tmp_path), 0, {}, 0)
+    assert (cause.rank, cause.kind, cause.status, cause.when) == (1, "raised", -signal.SIGTERM, t), cause
+    assert failures.describe(cause, {})[0] == "failed: ValueError: its own"
+    assert not list(folder.glob("*.part"))
+    (folder / "rank-1.done").touch()  # it caught the error and returned: the record is void
+    (folder / "rank-1.exit").write_text(json.dumps({"status": 0, "seen": True}))
+    assert failures.blame(str(tmp_path), 0, {}, 0).rank == 0
 
 
 @pytest.mark.unit

@@ -3,14 +3,17 @@
 Each rank of the attempt is read from what it left (see `records`) and torch's error files,
 and sorted into one of these, the first being the cause:
 
-1. it raised an error of its own, was killed by a signal other than the agent's SIGTERM
-   (SIGKILL from the out-of-memory killer, SIGSEGV), exited with a code, or was frozen (stopped
-   by SIGSTOP and never continued): earliest first;
+1. it raised an error of its own (told by torch's error file, or by the record its Runtime
+   wrote as it closed, should the agent have stopped it before torch wrote that file), was
+   killed by a signal other than the agent's SIGTERM (SIGKILL from the out-of-memory killer,
+   SIGSEGV), exited with a code, or was frozen (stopped by SIGSTOP and never continued):
+   earliest first;
 2. it vanished: no error, no exit status, no stack (a SIGKILL the launcher did not see);
 3. it hung: another rank timed out waiting for it in a collective, and it was still busy
    elsewhere when the agent stopped it; its stack shows where;
 4. it failed because a peer did (connection reset, a timeout while waiting);
-5. the agent stopped it.
+5. the agent stopped it (it died of the agent's SIGTERM, or of a crash while it dumped its
+   stack for that SIGTERM).
 """
 
 from __future__ import annotations
@@ -127,6 +130,9 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
         status = rec.status if rec.status is not None else exitcode
         if rec.done and status is None:
             status = 0
+        if rec.raised and not rec.done and status != 0:  # it was failing with this error when its Runtime closed
+            tb, when = tb or rec.raised, min(when, rec.raised_at)
+        status = _stopped_mid_dump(status, rec.stack)
         ended = rec.frozen_at if rec.frozen else min(rec.ended, when)  # a frozen rank stopped working then
         out[rank] = Ending(rank, rec.pid or pid, status, ended, tb, rec.stack, rec.frozen, where=rec.where)
     # A SIGTERM came from outside when it killed a rank before anything else ended: the agent
@@ -138,6 +144,18 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
         if not any(_may_have_ended_before(o, e) for o in out.values() if o.rank != rank and o.kind != "ok"):
             out[rank] = dataclasses.replace(e, outside=True)
     return out
+
+
+def _stopped_mid_dump(status: int | None, stack: str) -> int | None:
+    """A rank that died of another signal (SIGSEGV) while it dumped its stack for a SIGTERM
+    died of that SIGTERM: faulthandler reads the main thread's frames while it runs on, when the
+    signal was taken by another thread, and may crash doing so (most likely what CI saw under
+    `--mesh pp=2`: rank 0, stopped by the agent after rank 1 was SIGKILLed, was blamed, "killed
+    by SIGSEGV"). Only SIGTERM writes a dump without a header; a crash's starts "Fatal Python
+    error". A SIGKILL after such a dump is the agent's, after its grace."""
+    if status is None or status >= 0 or status == -signal.SIGTERM or not stack:
+        return status
+    return status if stack.startswith("Fatal Python error") else -signal.SIGTERM
 
 
 def _may_have_ended_before(other: Ending, e: Ending) -> bool:

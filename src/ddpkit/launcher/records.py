@@ -9,6 +9,8 @@ folder per attempt (the agent's restart count):
 - `rank-R.stack`: its Python stack, dumped by `faulthandler` when it is stopped (SIGTERM, the
   agent's stop signal) or crashes (SIGSEGV, SIGABRT, ...): where a hung rank was stuck;
 - `rank-R.done`: it returned normally;
+- `rank-R.raised`: the traceback of the error it was failing with when its Runtime closed,
+  written before the process group went (`note_raised`);
 - `rank-R.exit`: how it ended, from the parent (`ExitWatch`): the exit status peeked with
   `waitid(WNOWAIT)` when SIGCHLD arrives, so that the agent still reaps it as usual;
 - `rank-R.frozen`: it was stopped by a signal (SIGSTOP, Ctrl-Z's SIGTSTP) and not continued,
@@ -37,6 +39,7 @@ import signal
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -108,6 +111,24 @@ def mark_done() -> None:
         open(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.done"), "w").close()
 
 
+def note_raised() -> None:
+    """In a worker whose Runtime closes while an error unwinds (`with Runtime(...)` left by an
+    exception, or `close()` in a `finally`): that error's traceback, before the process group
+    goes. Its peers fail at once then ("Connection closed by peer"), and the agent may stop this
+    rank with SIGTERM before torch's `record` has written its error file: the launcher would
+    see a rank it stopped, and blame the peer. Only an `Exception`, as torch's `record`: a
+    KeyboardInterrupt or SystemExit is not a rank's error. Written whole or not at all."""
+    exc = sys.exc_info()[1]
+    root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
+    if not root or rank is None or not isinstance(exc, Exception):
+        return
+    path = os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.raised")
+    with contextlib.suppress(OSError):  # a record less, never an error of its own over the rank's
+        with open(path + ".part", "w") as f:
+            f.write("".join(traceback.format_exception(exc)))
+        os.replace(path + ".part", path)
+
+
 @dataclass(frozen=True)
 class RankRecord:
     rank: int
@@ -116,6 +137,8 @@ class RankRecord:
     ended: float = float("inf")  # when the parent saw it end (a file's time: see above)
     stack: str = ""
     done: bool = False
+    raised: str = ""  # the traceback of the error its Runtime closed on (`note_raised`)
+    raised_at: float = float("inf")
     frozen: str = ""  # the signal that stopped it, if it was stopped and not continued
     frozen_at: float = float("inf")
     started: float = float("inf")  # when it wrote its pid
@@ -159,6 +182,8 @@ def _read_rank(folder: str, rank: int) -> RankRecord:
         ended=ended,
         stack=stack,
         done=os.path.exists(os.path.join(folder, f"rank-{rank}.done")),
+        raised=text("raised"),
+        raised_at=_mtime(os.path.join(folder, f"rank-{rank}.raised")),
         frozen=str(frozen.get("signal", "")),
         frozen_at=_mtime(os.path.join(folder, f"rank-{rank}.frozen")) if frozen else float("inf"),
         started=started,

@@ -238,7 +238,9 @@ class Runtime(Collectives):
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for checkpoints still being written in the background, then destroy the process
-        group if this runtime created it. Safe to call twice."""
+        group if this runtime created it. Safe to call twice. Called while an error unwinds (in
+        a `finally`), it first records that error for the launcher, before the group goes."""
+        records.note_raised()  # (the peers' errors come as soon as the group goes)
         self._background.finish()
         if self._acc is not None:
             self._acc.leave()
@@ -262,6 +264,7 @@ class Runtime(Collectives):
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        records.note_raised()  # before the tracking closes too: it may take a while
         try:
             self._close_tracking(exc[1])
         finally:
