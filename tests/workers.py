@@ -199,24 +199,65 @@ def fail_on_rank(bad_rank: int, after_barrier: bool = True) -> int:
 
 def fail_then_linger(bad_rank: int, how: str) -> int:
     """`bad_rank` raises inside its Runtime, left by `with` or closed in a `finally` (`how`),
-    then lingers on its way out: its peers, in a barrier, fail as its process group goes, and the
+    and lingers once its process group is gone: its peers, in a barrier, fail at once, and the
     agent stops it with SIGTERM before torch's `record` has written its error file."""
     import time
 
-    try:
-        if how == "with":
-            with ddpkit.Runtime(device="cpu") as rt:
-                _raise_on(rt, bad_rank)
-        else:
-            rt = ddpkit.Runtime(device="cpu")
-            try:
-                _raise_on(rt, bad_rank)
-            finally:
-                rt.close()
-    finally:
-        if int(os.environ["RANK"]) == bad_rank:
-            time.sleep(30)  # slow on its way to torch's `record`: the agent's SIGTERM comes first
+    from ddpkit.core import dist
+
+    if int(os.environ["RANK"]) == bad_rank:
+        teardown = dist.teardown
+
+        def slow_teardown() -> None:
+            teardown()
+            time.sleep(30)  # on its way to torch's `record`: the agent's SIGTERM comes first
+
+        dist.teardown = slow_teardown
+    if how == "with":
+        with ddpkit.Runtime(device="cpu") as rt:
+            _raise_on(rt, bad_rank)
+    else:
+        rt = ddpkit.Runtime(device="cpu")
+        try:
+            _raise_on(rt, bad_rank)
+        finally:
+            rt.close()
     return rt.rank
+
+
+def noted_errors() -> list[bool]:
+    """Whether this worker's `rank-R.raised` record exists after each of: a Runtime closed
+    without an error inside an `except` (the error handled is not its); one left by an error,
+    caught; a new Runtime (the rank went on); one left by an error raised while a Ctrl-C
+    unwound (not the rank's own)."""
+    from ddpkit.launcher import records
+
+    path = os.path.join(records.attempt_dir(os.environ[records.LAUNCH_DIR], 0), f"rank-{os.environ['RANK']}.raised")
+    seen = []
+    try:
+        raise OSError("handled before the Runtime")
+    except OSError:
+        with ddpkit.Runtime(device="cpu"):
+            pass
+    seen.append(os.path.exists(path))
+    try:
+        with ddpkit.Runtime(device="cpu"):
+            raise ValueError("caught")
+    except ValueError:
+        pass
+    seen.append(os.path.exists(path))
+    with ddpkit.Runtime(device="cpu"):
+        seen.append(os.path.exists(path))
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            with ddpkit.Runtime(device="cpu"):
+                raise ValueError("in the cleanup after a Ctrl-C")  # noqa: B904 - raised as a cleanup would
+    except ValueError:
+        pass
+    seen.append(os.path.exists(path))
+    return seen
 
 
 def _raise_on(rt: ddpkit.Runtime, bad_rank: int) -> None:

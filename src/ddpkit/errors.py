@@ -78,3 +78,15 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGINT, note: str = ""):
         self.signum, self.note = int(signum), note
         super().__init__(signal.Signals(signum).name)
+
+
+def interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that was unwinding when `err` was raised, if one was (not one
+    that code caught and replaced, `raise ... from None`)."""
+    seen: set[int] = set()
+    while not err.__suppress_context__ and err.__context__ is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = err.__context__
+        if isinstance(err, KeyboardInterrupt):
+            return err
+    return None

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core import checks
 from ..core.signals import set_handler
-from ..errors import Interrupted, RunError, UsageError, WorkerFailed
+from ..errors import Interrupted, RunError, UsageError, WorkerFailed, interrupt_behind
 from ..version import __version__
 
 # Imports inside functions: `ddpkit --help` and a bad flag's one line load no torch; a
@@ -165,23 +165,11 @@ def _said(line: str, code: int) -> int:
 def _interrupted_all_the_same(prog: str, err: BaseException, what: str) -> int | None:
     """Where `err` was raised while a Ctrl-C (or SIGTERM) unwound, by a cleanup it cut short:
     one line that says so, and the signal's exit code (the interrupt is the cause); else None."""
-    interrupt = _interrupt_behind(err)
+    interrupt = interrupt_behind(err)
     if interrupt is None:
         return None
     signum = getattr(interrupt, "signum", signal.SIGINT)
     return _said(f"{prog}: interrupted; the cleanup after it failed: {what}", 128 + signum)
-
-
-def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C (or SIGTERM) that was unwinding when `err` was raised, if one was (not one
-    that code caught and replaced, `raise ... from None`)."""
-    seen: set[int] = set()
-    while not err.__suppress_context__ and err.__context__ is not None and id(err) not in seen:
-        seen.add(id(err))
-        err = err.__context__
-        if isinstance(err, KeyboardInterrupt):
-            return err
-    return None
 
 
 @contextlib.contextmanager

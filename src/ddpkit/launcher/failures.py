@@ -147,15 +147,19 @@ def endings(logs: str, attempt: int, reported: dict[int, tuple[int, int, str]], 
 
 
 def _stopped_mid_dump(status: int | None, stack: str) -> int | None:
-    """A rank that died of another signal (SIGSEGV) while it dumped its stack for a SIGTERM
-    died of that SIGTERM: faulthandler reads the main thread's frames while it runs on, when the
-    signal was taken by another thread, and may crash doing so (most likely what CI saw under
-    `--mesh pp=2`: rank 0, stopped by the agent after rank 1 was SIGKILLed, was blamed, "killed
-    by SIGSEGV"). Only SIGTERM writes a dump without a header; a crash's starts "Fatal Python
-    error". A SIGKILL after such a dump is the agent's, after its grace."""
+    """A rank that crashed (SIGSEGV) while it dumped its stack for a SIGTERM died of that
+    SIGTERM: faulthandler reads the main thread's frames while it runs on, when the signal was
+    taken by another thread, and may crash doing so (most likely what CI saw under `--mesh
+    pp=2`: rank 0, stopped by the agent after rank 1 was SIGKILLed, was blamed, "killed by
+    SIGSEGV"). Only SIGTERM writes a dump without a header; a crash's starts "Fatal Python
+    error", so such a stack is the SIGTERM's dump followed by the crash's. A SIGKILL after a
+    SIGTERM's dump is the agent's, after its grace. (A crash before the dump's first line is
+    written reads as a crash.)"""
     if status is None or status >= 0 or status == -signal.SIGTERM or not stack:
         return status
-    return status if stack.startswith("Fatal Python error") else -signal.SIGTERM
+    if stack.startswith("Fatal Python error"):
+        return status
+    return -signal.SIGTERM if "Fatal Python error" in stack or status == -signal.SIGKILL else status
 
 
 def _may_have_ended_before(other: Ending, e: Ending) -> bool:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..core.signals import set_handler
+from ..errors import interrupt_behind
 
 LAUNCH_DIR = "DDPKIT_LAUNCH_DIR"
 
@@ -111,22 +112,41 @@ def mark_done() -> None:
         open(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.done"), "w").close()
 
 
-def note_raised() -> None:
+def note_raised(exc: BaseException | None = None) -> None:
     """In a worker whose Runtime closes while an error unwinds (`with Runtime(...)` left by an
-    exception, or `close()` in a `finally`): that error's traceback, before the process group
-    goes. Its peers fail at once then ("Connection closed by peer"), and the agent may stop this
-    rank with SIGTERM before torch's `record` has written its error file: the launcher would
-    see a rank it stopped, and blame the peer. Only an `Exception`, as torch's `record`: a
-    KeyboardInterrupt or SystemExit is not a rank's error. Written whole or not at all."""
-    exc = sys.exc_info()[1]
+    exception, `exc`; or `close()` in a `finally`, the error being handled): that error's
+    traceback, before the process group goes. Its peers fail at once then ("Connection closed
+    by peer"), and the agent may stop this rank with SIGTERM before torch's `record` has
+    written its error file: the launcher would see a rank it stopped, and blame the peer.
+    Only an `Exception` of the rank's own, as torch's `record` (for a function; a script's
+    wrapper writes its error file likewise): a KeyboardInterrupt or SystemExit is not a rank's
+    error, nor an error raised while a Ctrl-C unwinds. Noted once (its time is when the Runtime
+    began to close), whole or not at all; a new Runtime forgets it (`forget_raised`)."""
+    exc = sys.exc_info()[1] if exc is None else exc
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
-    if not root or rank is None or not isinstance(exc, Exception):
+    if not root or rank is None or not isinstance(exc, Exception) or any(e is exc for e in _noted):
         return
-    path = os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.raised")
-    with contextlib.suppress(OSError):  # a record less, never an error of its own over the rank's
+    with contextlib.suppress(Exception):  # a record less, never an error of its own over the rank's
+        if interrupt_behind(exc):
+            return
+        path = os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.raised")
         with open(path + ".part", "w") as f:
             f.write("".join(traceback.format_exception(exc)))
         os.replace(path + ".part", path)
+        _noted[:] = [exc]
+
+
+_noted: list[BaseException] = []  # the error `note_raised` wrote last
+
+
+def forget_raised() -> None:
+    """In a worker making a Runtime: an error noted as an earlier one closed was caught, and the
+    rank went on; it is no longer what the rank would fail with."""
+    root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
+    _noted.clear()
+    if root and rank is not None:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.raised"))
 
 
 @dataclass(frozen=True)

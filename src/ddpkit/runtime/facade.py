@@ -202,6 +202,7 @@ class Runtime(Collectives):
         """Where this rank sits: `layout.spec` the mesh, `layout.device_mesh` torch's DeviceMesh
         (None on a plain dp layout), `layout.data_group` the group of ranks reading other samples."""
         records.note_place(self.layout.where(self.rank))  # a failure report names the coordinates
+        records.forget_raised()  # an error an earlier Runtime closed on was caught: the rank went on
         self._acc = Accumulation(self.data_world_size, self.layout.data_group)
         self._steps = Steps(self._strategy, self.precision, self._acc, self._models, self._optimizers)
         self._place = loaders.Place(
@@ -241,6 +242,9 @@ class Runtime(Collectives):
         group if this runtime created it. Safe to call twice. Called while an error unwinds (in
         a `finally`), it first records that error for the launcher, before the group goes."""
         records.note_raised()  # (the peers' errors come as soon as the group goes)
+        self._close()
+
+    def _close(self) -> None:
         self._background.finish()
         if self._acc is not None:
             self._acc.leave()
@@ -264,11 +268,12 @@ class Runtime(Collectives):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        records.note_raised()  # before the tracking closes too: it may take a while
+        if exc[1] is not None:  # (not the error an `except` around the `with` may be handling)
+            records.note_raised(exc[1])  # before the tracking closes too: it may take a while
         try:
             self._close_tracking(exc[1])
         finally:
-            self.close()
+            self._close()
 
     # -- model and optimizer ------------------------------------------------------------------
     def build(self, make: Callable[[], M]) -> M:
