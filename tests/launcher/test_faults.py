@@ -73,13 +73,15 @@ def _children(proc: subprocess.Popen) -> dict[int, tuple[int, bool]]:
     return children
 
 
-def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+def _wait_for(
+    proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120, poll: float = 0.01
+) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"never saw {what}: {(proc.communicate()[1] or '')[-2000:]}")
-        time.sleep(0.01)
+        time.sleep(poll)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -144,9 +146,12 @@ def killed_at_every_moment(tmp_path_factory):
         # may be an earlier attempt's, when a loaded machine let that one run on) would end the
         # attempt unannounced.
         _wait_for(proc, lambda k=k: k == 0 or said(f"restart {k} of {len(MOMENTS)}"), f"restart {k}'s note")
-        _wait_for(proc, lambda ready=ready: ready(out), moment)
-        time.sleep(delay)
+        # The attempt's workers, listed before its moment, so that the kill follows the moment at
+        # once: after the last checkpoint only the outputs are left, a fraction of a second, and
+        # listing them then (pgrep, /proc) on a loaded machine once let the worker end first.
         workers = _workers(proc)
+        _wait_for(proc, lambda ready=ready: ready(out), moment, poll=0.002)
+        time.sleep(delay)
         earlier.update(workers)
         victims.append(workers[which])
         os.kill(victims[-1], signal.SIGKILL)

@@ -562,6 +562,70 @@ def test_a_stage_over_many_micro_batches_extrapolated_from_fewer_equals_its_whol
             assert totals[0][key][0] == calls and totals[0][key][1] == pytest.approx(moved, rel=1e-4), key
 
 
+@pytest.mark.unit
+def test_a_posed_stage_is_extended_only_from_peaks_that_hold_its_micro_batches_in_flight():
+    from ddpkit.plan.run import _affine
+
+    def at(k, optimizer_peak=False):  # a stage's roles at its peak with k micro-batches in flight
+        if optimizer_peak:  # the optimizer's step: the same whatever is in flight
+            return Trace(
+                {"parameters": 100.0, "optimizer": 300.0, "activations": 40.0, "temporary": 60.0}, 500.0, [], 0.0
+            )
+        return Trace(
+            {"parameters": 100.0, "optimizer": 200.0, "activations": 50.0 * k, "temporary": 30.0}, 0.0, [], 0.0
+        )
+
+    assert _affine(at(2), at(3), at(4))
+    assert not _affine(at(2, True), at(3, True), at(4, True))  # on a line, but more in flight overtake it
+    assert not _affine(at(2, True), at(3), at(4))  # the moment moved between them
+    assert not _affine(at(2), at(3), at(4, True))
+
+
+def _posed_and_whole(layout, stages_whole):
+    from ddpkit.plan import run
+    from ddpkit.plan.pipeline import trace_stage
+
+    stages = layout.spec.size("pp")
+    spec = Spec("gpt", (16,), 64, 64, "fp32", "adamw", {"width": 16, "depth": 6, "heads": 2})
+    step = Step(spec.build, spec.batch, stages + 4, "fp32", "adamw", count=True)  # P + 4 micro-batches of 1
+    world = layout.spec.processes
+    planned, traced, posed = run._stage_traces(spec, step, layout, world, run.stage_cuts(spec, stages))
+    return traced, posed, [(s, planned[s], trace_stage(step, layout, world, s)) for s in stages_whole]
+
+
+@pytest.mark.distributed  # fake worlds of 16 and 32 ranks, in processes of their own
+def test_a_deep_pipelines_stages_posed_where_few_are_in_flight_equal_their_whole_traces():
+    # From POSED_FROM stages on, a stage's children are traced where a stage holds 2, 3 and 4
+    # micro-batches in flight (the first stage as the first of 2, 3 and 4 stages, a middle one as
+    # stages P - 2 to P - 4) and the last in its place, over 5 and 6 micro-batches, then extended
+    # to its own in flight and the step's P + 4: a 6-block gpt over 8 stages (a block each
+    # between the embedding and the head), beside dp with checkpointing (DDP's all-reduce over the
+    # stage's own ranks), and in 3-D (FSDP2's collectives), against whole traces in their places
+    from ddpkit.plan import run
+
+    assert run.POSED_FROM == 8
+    ((traced, posed, pairs),) = in_fake_worlds(
+        16, [(_posed_and_whole, (Layout("pp", "pp=8,dp=2", True, 1), (0, 1, 7)))]
+    )
+    ((traced_3d, posed_3d, pairs_3d),) = in_fake_worlds(
+        32, [(_posed_and_whole, (Layout("pp", "pp=8,dp=2,tp=2", False, 1), (0, 2)))]
+    )
+    assert traced == traced_3d == [] and posed and posed_3d
+    for s, guessed, whole in pairs + pairs_3d:
+        assert "posed" in guessed.computed[-1] and guessed.computed[0] == f"pp: stage {s} of 8"
+        assert guessed.peak == pytest.approx(whole.peak, rel=1e-9), s
+        assert guessed.memory == pytest.approx(whole.memory, rel=1e-9, abs=1e-6), s
+        assert guessed.work.counts == whole.work.counts, s
+        totals = [{}, {}]
+        for ops, total in zip((guessed.ops, whole.ops), totals):
+            for op in ops:
+                calls, moved = total.get((op.kind, op.ranks), (0, 0))
+                total[op.kind, op.ranks] = (calls + op.calls, moved + op.bytes * op.calls)
+        assert totals[0].keys() == totals[1].keys(), s  # (DDP's all-reduce over the stage's own ranks)
+        for key, (calls, moved) in totals[1].items():  # (FSDP2's to a few bytes: each call given one size)
+            assert totals[0][key][0] == calls and totals[0][key][1] == pytest.approx(moved, rel=1e-4), key
+
+
 def _planned_and_whole_stage_2(layout):
     from ddpkit.plan import run
     from ddpkit.plan.pipeline import trace_stage
@@ -569,7 +633,7 @@ def _planned_and_whole_stage_2(layout):
     spec = Spec("gpt", (32,), 256, 16, "fp32", "adamw", {"width": 32, "depth": 4, "heads": 2})
     step = Step(spec.build, spec.batch, 16 // layout.spec.data_size, "fp32", "adamw")
     world, stages = layout.spec.processes, layout.spec.size("pp")
-    planned, traced = run._stage_traces(spec, step, layout, world, run.stage_cuts(spec, stages))
+    planned, traced, _ = run._stage_traces(spec, step, layout, world, run.stage_cuts(spec, stages))
     return planned, traced, trace_stage(step, layout, world, 2)
 
 

@@ -71,11 +71,21 @@ from .trace import (
 # trace runs.
 
 
-def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: tuple[str, ...] | None = None) -> Trace:
+def trace_stage(
+    step: Step,
+    layout: Layout,
+    world_size: int,
+    index: int,
+    kept: tuple[str, ...] | None = None,
+    posed: int | None = None,
+) -> Trace:
     """Stage `index`'s step of `layout` (a mesh of pp, with dp, tp, both or neither), in a process of
     `trace.in_fake_worlds`: see the module docstring. The stage holds the children of the
     step's model that `strategy.pp.split` gives it, or those named in `kept` (a stage of a
-    deeper model, with fewer blocks: `run._traced_stage`)."""
+    deeper model, with fewer blocks: `run._traced_stage`; a stage posed in another place:
+    `run._posed_stages`). `posed`: the first stage run as the first of a pipeline of that many
+    stages (the first ranks of the layout's pipeline), which holds as many micro-batches in
+    flight."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -110,21 +120,26 @@ def trace_stage(step: Step, layout: Layout, world_size: int, index: int, kept: t
     with mode:
         first = names.index(kept[0])
         given, out = (x if first == 0 else sent[names[first - 1]]), sent[kept[-1]]
-        last = index == count - 1
+        stages = posed or count  # (the layout's own: its stages' children, as `split` cuts them)
+        last = index == stages - 1
         run = (
             model if step.precision == "fp32" else AutocastModule(model, Precision(step.precision, torch.device("cpu")))
         )
         pipe = PipelineStage(
             run,
             index,
-            count,
+            stages,
             torch.device("cpu"),
             input_args=(_like(given, index > 0),),
             output_args=(_like(out, True),),
-            group=_pipeline_group(layout),
+            group=_pipeline_group(layout, posed),
         )
         schedule = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
-        steps = schedule(pipe, chunks, loss_fn=loss, scale_grads=False)
+        steps = schedule(pipe, max(chunks, stages), loss_fn=loss, scale_grads=False)
+        # A posed stage (`run._posed_stages`) runs fewer micro-batches than its pipeline has
+        # stages, which torch refuses as it makes the schedule (a run cannot), not as it runs it:
+        # stage s warms up with min(m, P - s), here fewer than m.
+        steps._n_microbatches = chunks
         steps._warmup_p2p = _static  # type: ignore[method-assign]
         opt = optimizer(step.optimizer, model, step.foreach)
         _make_state(model, opt)
@@ -186,12 +201,17 @@ def stage_ranks(layout: Layout, index: int) -> tuple[int, ...]:
     return tuple(r for r in range(spec.processes) if spec.coordinates(r).get("pp", 0) == index)
 
 
-def _pipeline_group(layout: Layout) -> Any:
+def _pipeline_group(layout: Layout, posed: int | None = None) -> Any:
     """The process group of the traced rank's pipeline (data rank 0's stages, of tp rank 0);
-    None, the whole world, where the mesh is pp alone."""
-    if layout.spec.processes == layout.spec.size("pp"):
+    None, the whole world, where the mesh is pp alone. `posed`: its first ranks alone, as many."""
+    if layout.spec.processes == layout.spec.size("pp") and posed is None:
         return None
-    return dist.new_group([stage_ranks(layout, s)[0] for s in range(layout.spec.size("pp"))])
+    return dist.new_group(list(pipeline_ranks(layout)[:posed]))
+
+
+def pipeline_ranks(layout: Layout) -> tuple[int, ...]:
+    """The global ranks of the traced rank's pipeline (data rank 0's stages, of tp rank 0)."""
+    return tuple(stage_ranks(layout, s)[0] for s in range(layout.spec.size("pp")))
 
 
 def per_call_tracker() -> Any:

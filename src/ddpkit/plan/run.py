@@ -309,7 +309,7 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -
     cuts = stage_cuts(spec, stages)
     for micro in sizes:
         sized = replace(layout, micro_batch=micro)
-        traces, traced = _stage_traces(spec, step, sized, cluster.world_size, cuts)
+        traces, traced, posed = _stage_traces(spec, step, sized, cluster.world_size, cuts)
         states = max(t.peak - t.memory["activations"] - t.memory["temporary"] for t in traces)
         if max(t.peak for t in traces) <= memory or states > memory:  # fits, or never will (_traced_fit)
             break
@@ -317,12 +317,19 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -
     schedules = {"1f1b": "ddpkit's default schedule", "gpipe": "fewer micro-batches than stages"}
     peaks = ", ".join(f"{t.peak / GIB:.3g}" for t in traces)
     shown = replace(worst, stages=traces)  # the step's time: each stage's, timed on its own (`predict`)
-    which = (
-        "every stage traced"
-        if len(traced) == stages
-        else f"stages {', '.join(map(str, traced))} traced, each other one from the traced stages of the same "
-        "children by the micro-batches it holds in flight (interpolated, or as the first where they hold as many)"
-    )
+    if posed:
+        which = (
+            ("every stage" if not traced else f"stages {', '.join(map(str, traced))} traced (and any alike "
+             "interpolated), every other one") + " posed (its children traced where a stage holds few micro-batches "
+            f"in flight, over {POSED_MICRO_BATCHES} and {POSED_MICRO_BATCHES + 1}, extended to its own)"
+        )  # fmt: skip
+    elif len(traced) == stages:
+        which = "every stage traced"
+    else:
+        which = (
+            f"stages {', '.join(map(str, traced))} traced, each other one from the traced stages of the same children "
+            "by the micro-batches it holds in flight (interpolated, or as the first where they hold as many)"
+        )
     shown.computed = [
         f"pp: {which}, the one that holds most shown (peaks by stage: {peaks} GiB)",
         f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}; under 1f1b a step of "
@@ -342,8 +349,9 @@ def in_flight(schedule: str, index: int, stages: int, chunks: int) -> int:
 
 def _stage_traces(
     spec: Spec, step: Step, layout: Layout, world_size: int, cuts: list[tuple[bool, int, bool]]
-) -> tuple[list[Trace], list[int]]:
-    """Each stage's trace of `layout`'s pipeline, first stage first, and the stages traced.
+) -> tuple[list[Trace], list[int], bool]:
+    """Each stage's trace of `layout`'s pipeline, first stage first, the stages traced as
+    themselves, and whether the others were posed.
 
     Stages that hold the same children (`cuts`: none of them the embedding or the head, and as
     many blocks) differ only in the micro-batches each holds in flight (`in_flight`). Of each
@@ -351,22 +359,160 @@ def _stage_traces(
     first alone where all hold as many, as under gpipe); each other one is interpolated
     between them (`_between`): every role of its memory, and its peak, affine in the
     micro-batches in flight; its collectives the first one's, its DDP's all-reduce over its own
-    ranks. So a pipeline of any depth costs a few traces, not one per stage."""
+    ranks. So a pipeline of any depth costs a few traces, not one per stage. From POSED_FROM
+    stages on, every set is posed instead (`_posed_stages`): its children traced where a stage
+    holds few micro-batches in flight, over a few micro-batches."""
     stages = layout.spec.size("pp")
     chunks = max(1, step.share // layout.micro_batch)
     held = [in_flight(layout.schedule, s, stages, chunks) for s in range(stages)]
     alike: dict[tuple[bool, int, bool], list[int]] = {}
     for s, cut in enumerate(cuts):
         alike.setdefault(cut, []).append(s)
+    posed: dict[int, Trace] = {}
+    if layout.schedule == "1f1b" and stages >= POSED_FROM and chunks >= stages + 1:
+        for same in alike.values():
+            posed.update(_posed_stages(spec, step, layout, world_size, same, cuts))
     # each set's first stage (it holds the most), and its last where that holds fewer (not under gpipe)
-    last = {same[0]: same[-1] if held[same[-1]] != held[same[0]] else same[0] for same in alike.values()}
+    last = {
+        same[0]: same[-1] if held[same[-1]] != held[same[0]] else same[0]
+        for same in alike.values()
+        if same[0] not in posed
+    }
     chosen = sorted(set(last) | set(last.values()))
     traced = {s: _traced_stage(spec, step, layout, world_size, s, cuts) for s in chosen}
     out = []
     for s in range(stages):
         first = alike[cuts[s]][0]
-        out.append(traced[s] if s in traced else _between(layout, traced, first, last[first], s, held))
-    return out, chosen
+        if s in posed:
+            out.append(posed[s])
+        else:
+            out.append(traced[s] if s in traced else _between(layout, traced, first, last[first], s, held))
+    return out, chosen, bool(posed)
+
+
+# From this many stages on, a pipeline's stages are posed (`_posed_stages`):
+# below it, tracing them in their own places costs about as little, and is what the real runs
+# of tests/plan/test_real_runs.py check.
+POSED_FROM = 8
+POSED_MICRO_BATCHES = 5  # the fewer of the two a posed stage is traced over
+
+
+def _posed_stages(
+    spec: Spec, step: Step, layout: Layout, world_size: int, same: list[int], cuts: list[tuple[bool, int, bool]]
+) -> dict[int, Trace]:
+    """The traces of the stages `same` (holding the same children) of a 1f1b pipeline of P
+    stages over m micro-batches, from short traces of their children posed where a stage
+    holds few micro-batches in flight.
+
+    torch's `Schedule1F1B` runs a stage by two numbers alone (and by whether it is the first or
+    the last): the micro-batches it holds in flight, k = P - s, and the step's m. So a middle
+    stage's children are traced as stage P - 2 (k = 2) over 5 and 6 micro-batches and as stage
+    P - 3 (k = 3) over 5; the first stage's as the first of a pipeline of 2 stages (k = 2) over
+    5 and 6 and of 3 stages (k = 3) over 5, over the first ranks of the layout's pipeline; the
+    last stage (k = 1 always) in its own place over 5 and 6. A fourth trace at k = 4 checks that
+    the peaks came where the micro-batches in flight are held (`_affine`); where they did not,
+    the set is left out (traced in its places by the caller). Stage s is their affine extension
+    to its k and m: every role of its memory, its collectives and its operations
+    (`_extrapolated_ops`, `_extrapolated_work`), its DDP's all-reduce over its own ranks
+    (`_moved`), its sends over the whole pipeline. Four traces of 5 or 6 micro-batches where
+    its own place costs two of P + 1 and P + 2 (`_over_micro_batches`) for each stage traced
+    (and as many again for the schedule's buffers, made by an untracked step before each);
+    the test suite checks posed stages against whole traces."""
+    from .pipeline import pipeline_ranks, trace_stage
+
+    stages, chunks = layout.spec.size("pp"), max(1, step.share // layout.micro_batch)
+    a = POSED_MICRO_BATCHES
+    low, high = TRACED_DEPTHS[bool(layout.checkpointing)]
+    embed, blocks, head = cuts[same[0]]
+    deep = _depth(spec) > EXTRAPOLATE_FROM and blocks > high
+    kept_names = _stage_children(spec, stages, same[0]) if _depth(spec) <= EXTRAPOLATE_FROM else ()
+    # (place, the stages it is the first of where the first stage is posed, micro-batches), and
+    # the micro-batches the first of them holds in flight
+    if same[0] == 0:
+        places, held = ((0, 2, a), (0, 2, a + 1), (0, 3, a), (0, 4, a)), 2
+    elif same == [stages - 1]:
+        places, held = ((stages - 1, None, a), (stages - 1, None, a + 1)), 1
+    else:
+        places, held = (
+            ((stages - 2, None, a), (stages - 2, None, a + 1), (stages - 3, None, a), (stages - 4, None, a)),
+            2,
+        )
+    home = places[0][0]
+    posed_ranks, whole = pipeline_ranks(layout)[:2], pipeline_ranks(layout)
+
+    def traced_at(place: int, first_of: int | None, m: int, depth: int | None) -> Trace:
+        if depth is None:  # the model itself (no deeper than EXTRAPOLATE_FROM), its children as the stage's
+            built_as, kept = replace(step, share=layout.micro_batch * m), kept_names
+        else:
+            kept = ("embed",) * embed + tuple(f"block{i}" for i in range(depth)) + ("head",) * head
+            built_as = replace(step, build=spec.builder(depth=max(depth, 1)), share=layout.micro_batch * m)
+        return trace_stage(built_as, layout, world_size, place, kept, first_of)
+
+    def extended(depth: int | None) -> Callable[[int], Trace] | None:
+        one, two, *rest = (traced_at(*place, depth) for place in places)
+        three = rest[0] if rest else None
+        if rest and not _affine(one, three, rest[1]):
+            return None  # the peak's moment moved between 2, 3 and 4 in flight (see above)
+
+        def at(s: int) -> Trace:
+            more = stages - s - held  # micro-batches in flight beyond the first trace's
+            memory = {
+                r: max(0.0, one.memory[r] + (chunks - a) * (two.memory[r] - one.memory[r])
+                       + (more * (three.memory[r] - one.memory[r]) if three else 0.0))
+                for r in one.memory
+            }  # fmt: skip
+            ops = _moved(layout, _extrapolated_ops(one.ops, two.ops, chunks - a), home, s)
+            if home == 0:  # the first stage's sends, over the pipeline of 2 it was posed in
+                ops = [replace(op, ranks=whole) if op.ranks == posed_ranks else op for op in ops]
+            where = (
+                "as the first of 2, 3 and 4 stages"
+                if home == 0
+                else f"as stages {home}, {home - 1} and {home - 2}"
+                if three
+                else f"as stage {home}"
+            )
+            computed = [
+                f"pp: stage {s} of {stages}",
+                *two.computed[1:],
+                f"pp: stage {s} posed: its children traced {where} over {a} and {a + 1} micro-batches, extended to "
+                f"its {stages - s} in flight and the step's {chunks}",
+            ]
+            work = _extrapolated_work(one, two, chunks - a)
+            return Trace(memory, float(sum(memory.values())), ops, 0.0, computed, work)
+
+        return at
+
+    if not deep:
+        at = extended(None if _depth(spec) <= EXTRAPOLATE_FROM else blocks)
+        return {s: at(s) for s in same} if at else {}
+    shallow, deeper = extended(low), extended(high)
+    if shallow is None or deeper is None:
+        return {}
+    return {s: _deepened(layout, shallow(s), deeper(s), s, blocks, low, high) for s in same}
+
+
+def _affine(one: Trace, two: Trace, three: Trace) -> bool:
+    """Whether the traces of a stage at 2, 3 and 4 micro-batches in flight (`_posed_stages`)
+    peaked where the micro-batches in flight are held, at the same moment of the step: their
+    activations grow with them, and every role lies on one line. With few in flight the
+    optimizer's step may hold the most, a moment that does not grow with them, which more in
+    flight then overtake (seen: a first stage of 8 with checkpointing, its peak 2% low)."""
+    return two.memory["activations"] > one.memory["activations"] and all(
+        math.isclose(three.memory[r] - two.memory[r], two.memory[r] - one.memory[r], rel_tol=1e-9, abs_tol=1.0)
+        for r in one.memory
+    )
+
+
+def _stage_children(spec: Spec, stages: int, index: int) -> tuple[str, ...]:
+    """The names of the children stage `index` of `stages` holds, as `strategy.pp.split` cuts
+    `spec`'s gpt (by parameters)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..strategy.pp import balanced_cuts
+
+    sizes = _child_sizes(spec, FakeTensorMode(allow_non_fake_inputs=True))
+    names, bounds = list(sizes), balanced_cuts(list(sizes.values()), stages)
+    return tuple(names[bounds[index] : bounds[index + 1]])
 
 
 def _between(layout: Layout, traced: dict[int, Trace], first: int, last: int, s: int, held: list[int]) -> Trace:
@@ -427,7 +573,13 @@ def _traced_stage(
         traced = at(blocks)
         traced.computed.append(f"gpt: stage {index} traced with its {blocks} blocks alone")
         return traced
-    one, two = at(low), at(high)
+    return _deepened(layout, at(low), at(high), index, blocks, low, high)
+
+
+def _deepened(layout: Layout, one: Trace, two: Trace, index: int, blocks: int, low: int, high: int) -> Trace:
+    """Stage `index` with its `blocks` blocks, from its traces `one` and `two` at `low` and
+    `high` of them: every block adds the same parameters, states and activations (and, beside
+    dp, DDP's buckets and all-reduce)."""
     grows = ("parameters", "gradients", "optimizer", "activations")
     if layout.spec.size("dp") > 1 and layout.spec.size("tp") == 1:  # DDP's buckets: the stage's gradients again
         grows += ("communication",)  # (FSDP2's buffers in 3-D: the units in flight, as `_traced` has them)
