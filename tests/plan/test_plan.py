@@ -610,8 +610,9 @@ def test_a_deep_pipelines_stages_posed_where_few_are_in_flight_equal_their_whole
     ((traced_3d, posed_3d, pairs_3d),) = in_fake_worlds(
         32, [(_posed_and_whole, (Layout("pp", "pp=8,dp=2,tp=2", False, 1), (0, 2)))]
     )
-    assert traced == traced_3d == [] and posed and posed_3d
-    for s, guessed, whole in pairs + pairs_3d:
+    ((traced_1d, posed_1d, pairs_1d),) = in_fake_worlds(8, [(_posed_and_whole, (Layout("pp", "pp=8", False, 1), (0,)))])
+    assert traced == traced_3d == traced_1d == [] and posed and posed_3d and posed_1d
+    for s, guessed, whole in pairs + pairs_3d + pairs_1d:  # (pp alone: the first stage's sends over the world)
         assert "posed" in guessed.computed[-1] and guessed.computed[0] == f"pp: stage {s} of 8"
         assert guessed.peak == pytest.approx(whole.peak, rel=1e-9), s
         assert guessed.memory == pytest.approx(whole.memory, rel=1e-9, abs=1e-6), s

@@ -37,7 +37,8 @@ run shards it, and traced under FSDP2's own tracker (`FSDPMemTracker`, as `verif
 such a stage), with gloo's reduce-scatter copy where the run is on gloo (`trace.GlooCopies`).
 
 `ddpkit plan` traces its pp layouts' stages (`run._stage_traces`: two of each set of stages
-alike, the ones between interpolated);
+alike, the ones between interpolated; from 8 stages on, each set posed where few micro-batches
+are in flight, `run._posed_stages`);
 `tests/plan/test_real_runs.py` checks each stage's peak against a real run's
 (`verify.measured_ranks`) on 2, 4 and 8 processes.
 """
@@ -120,6 +121,7 @@ def trace_stage(
     with mode:
         first = names.index(kept[0])
         given, out = (x if first == 0 else sent[names[first - 1]]), sent[kept[-1]]
+        assert posed is None or index == 0, "only the first stage is posed in a shorter pipeline"
         stages = posed or count  # (the layout's own: its stages' children, as `split` cuts them)
         last = index == stages - 1
         run = (
@@ -136,10 +138,13 @@ def trace_stage(
         )
         schedule = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
         steps = schedule(pipe, max(chunks, stages), loss_fn=loss, scale_grads=False)
-        # A posed stage (`run._posed_stages`) runs fewer micro-batches than its pipeline has
-        # stages, which torch refuses as it makes the schedule (a run cannot), not as it runs it:
-        # stage s warms up with min(m, P - s), here fewer than m.
-        steps._n_microbatches = chunks
+        if chunks < stages:
+            # A posed stage (`run._posed_stages`) runs fewer micro-batches than its pipeline has
+            # stages, which torch refuses as it makes the schedule (a run cannot), not as it runs
+            # it: stage s warms up with min(m, P - s), here fewer than m. (Its order, not read
+            # by a single stage's schedule as it runs, is made again for those micro-batches.)
+            steps._n_microbatches = chunks
+            steps.pipeline_order = steps._get_pipeline_order()
         steps._warmup_p2p = _static  # type: ignore[method-assign]
         opt = optimizer(step.optimizer, model, step.foreach)
         _make_state(model, opt)

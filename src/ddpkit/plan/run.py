@@ -299,7 +299,8 @@ def _traced_fit(spec: Spec, cluster: Cluster, layout: Layout) -> tuple[Layout, T
 
 def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -> tuple[Layout, Trace]:
     """A pipeline's every stage (`_stage_traces`: traced by `pipeline.trace_stage`, torch's 1f1b,
-    or gpipe, over the step's micro-batches, or interpolated between two stages alike), at the
+    or gpipe, over the step's micro-batches, or interpolated between two stages alike, or posed
+    where few micro-batches are in flight), at the
     micro-batch `_pipeline_micro_batches` prefers that fits on every stage (the smallest if none
     does): the trace of the stage that holds most, the others' peaks said beside it."""
     stages = layout.spec.size("pp")
@@ -333,7 +334,7 @@ def _traced_pipeline(spec: Spec, cluster: Cluster, layout: Layout, step: Step) -
     shown.computed = [
         f"pp: {which}, the one that holds most shown (peaks by stage: {peaks} GiB)",
         f"pp: {layout.schedule} over the step's micro-batches ({schedules[layout.schedule]}; under 1f1b a step of "
-        "more than 2(P + 2) traced at P + 1 and P + 2, extrapolated); each stage timed on "
+        "more than 2(P + 2) traced at P + 1 and P + 2, extrapolated, or posed); each stage timed on "
         "its own (its compute, sends and collectives), the slowest's time the step's, its FLOPs and collectives shown",
         *worst.computed[1:],  # (its own first line names its stage)
     ]
@@ -411,7 +412,9 @@ def _posed_stages(
     5 and 6 and of 3 stages (k = 3) over 5, over the first ranks of the layout's pipeline; the
     last stage (k = 1 always) in its own place over 5 and 6. A fourth trace at k = 4 checks that
     the peaks came where the micro-batches in flight are held (`_affine`); where they did not,
-    the set is left out (traced in its places by the caller). Stage s is their affine extension
+    the set is left out: the caller traces its first and last stages in place and interpolates
+    the others between them (where the peak moves along k, on the high side: the peak is then
+    the larger of two lines, and a chord lies above it). Stage s is their affine extension
     to its k and m: every role of its memory, its collectives and its operations
     (`_extrapolated_ops`, `_extrapolated_work`), its DDP's all-reduce over its own ranks
     (`_moved`), its sends over the whole pipeline. Four traces of 5 or 6 micro-batches where
@@ -428,6 +431,7 @@ def _posed_stages(
     kept_names = _stage_children(spec, stages, same[0]) if _depth(spec) <= EXTRAPOLATE_FROM else ()
     # (place, the stages it is the first of where the first stage is posed, micro-batches), and
     # the micro-batches the first of them holds in flight
+    # in that order: at k = 2 over a and a + 1, then at k = 3 and 4 over a (the check's)
     if same[0] == 0:
         places, held = ((0, 2, a), (0, 2, a + 1), (0, 3, a), (0, 4, a)), 2
     elif same == [stages - 1]:
@@ -449,10 +453,11 @@ def _posed_stages(
         return trace_stage(built_as, layout, world_size, place, kept, first_of)
 
     def extended(depth: int | None) -> Callable[[int], Trace] | None:
-        one, two, *rest = (traced_at(*place, depth) for place in places)
-        three = rest[0] if rest else None
-        if rest and not _affine(one, three, rest[1]):
-            return None  # the peak's moment moved between 2, 3 and 4 in flight (see above)
+        one = traced_at(*places[0], depth)
+        rest = [traced_at(*place, depth) for place in places[2:]]
+        if rest and not _affine(one, *rest):
+            return None  # the peak's moment moved between 2, 3 and 4 in flight (see `_affine`)
+        two, three = traced_at(*places[1], depth), (rest[0] if rest else None)
 
         def at(s: int) -> Trace:
             more = stages - s - held  # micro-batches in flight beyond the first trace's
@@ -485,7 +490,8 @@ def _posed_stages(
     if not deep:
         at = extended(None if _depth(spec) <= EXTRAPOLATE_FROM else blocks)
         return {s: at(s) for s in same} if at else {}
-    shallow, deeper = extended(low), extended(high)
+    shallow = extended(low)
+    deeper = extended(high) if shallow is not None else None
     if shallow is None or deeper is None:
         return {}
     return {s: _deepened(layout, shallow(s), deeper(s), s, blocks, low, high) for s in same}
@@ -496,11 +502,15 @@ def _affine(one: Trace, two: Trace, three: Trace) -> bool:
     peaked where the micro-batches in flight are held, at the same moment of the step: their
     activations grow with them, and every role lies on one line. With few in flight the
     optimizer's step may hold the most, a moment that does not grow with them, which more in
-    flight then overtake (seen: a first stage of 8 with checkpointing, its peak 2% low)."""
-    return two.memory["activations"] > one.memory["activations"] and all(
-        math.isclose(three.memory[r] - two.memory[r], two.memory[r] - one.memory[r], rel_tol=1e-9, abs_tol=1.0)
-        for r in one.memory
-    )
+    flight then overtake (seen: a first stage of 8 with checkpointing, its peak 2% low; a
+    16-stage 3-D layout's worst stage, half). Not checked: the line along the micro-batches,
+    nor two moments that both grow with them and cross beyond 4 in flight."""
+
+    def close(x: float, y: float) -> bool:
+        return math.isclose(x, y, rel_tol=1e-9, abs_tol=1.0)
+
+    grows = two.memory["activations"] > one.memory["activations"]
+    return grows and all(close(three.memory[r] - two.memory[r], two.memory[r] - one.memory[r]) for r in one.memory)
 
 
 def _stage_children(spec: Spec, stages: int, index: int) -> tuple[str, ...]:
