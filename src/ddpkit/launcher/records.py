@@ -124,7 +124,7 @@ def note_raised(exc: BaseException | None = None) -> None:
     began to close), whole or not at all; a new Runtime forgets it (`forget_raised`)."""
     exc = sys.exc_info()[1] if exc is None else exc
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
-    if not root or rank is None or not isinstance(exc, Exception) or any(e is exc for e in _noted):
+    if not root or rank is None or not isinstance(exc, Exception) or getattr(exc, _NOTED, False):
         return
     with contextlib.suppress(Exception):  # a record less, never an error of its own over the rank's
         if interrupt_behind(exc):
@@ -133,17 +133,16 @@ def note_raised(exc: BaseException | None = None) -> None:
         with open(path + ".part", "w") as f:
             f.write("".join(traceback.format_exception(exc)))
         os.replace(path + ".part", path)
-        _noted[:] = [exc]
+        setattr(exc, _NOTED, True)  # (a mark on it, not a reference that would keep its frames alive)
 
 
-_noted: list[BaseException] = []  # the error `note_raised` wrote last
+_NOTED = "_ddpkit_noted"
 
 
 def forget_raised() -> None:
     """In a worker making a Runtime: an error noted as an earlier one closed was caught, and the
     rank went on; it is no longer what the rank would fail with."""
     root, rank = os.environ.get(LAUNCH_DIR), os.environ.get("RANK")
-    _noted.clear()
     if root and rank is not None:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(attempt_dir(root, current_attempt()), f"rank-{rank}.raised"))
