@@ -228,14 +228,9 @@ def _as_deep(spec: Spec, one: dict[str, Any]) -> dict[str, Any]:
 def stage_cuts(spec: Spec, stages: int) -> list[tuple[bool, int, bool]]:
     """Each of `stages` stages of `spec`'s gpt as `strategy.pp.split` cuts it (by parameters):
     whether it holds the embedding, how many blocks, whether it holds the head."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..strategy.pp import balanced_cuts
-
-    sizes = list(_child_sizes(spec, FakeTensorMode(allow_non_fake_inputs=True)).values())
-    bounds = balanced_cuts(sizes, stages)
+    names, bounds = _stage_bounds(spec, stages)
     return [
-        (low == 0, len(range(max(low, 1), min(high, len(sizes) - 1))), high == len(sizes))
+        (low == 0, len(range(max(low, 1), min(high, len(names) - 1))), high == len(names))
         for low, high in zip(bounds, bounds[1:])
     ]
 
@@ -429,9 +424,8 @@ def _posed_stages(
     embed, blocks, head = cuts[same[0]]
     deep = _depth(spec) > EXTRAPOLATE_FROM and blocks > high
     kept_names = _stage_children(spec, stages, same[0]) if _depth(spec) <= EXTRAPOLATE_FROM else ()
-    # (place, the stages it is the first of where the first stage is posed, micro-batches), and
-    # the micro-batches the first of them holds in flight
-    # in that order: at k = 2 over a and a + 1, then at k = 3 and 4 over a (the check's)
+    # (place, the stages it is the first of where the first stage is posed, micro-batches): at
+    # k = 2 over a and a + 1, then at k = 3 and 4 over a (the check's); and the first's k
     if same[0] == 0:
         places, held = ((0, 2, a), (0, 2, a + 1), (0, 3, a), (0, 4, a)), 2
     elif same == [stages - 1]:
@@ -443,6 +437,13 @@ def _posed_stages(
         )
     home = places[0][0]
     posed_ranks, whole = pipeline_ranks(layout)[:2], pipeline_ranks(layout)
+    where = (
+        "as the first of 2, 3 and 4 stages"
+        if home == 0
+        else f"as stages {home}, {home - 1} and {home - 2}"
+        if len(places) > 2
+        else f"as stage {home}"
+    )
 
     def traced_at(place: int, first_of: int | None, m: int, depth: int | None) -> Trace:
         if depth is None:  # the model itself (no deeper than EXTRAPOLATE_FROM), its children as the stage's
@@ -458,6 +459,9 @@ def _posed_stages(
         if rest and not _affine(one, *rest):
             return None  # the peak's moment moved between 2, 3 and 4 in flight (see `_affine`)
         two, three = traced_at(*places[1], depth), (rest[0] if rest else None)
+        ops, work = _extrapolated_ops(one.ops, two.ops, chunks - a), _extrapolated_work(one, two, chunks - a)
+        if home == 0:  # the first stage's sends, over the pipeline of 2 it was posed in
+            ops = [replace(op, ranks=whole) if op.ranks == posed_ranks else op for op in ops]
 
         def at(s: int) -> Trace:
             more = stages - s - held  # micro-batches in flight beyond the first trace's
@@ -466,24 +470,13 @@ def _posed_stages(
                        + (more * (three.memory[r] - one.memory[r]) if three else 0.0))
                 for r in one.memory
             }  # fmt: skip
-            ops = _moved(layout, _extrapolated_ops(one.ops, two.ops, chunks - a), home, s)
-            if home == 0:  # the first stage's sends, over the pipeline of 2 it was posed in
-                ops = [replace(op, ranks=whole) if op.ranks == posed_ranks else op for op in ops]
-            where = (
-                "as the first of 2, 3 and 4 stages"
-                if home == 0
-                else f"as stages {home}, {home - 1} and {home - 2}"
-                if three
-                else f"as stage {home}"
-            )
             computed = [
                 f"pp: stage {s} of {stages}",
                 *two.computed[1:],
                 f"pp: stage {s} posed: its children traced {where} over {a} and {a + 1} micro-batches, extended to "
                 f"its {stages - s} in flight and the step's {chunks}",
             ]
-            work = _extrapolated_work(one, two, chunks - a)
-            return Trace(memory, float(sum(memory.values())), ops, 0.0, computed, work)
+            return Trace(memory, float(sum(memory.values())), _moved(layout, ops, home, s), 0.0, computed, work)
 
         return at
 
@@ -516,13 +509,19 @@ def _affine(one: Trace, two: Trace, three: Trace) -> bool:
 def _stage_children(spec: Spec, stages: int, index: int) -> tuple[str, ...]:
     """The names of the children stage `index` of `stages` holds, as `strategy.pp.split` cuts
     `spec`'s gpt (by parameters)."""
+    names, bounds = _stage_bounds(spec, stages)
+    return tuple(names[bounds[index] : bounds[index + 1]])
+
+
+def _stage_bounds(spec: Spec, stages: int) -> tuple[list[str], list[int]]:
+    """The names of `spec`'s gpt's children, and where `strategy.pp.split` cuts them into
+    `stages` stages (by parameters: `balanced_cuts`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..strategy.pp import balanced_cuts
 
     sizes = _child_sizes(spec, FakeTensorMode(allow_non_fake_inputs=True))
-    names, bounds = list(sizes), balanced_cuts(list(sizes.values()), stages)
-    return tuple(names[bounds[index] : bounds[index + 1]])
+    return list(sizes), balanced_cuts(list(sizes.values()), stages)
 
 
 def _between(layout: Layout, traced: dict[int, Trace], first: int, last: int, s: int, held: list[int]) -> Trace:
