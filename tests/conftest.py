@@ -174,18 +174,11 @@ def clean_env() -> dict:
 def run_helper(module: str, cases: list[dict], timeout: float, path: str = "") -> list[dict]:
     """`python -m MODULE` (a helper that runs many cases in one interpreter: tests/cli/argv_runner.py,
     tests/docs/program_runner.py) with `cases` as JSON on its stdin, from the repository, with
-    `path` (if any) and the repository on its PYTHONPATH; the outcomes it prints as JSON."""
+    `path` (if any) and the repository on its PYTHONPATH; the outcomes it prints as JSON. Forked
+    from the tests' command server where `path` is empty, as `run_cli`'s commands are."""
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, ROOT, env.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", module],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = cli_server.run(module, [], env, cwd=ROOT, stdin=json.dumps(cases), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -206,6 +199,15 @@ def run_cli(
     full_env = clean_env()
     full_env.update(env or {})
     return cli_server.run(module, args, full_env, cwd=cwd, stdin=stdin, timeout=timeout, fresh=fresh)
+
+
+def start_cli(*args: str, env: dict | None = None, fresh: bool = False, **kwargs) -> subprocess.Popen:
+    """`python -m ddpkit ARGS...` started in the background: `subprocess.Popen` with `kwargs`
+    (stdin, stdout, stderr, text, cwd, start_new_session), forked from the tests' command server
+    where the environment allows, as `run_cli` does; else, or if `fresh`, a fresh interpreter."""
+    full_env = clean_env()
+    full_env.update(env or {})
+    return cli_server.popen("ddpkit", args, full_env, fresh=fresh, **kwargs)
 
 
 def run_comparison(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -385,13 +387,7 @@ def jobs_started_together(tmp_path_factory, pytestconfig):
         args = ("train", "--epochs", "1", "--nproc", "2", "--device", "cpu")
         jobs = {name: (root / name, extra) for name, extra in (("eager", ()), ("compiled", ("--compile",)))}
         procs = {
-            name: subprocess.Popen(
-                [sys.executable, "-m", "ddpkit", *args, "--out", str(out), *extra],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=clean_env(),
-            )
+            name: start_cli(*args, "--out", str(out), *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name, (out, extra) in jobs.items()
         }
         done = {}

@@ -16,6 +16,10 @@ if case == "where":  # what `python -m` gives the program: argv, working directo
     seen = [sys.argv[1:], os.path.basename(sys.argv[0]), __name__, os.getcwd(), sys.path[0]]
     seen += [os.environ.get("DDPKIT_TEST_WORD"), tempfile.gettempdir(), sys.stdin.read()]
     print(repr(seen))
+elif case == "path":  # where PYTHONPATH's folders come on the path, and a module found there
+    import own_module
+
+    print(sys.path[:3], own_module.WHERE)
 elif case == "exit":
     print("leaving")
     sys.exit(int(arg) if arg.isdigit() else arg)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,7 +14,7 @@ from ddpkit.cli import run as run_command
 from ddpkit.errors import UsageError
 from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import free_port
-from tests.conftest import clean_env, run_cli
+from tests.conftest import run_cli, start_cli
 
 TORCHRUN_SCRIPT = """
     import sys, torch, torch.distributed as dist
@@ -275,8 +274,8 @@ def test_two_nodes_on_one_host_take_node_ranks_in_launcher_pid_order(script):
     procs = []
     for node_rank in (1, 0):
         argv = ["--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        cmd = [sys.executable, "-m", "ddpkit", "run", *argv, "--node-rank", str(node_rank), path]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()))
+        cmd = ["run", *argv, "--node-rank", str(node_rank), path]
+        procs.append(start_cli(*cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = {}

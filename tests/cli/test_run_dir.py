@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +20,7 @@ import yaml
 from ddpkit.checkpoint import shards
 from tests.cli.argv_runner import run_batch
 from tests.cli.helpers import ok
-from tests.conftest import clean_env, run_cli
+from tests.conftest import run_cli, start_cli
 from tests.core.small_disk import small_disk
 
 pytestmark = pytest.mark.cli
@@ -31,12 +30,14 @@ TRAIN = ("train", "--device", "cpu")
 
 def _start(out, *extra: str) -> subprocess.Popen:
     """`ddpkit train` in the background, in a session of its own (to kill it with its workers)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *TRAIN, "--out", str(out), *extra],
+    return start_cli(
+        *TRAIN,
+        "--out",
+        str(out),
+        *extra,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=clean_env(),
         start_new_session=True,
     )
 

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import clean_env
+from tests.conftest import start_cli
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -35,12 +34,15 @@ RUN = ("train", "--epochs", "2", "--device", "cpu", "--checkpoint-every", "4", "
 def _start(
     out: Path, *extra: str, run: tuple[str, ...] = RUN, stdout: Any = None, stderr: Any = None
 ) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *run, *extra, "--out", str(out)],
+    # forked from the tests' command server (tests/cli_server.py): the test after the start
+    return start_cli(
+        *run,
+        *extra,
+        "--out",
+        str(out),
         stdout=stdout or subprocess.PIPE,
         stderr=stderr or subprocess.PIPE,
         text=True,
-        env=clean_env(),
         start_new_session=True,  # its own process group: what a terminal's Ctrl-C reaches
     )
 
@@ -221,13 +223,16 @@ def test_a_signal_while_the_workers_are_started_stops_the_job(tmp_path, sig, cod
     # time, and no worker is left waiting for an import that will never finish.
     out, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *RUN, "--out", str(out)],
+    proc = start_cli(
+        *RUN,
+        "--out",
+        str(out),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**clean_env(), "TMPDIR": str(tmp)},  # where the launch makes its folder, as it begins
+        env={"TMPDIR": str(tmp)},  # where the launch makes its folder, as it begins
         start_new_session=True,
+        fresh=True,  # a fresh interpreter's start: the compiler's import is the moment under test
     )
     launching = lambda: any(tmp.glob("ddpkit-launch-*")) and not _workers(proc)  # noqa: E731
     _wait_for(proc, launching, "the launch, before any worker")
@@ -246,14 +251,7 @@ def test_a_signal_while_the_workers_are_started_stops_the_job(tmp_path, sig, cod
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["SIGTERM", "SIGHUP"])
 def test_a_signal_to_a_one_process_run_without_out_names_its_default_folder(tmp_path, sig, code):
     args = [*RUN[:-1], "1"]  # --nproc 1: the run is in this very process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
+    proc = start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     _wait_for(proc, lambda: any(tmp_path.glob("runs/*/checkpoints/step-*.pt")), "a checkpoint in runs/")
     proc.send_signal(sig)  # SIGHUP: the terminal closed; before, it ended the run without a word
     _, stderr = proc.communicate(timeout=60)
@@ -288,13 +286,7 @@ def test_script_workers_die_with_a_sigkilled_launcher(tmp_path):
     # torch's agent sets no parent-death signal for script workers (it does for functions)
     script = tmp_path / "sleeper.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-    )
+    proc = start_cli("run", "--nproc", "2", str(script), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(proc, lambda: len(_workers(proc)) == 2, "two workers")
     time.sleep(1.0)  # past the wrapper's start, into the script
     workers = _workers(proc)
