@@ -6,6 +6,7 @@ launching process while the rendezvous waits; a fork never sees such an import h
 from __future__ import annotations
 
 import _thread
+import builtins
 import os
 import signal
 import sys
@@ -224,6 +225,30 @@ def test_a_fork_waits_for_the_preload_and_a_failing_import_is_left_alone(tmp_pat
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert "no_such_module_for_ddpkit" not in sys.modules
     assert not [t for t in threading.enumerate() if t.name == "ddpkit-preload"]  # joined by the block's end
+
+
+@pytest.mark.unit
+@linux_only
+def test_an_interrupted_launch_does_not_wait_for_the_preload(tmp_path, monkeypatch):
+    # A Ctrl-C landing in the main thread just as it takes importlib's global lock can leave the
+    # lock held (CPython 3.11's _get_module_lock): the preload's import never ended, and an
+    # interrupted `ddpkit train` hung at the block's end, joining it. An import that has not
+    # ended stands for that one here.
+    gate = threading.Event()
+    monkeypatch.setattr(builtins, "_ddpkit_preload_gate", gate, raising=False)
+    (tmp_path / "gated_preload_mod.py").write_text("import builtins\nbuiltins._ddpkit_preload_gate.wait(30)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gated_preload_mod", raising=False)
+    monkeypatch.setattr(launcher_workers, "_preload", None)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), preloaded(["gated_preload_mod"]):
+        raise KeyboardInterrupt
+    waited = time.monotonic() - start
+    thread = launcher_workers._preload
+    gate.set()
+    thread.join(30)
+    assert waited < 5, waited
+    assert thread.name == "ddpkit-preload"  # left for a later fork of this process to wait for
 
 
 @pytest.mark.unit

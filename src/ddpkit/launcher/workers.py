@@ -207,6 +207,12 @@ def preloaded(modules: Sequence[str]) -> Iterator[None]:
     thread is joined before any fork of this process (`os.register_at_fork`), so no worker
     starts with an import half done, and at the latest when the block ends. An import that
     fails here is left to the worker, which meets the same error where it would have anyway.
+
+    A block that ends in an exception (a Ctrl-C, a SIGTERM, an error) does not wait for the
+    thread, a daemon. A Ctrl-C that lands in the main thread between importlib's taking of its
+    global lock and the `try` that gives it back (`_get_module_lock`: the main thread imports
+    too as the launch starts) leaves that lock held: the thread then waits for it forever, and
+    an interrupted `ddpkit train` hung there, the agent's signal handled, no worker started.
     """
     global _preload, _hooked
     if not modules:
@@ -217,14 +223,12 @@ def preloaded(modules: Sequence[str]) -> Iterator[None]:
         _hooked = True
     _preload = threading.Thread(target=_import_all, args=(tuple(modules),), name="ddpkit-preload", daemon=True)
     _preload.start()
-    try:
-        yield
-    finally:
-        thread = _preload
-        if thread is not None:  # no fork came: nothing can inherit a half-done import now
-            thread.join()
-            _preload = None
-            gc.freeze()
+    yield  # (an interrupt or an error: not waited for; a later fork of this process still waits)
+    thread = _preload
+    if thread is not None:  # no fork came: nothing can inherit a half-done import now
+        thread.join()
+        _preload = None
+        gc.freeze()
 
 
 def _import_all(modules: tuple[str, ...]) -> None:
