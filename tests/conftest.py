@@ -175,7 +175,8 @@ def run_helper(module: str, cases: list[dict], timeout: float, path: str = "") -
     """`python -m MODULE` (a helper that runs many cases in one interpreter: tests/cli/argv_runner.py,
     tests/docs/program_runner.py) with `cases` as JSON on its stdin, from the repository, with
     `path` (if any) and the repository on its PYTHONPATH; the outcomes it prints as JSON. Forked
-    from the tests' command server where `path` is empty, as `run_cli`'s commands are."""
+    from the tests' command server as `run_cli`'s commands are, `path` and the repository put
+    on its `sys.path` where a fresh interpreter puts them (tests/cli_server.py)."""
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, ROOT, env.get("PYTHONPATH", "")]))
     proc = cli_server.run(module, [], env, cwd=ROOT, stdin=json.dumps(cases), timeout=timeout)
