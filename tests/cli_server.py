@@ -157,7 +157,6 @@ class _Server:
                 except TimeoutError:
                     if timeout == 0:
                         raise
-                    continue
 
     def _next(self, timeout: float) -> None:
         """Read the server's next message: a command forked (its pid) or one ended (its exit
