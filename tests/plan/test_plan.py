@@ -278,6 +278,38 @@ def _stage(layout, index, batch):
     return trace_stage(step, layout, layout.spec.processes, index)
 
 
+def _by_torchs_tracker_and_the_plans(layout, index):
+    from unittest import mock
+
+    from ddpkit.plan import trace as tracing
+
+    def traced():
+        return _trace(layout, layout.spec.processes) if index is None else _stage(layout, index, 8)
+
+    with mock.patch.object(tracing, "_peak_only", lambda tracker: tracker):  # torch's own, as it is
+        torchs = traced()
+    return torchs, traced()
+
+
+@pytest.mark.distributed  # a fake world of 2 ranks, in a process of its own
+def test_the_plans_memory_trackers_keep_torchs_peak_and_its_roles_to_the_byte():
+    # the plan's trackers keep the step's peak alone, not every module's as torch's do (the
+    # costliest part of a trace): the same peak, role by role, under each of torch's trackers
+    pp = Layout("pp", "pp=2", False, 2)
+    cases = [
+        (Layout("ddp", "dp=2", False, 2), None),  # MemTracker
+        (Layout("fsdp", "dp=2", True, 2), None),  # FSDPMemTracker, with checkpointing
+        (Layout("tp", "tp=2", False, 4), None),  # MemTracker over DTensors
+        (pp, 0),  # a pipeline's stages: MemTracker for a module called once per micro-batch
+        (pp, 1),
+    ]
+    for (layout, index), (torchs, ours) in zip(
+        cases, in_fake_worlds(2, [(_by_torchs_tracker_and_the_plans, c) for c in cases])
+    ):
+        assert torchs.peak > 0, layout.label
+        assert ours.memory == torchs.memory, (layout.label, index)
+
+
 @pytest.mark.distributed  # fake worlds of 2, 4 and 8 ranks, in processes of their own
 def test_pipelines_beside_dp_or_tp_hold_what_one_pipeline_alone_does_and_their_own_share():
     # pp=2,dp=2: data rank 0's pipeline (ranks 0 and 2) on its half of the batch, each stage's

@@ -64,6 +64,7 @@ from .trace import (
     checkpointing_apply,
     ddp_counted,
     loss,
+    memory_tracker,
     optimizer,
     roles,
 )
@@ -156,13 +157,8 @@ def trace_stage(
             opt.zero_grad(set_to_none=True)
 
         one_step()  # the schedule's buffers made, as by a run's first step
-        if hasattr(model, "unshard"):  # pp x dp x tp: FSDP2's tracker, as a run's stage is measured (verify)
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-            tracker = FSDPMemTracker(model, opt)
-        else:
-            tracker = per_call_tracker()
-            tracker.track_external(model, opt)
+        # once per micro-batch; under pp x dp x tp FSDP2's tracker, as a run's stage is measured (verify)
+        tracker = memory_tracker(model, opt, per_call=True)
         copies = GlooCopies() if step.backend == "gloo" else contextlib.nullcontext()
         counting = Counting() if step.count else contextlib.nullcontext()  # (outside the copies: see `trace._step`)
         with tracker, copies, Collectives() as collectives, counting:
@@ -217,23 +213,6 @@ def _pipeline_group(layout: Layout, posed: int | None = None) -> Any:
 def pipeline_ranks(layout: Layout) -> tuple[int, ...]:
     """The global ranks of the traced rank's pipeline (data rank 0's stages, of tp rank 0)."""
     return tuple(stage_ranks(layout, s)[0] for s in range(layout.spec.size("pp")))
-
-
-def per_call_tracker() -> Any:
-    """torch's `MemTracker`, for a module called once per micro-batch: it refuses a top-level
-    module's second forward in one tracked run ("multiple iterative calls"); this one forgets
-    the module's own figures then (the per-module ones, not the peak, which stays)."""
-    from torch.distributed._tools.mem_tracker import MemTracker  # (loaded when a trace or a check runs)
-
-    class PerCall(MemTracker):
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            again = module in self.memory_tracking and not self._mod_tracker.is_bw
-            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.memory_tracking.pop(module)
-            super()._pre_fw_hook(module, inputs)
-
-    return PerCall()
 
 
 def _like(t: torch.Tensor, grad: bool = False) -> torch.Tensor:

@@ -27,9 +27,9 @@ import torch
 
 from ..core import checks
 from ..errors import UsageError
-from .pipeline import per_call_tracker, stage_ranks
+from .pipeline import stage_ranks
 from .run import Spec, _traced, _traced_stage, children
-from .trace import Layout, Step, backend_for, in_fake_worlds, loss, optimizer, roles
+from .trace import Layout, Step, backend_for, in_fake_worlds, loss, memory_tracker, optimizer, roles
 
 # Imports inside functions: the Runtime and the launcher load when a verification runs.
 
@@ -102,9 +102,6 @@ def _worker(job: Job) -> list[dict[str, Any]]:
 
 
 def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from ..runtime import Runtime
     from ..strategy.pp import stage_of
 
@@ -139,11 +136,8 @@ def _one(job: Job, spec: Spec, layout: Layout) -> dict[str, Any]:
 
         step()  # the optimizer's state exists from here on
         step()  # DDP rebuilds its buckets at the start of the second step: tracked steps see none made
-        if hasattr(model, "unshard"):
-            tracker = FSDPMemTracker(model, opt)
-        else:  # a pipeline's stage runs once per micro-batch: the tracker that takes that
-            tracker = MemTracker() if stage_of(model) is None else per_call_tracker()
-            tracker.track_external(model, opt)
+        # FSDP2's where it shards; a pipeline's stage runs once per micro-batch: the tracker that takes that
+        tracker = memory_tracker(model, opt, per_call=stage_of(model) is not None)
         with tracker:
             step()  # DDP's buckets come into view at their first all-reduce here...
             step()  # ...and are counted all through this one
