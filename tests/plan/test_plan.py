@@ -555,6 +555,44 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
         assert guessed.work.counts == whole.work.counts  # every operation counted, of the same sizes
 
 
+def _stage_after_a_whole_first_step_and_made_ready(layout, index, precision):
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from ddpkit.plan import pipeline
+
+    spec = Spec("gpt", (32,), 256, 8, precision, "adamw", dict(GPT))
+    step = Step(spec.build, spec.batch, spec.share(layout.spec.data_size), precision, "adamw", count=True)
+    traced, steps = [], []
+    run_step = PipelineScheduleSingle.step
+    for first_step in (lambda steps, one_step, *_: one_step(), pipeline.ready):  # a run's whole first step; the plan's
+        with (
+            mock.patch.object(pipeline, "ready", first_step),
+            mock.patch.object(PipelineScheduleSingle, "step", autospec=True, side_effect=run_step) as counted,
+        ):
+            traced.append(pipeline.trace_stage(step, layout, layout.spec.processes, index))
+        steps.append(counted.call_count)
+    return *traced, steps
+
+
+@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
+def test_a_stage_made_ready_without_a_whole_first_step_traces_as_after_one():
+    # A stage's schedule makes its buffers at its first step; the plan makes them alone before
+    # the tracked step (`pipeline.ready`), where tp does not ask for the whole first step
+    cases = [
+        (Layout("pp", "pp=4", False, 1), 0, "fp32"),  # the first stage, 4 micro-batches in flight
+        (Layout("pp", "pp=4", False, 1), 3, "fp32"),  # the last, with the loss
+        (Layout("pp", "pp=2,dp=2", True, 2, "gpipe"), 1, "bf16"),  # gpipe, checkpointing, autocast, dp
+    ]
+    for (layout, index, _), (whole, ready, steps) in zip(
+        cases, in_fake_worlds(4, [(_stage_after_a_whole_first_step_and_made_ready, case) for case in cases])
+    ):
+        assert steps == [2, 1], (layout.label, index)  # the tracked step alone, made ready
+        assert whole.peak > 0 and ready.memory == whole.memory, (layout.label, index)
+        assert ready.ops == whole.ops and ready.work.counts == whole.work.counts, (layout.label, index)
+
+
 def _stage_whole_and_over_fewer_micro_batches(layout, index):
     from ddpkit.plan import run
     from ddpkit.plan.pipeline import trace_stage
