@@ -20,8 +20,8 @@ group cannot give are given instead:
 - the schedule's first vote between the stages (whether the shapes are static), whose answer
   arrives as a value: set to static, as given;
 - the buffers a stage receives into (one per micro-batch, made by the first step and kept)
-  are made before the tracked step, as in the real run it is checked against, and so are out
-  of the tracker's sight in both.
+  are made before the tracked step (`ready`), as in the real run it is checked against, and so
+  are out of the tracker's sight in both.
 
 With dp beside pp, the traced rank runs data rank 0's pipeline (its stages' ranks, a group of
 their own) on its share of the batch, and the stage's DDP is counted as a plan counts DDP's
