@@ -345,7 +345,7 @@ def memory_tracker(model: nn.Module, opt: torch.optim.Optimizer, per_call: bool 
     """torch's memory tracker for a step of `model` and `opt`, to enter around it: FSDP2's
     (`FSDPMemTracker`) where FSDP2 shards `model`, else the general one (`MemTracker`), following
     `model`'s and `opt`'s tensors. `per_call`: for a module called once per micro-batch (a
-    pipeline's stage), which the general one refuses (`_PerCall`).
+    pipeline's stage), which the general one refuses (`_per_call`).
 
     Each keeps the step's peak and its roles alone (what `roles` reads). torch's also keeps each
     module's own peak, walking every module it has met at every operation, whether or not the
