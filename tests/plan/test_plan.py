@@ -555,7 +555,7 @@ def test_a_deep_gpts_pipeline_stages_extrapolated_from_fewer_blocks_match_whole_
         assert guessed.work.counts == whole.work.counts  # every operation counted, of the same sizes
 
 
-def _stage_after_a_whole_first_step_and_made_ready(layout, index, precision):
+def _stage_made_ready_and_after_a_whole_first_step(layout, index, precision):
     from unittest import mock
 
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -566,29 +566,43 @@ def _stage_after_a_whole_first_step_and_made_ready(layout, index, precision):
     step = Step(spec.build, spec.batch, spec.share(layout.spec.data_size), precision, "adamw", count=True)
     traced, steps = [], []
     run_step = PipelineScheduleSingle.step
-    for first_step in (lambda steps, one_step, *_: one_step(), pipeline.ready):  # a run's whole first step; the plan's
+
+    def counted(schedule, *args, **kwargs):  # each step's micro-batches
+        steps[-1].append(schedule._n_microbatches)
+        return run_step(schedule, *args, **kwargs)
+
+    # The plan's first, in a process that has traced nothing: under tp, DTensor's caches are
+    # as cold as a plan's first trace finds them (a run's whole first step warms them all)
+    for first_step in (pipeline.ready, lambda steps, one_step, *_: one_step(steps._n_microbatches)):
+        steps.append([])
         with (
             mock.patch.object(pipeline, "ready", first_step),
-            mock.patch.object(PipelineScheduleSingle, "step", autospec=True, side_effect=run_step) as counted,
+            mock.patch.object(PipelineScheduleSingle, "step", counted),
         ):
             traced.append(pipeline.trace_stage(step, layout, layout.spec.processes, index))
-        steps.append(counted.call_count)
     return *traced, steps
 
 
-@pytest.mark.distributed  # a fake world of 4 ranks, in a process of its own
+@pytest.mark.distributed  # fake worlds of 4 and 8 ranks, in processes of their own
 def test_a_stage_made_ready_without_a_whole_first_step_traces_as_after_one():
     # A stage's schedule makes its buffers at its first step; the plan makes them alone before
-    # the tracked step (`pipeline.ready`), where tp does not ask for the whole first step
+    # the tracked step (`pipeline.ready`), and under tp runs a step of two micro-batches first
     cases = [
         (Layout("pp", "pp=4", False, 1), 0, "fp32"),  # the first stage, 4 micro-batches in flight
         (Layout("pp", "pp=4", False, 1), 3, "fp32"),  # the last, with the loss
         (Layout("pp", "pp=2,dp=2", True, 2, "gpipe"), 1, "bf16"),  # gpipe, checkpointing, autocast, dp
+        (Layout("pp", "pp=2,tp=2", False, 1), 0, "fp32"),  # tp: a step of one micro-batch left some out
+        (Layout("pp", "pp=2,dp=2,tp=2", True, 1), 1, "fp32"),  # 3-D, FSDP2's accumulation
     ]
-    for (layout, index, _), (whole, ready, steps) in zip(
-        cases, in_fake_worlds(4, [(_stage_after_a_whole_first_step_and_made_ready, case) for case in cases])
-    ):
-        assert steps == [2, 1], (layout.label, index)  # the tracked step alone, made ready
+    results = []
+    for case in cases:  # each in a process of its own
+        results += in_fake_worlds(case[0].spec.processes, [(_stage_made_ready_and_after_a_whole_first_step, case)])
+    for (layout, index, _), (ready, whole, steps) in zip(cases, results):
+        chunks = steps[1][0]
+        assert steps[1] == [chunks, chunks], (layout.label, index)  # a run's: two whole steps
+        # the tracked step alone, made ready; under tp after a step of two micro-batches (of more)
+        tp = layout.spec.size("tp") > 1
+        assert steps[0] == ([2, chunks] if tp else [chunks]) and chunks > 2 * tp, (layout.label, index)
         assert whole.peak > 0 and ready.memory == whole.memory, (layout.label, index)
         assert ready.ops == whole.ops and ready.work.counts == whole.work.counts, (layout.label, index)
 
@@ -940,3 +954,44 @@ def test_cli_plans_for_this_machines_cpu_measured_first(cli):
     assert "CPU process (of 2 here, measured)" in out and "compute (measured here)" in out
     assert "overlap: none" in out and "ddp 2 mb4" in out and "fsdp 2 mb4" in out
     assert "--device cpu --nproc 2" in out
+
+
+@pytest.mark.unit
+def test_a_deep_pipelines_posed_sets_trace_what_they_share_once():
+    # A 34-block gpt over 8 stages: middle sets of 4 and 5 blocks, each posed from its children
+    # traced at 2 and 3 blocks in the same places: those traces run once (`_posed_stages`'
+    # memo). The traces here are stand-ins whose every role is affine in the blocks, the
+    # micro-batches in flight and the step's, so each stage's extension is known exactly.
+    from unittest import mock
+
+    from ddpkit.plan import pipeline, run
+
+    spec = Spec("gpt", (32,), 256, 16, "fp32", "adamw", {"width": 16, "depth": 34, "heads": 2})
+    step, layout = Step(spec.build, spec.batch, 16, "fp32", "adamw"), Layout("pp", "pp=8", False, 1)
+    cuts = run.stage_cuts(spec, 8)
+    assert sorted({blocks for embed, blocks, head in cuts if not embed and not head}) == [4, 5]
+
+    def held(blocks, embed, head, in_flight, m):
+        return {
+            "parameters": 10.0 * blocks + 1000 * embed + 2000 * head,
+            "gradients": 5.0 * blocks,
+            "optimizer": 20.0 * blocks,
+            "activations": 100.0 * blocks * in_flight + 7.0 * blocks * m,
+            "temporary": 50.0,
+            "communication": 0.0,
+        }
+
+    calls = []
+
+    def stand_in(step, layout, world_size, index, kept=None, posed=None):
+        calls.append((step.share, index, kept, posed))
+        blocks = sum(name.startswith("block") for name in kept)
+        memory = held(blocks, "embed" in kept, "head" in kept, posed or 8 - index, step.share)
+        return Trace(memory, sum(memory.values()), [], 0.0, [f"pp: stage {index} of 8"])
+
+    with mock.patch.object(pipeline, "trace_stage", stand_in):
+        out, in_place, posed = run._stage_traces(spec, step, layout, 8, cuts)
+    assert posed and in_place == []
+    assert len(calls) == len(set(calls)) == 4 + 4 * 2 + 2  # the first set's 4; the middle sets' 8, once; the last's 2
+    for s, ((embed, blocks, head), stage) in enumerate(zip(cuts, out)):
+        assert stage.memory == pytest.approx(held(blocks, embed, head, 8 - s, 16)), s

@@ -366,8 +366,9 @@ def _stage_traces(
         alike.setdefault(cut, []).append(s)
     posed: dict[int, Trace] = {}
     if layout.schedule == "1f1b" and stages >= POSED_FROM and chunks >= stages + 1:
+        memo: dict[Any, Trace] = {}  # the sets' traces alike (middle sets of a deep gpt, traced at as many blocks)
         for same in alike.values():
-            posed.update(_posed_stages(spec, step, layout, world_size, same, cuts))
+            posed.update(_posed_stages(spec, step, layout, world_size, same, cuts, memo))
     # each set's first stage (it holds the most), and its last where that holds fewer (not under gpipe)
     last = {
         same[0]: same[-1] if held[same[-1]] != held[same[0]] else same[0]
@@ -394,7 +395,13 @@ POSED_MICRO_BATCHES = 5  # the fewer of the two a posed stage is traced over
 
 
 def _posed_stages(
-    spec: Spec, step: Step, layout: Layout, world_size: int, same: list[int], cuts: list[tuple[bool, int, bool]]
+    spec: Spec,
+    step: Step,
+    layout: Layout,
+    world_size: int,
+    same: list[int],
+    cuts: list[tuple[bool, int, bool]],
+    memo: dict[Any, Trace] | None = None,
 ) -> dict[int, Trace]:
     """The traces of the stages `same` (holding the same children) of a 1f1b pipeline of P
     stages over m micro-batches, from short traces of their children posed where a stage
@@ -414,8 +421,10 @@ def _posed_stages(
     (`_extrapolated_ops`, `_extrapolated_work`), its DDP's all-reduce over its own ranks
     (`_moved`), its sends over the whole pipeline. Four traces of 5 or 6 micro-batches where
     its own place costs two of P + 1 and P + 2 (`_over_micro_batches`) for each stage traced
-    (and as many again for the schedule's buffers, made by an untracked step before each);
-    the test suite checks posed stages against whole traces."""
+    (and under tp an untracked step of two micro-batches before each: `pipeline.ready`). A
+    trace that an earlier set of the same pipeline ran (`memo`: a deep gpt's middle sets of
+    different numbers of blocks are each traced at the same fewer) is not run again. The test
+    suite checks posed stages against whole traces."""
     from .pipeline import pipeline_ranks, trace_stage
 
     stages, chunks = layout.spec.size("pp"), max(1, step.share // layout.micro_batch)
@@ -445,13 +454,18 @@ def _posed_stages(
         else f"as stage {home}"
     )
 
+    traces = {} if memo is None else memo
+
     def traced_at(place: int, first_of: int | None, m: int, depth: int | None) -> Trace:
         if depth is None:  # the model itself (no deeper than EXTRAPOLATE_FROM), its children as the stage's
             built_as, kept = replace(step, share=layout.micro_batch * m), kept_names
         else:
             kept = ("embed",) * embed + tuple(f"block{i}" for i in range(depth)) + ("head",) * head
             built_as = replace(step, build=spec.builder(depth=max(depth, 1)), share=layout.micro_batch * m)
-        return trace_stage(built_as, layout, world_size, place, kept, first_of)
+        key = (place, first_of, m, depth, kept)  # (the middle sets of a deep gpt trace the same: `memo`)
+        if key not in traces:
+            traces[key] = trace_stage(built_as, layout, world_size, place, kept, first_of)
+        return traces[key]
 
     def extended(depth: int | None) -> Callable[[int], Trace] | None:
         one = traced_at(*places[0], depth)
