@@ -9,7 +9,7 @@ Each stage is traced on its own, as rank 0 of a fake world: the model built on m
 `PipelineStage` and `Schedule1F1B` (or `ScheduleGPipe`), whose sends and receives the fake process group takes
 without values. So the activations the schedule keeps in flight (up to P - s micro-batches on
 stage s), the stage's parameters, gradients and
-optimizer state and the losses are torch's own, counted by `MemTracker`. Three things the fake
+optimizer state and the losses are torch's own, counted by `MemTracker`. Four things the fake
 group cannot give are given instead:
 
 - the shapes a stage receives and sends (`input_args`, `output_args`), from one forward of the
@@ -21,7 +21,9 @@ group cannot give are given instead:
   arrives as a value: set to static, as given;
 - the buffers a stage receives into (one per micro-batch, made by the first step and kept)
   are made before the tracked step (`ready`), as in the real run it is checked against, and so
-  are out of the tracker's sight in both.
+  are out of the tracker's sight in both;
+- on gloo, what its send works hold: each tensor sent, for as long as the schedule keeps the
+  send's work (`gloo_sends`).
 
 With dp beside pp, the traced rank runs data rank 0's pipeline (its stages' ranks, a group of
 their own) on its share of the batch, and the stage's DDP is counted as a plan counts DDP's
@@ -216,7 +218,8 @@ def gloo_sends() -> Iterator[None]:
     holds the tensor it sends until the work itself is let go (`ProcessGroupGloo`'s
     `AsyncSendWork`), and torch's schedules keep some works to the step's end. 1f1b keeps the
     sends of its warm-up's last fired forward (`send_work`: that micro-batch's output, after
-    its backward has let its own copy go), gpipe every forward's. The fake group's works hold
+    its backward has let its own copy go), gpipe every forward's (not compared with a real run
+    of more than one micro-batch since). The fake group's works hold
     nothing. Here each send's work is handed back with its tensor held beside it, for as long
     as the schedule keeps the work. Measured: stage 0 of pp 2 (fp32, four micro-batches of 2)
     held 32,768 bytes of activations more in the real run than in its trace, one micro-batch's
