@@ -218,8 +218,9 @@ def gloo_sends() -> Iterator[None]:
     holds the tensor it sends until the work itself is let go (`ProcessGroupGloo`'s
     `AsyncSendWork`), and torch's schedules keep some works to the step's end. 1f1b keeps the
     sends of its warm-up's last fired forward (`send_work`: that micro-batch's output, after
-    its backward has let its own copy go), gpipe every forward's (not compared with a real run
-    of more than one micro-batch since). The fake group's works hold
+    its backward has let its own copy go), gpipe every forward's (its stage 0 of pp 2 over four
+    micro-batches of 2 stayed at 0.969 of the real peak, which comes as its forwards end, every
+    output held anyway). The fake group's works hold
     nothing. Here each send's work is handed back with its tensor held beside it, for as long
     as the schedule keeps the work. Measured: stage 0 of pp 2 (fp32, four micro-batches of 2)
     held 32,768 bytes of activations more in the real run than in its trace, one micro-batch's
